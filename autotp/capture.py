@@ -1,0 +1,336 @@
+"""Capture: an unmodified model -> a torch.fx GraphModule of ATen ops with symbolic B and T.
+
+``torch.export.export(strict=False)`` is the tracer; its ``ep.module()`` is an ordinary
+trainable GraphModule that shares the model's parameters and keeps its output structure.
+Two normalizations follow, both exact:
+
+* biases are split off their products (``linear(x, W, b)`` -> ``linear(x, W) + b``,
+  ``addmm(b, x, W)`` -> ``mm(x, W) + b``), so that the planner can add the bias of a
+  row-parallel product once, after the reduction;
+* every example input is passed by keyword, so the sharded module can bind any call of the
+  original signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from autotp.errors import ConfigError, TraceError
+from autotp.rules.registry import OpCall, TensorMeta
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    example_kwargs: dict[str, Any]
+    signature: Optional[inspect.Signature]
+    # sympy symbol of the export -> readable name ("B", "T")
+    dim_names: dict[sympy.Symbol, str] = field(default_factory=dict)
+    # graph parameter target -> every name the original model has for it (tied weights)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "to_dict") and hasattr(model, "main_input_name")
+
+
+def default_example(model: torch.nn.Module) -> dict[str, Any]:
+    """A small example for a transformers model: input_ids of shape (2, 16) within the vocab."""
+    if not is_hf_model(model):
+        raise ConfigError(
+            "autotp needs example inputs to trace this model: pass example_args=(...) "
+            "and/or example_kwargs={...} with tensors of the shapes the model takes"
+        )
+    config = model.config
+    vocab = getattr(config, "vocab_size", None)
+    if model.main_input_name != "input_ids" or not vocab:
+        raise ConfigError(
+            f"cannot derive an example input for {type(model).__name__} (main input "
+            f"{model.main_input_name!r}); pass example_args or example_kwargs"
+        )
+    max_pos = (getattr(config, "max_position_embeddings", None)
+               or getattr(config, "n_positions", None) or 16)
+    seq = max(2, min(16, int(max_pos)))
+    generator = torch.Generator().manual_seed(0)
+    device = _model_device(model)
+    ids = torch.randint(0, int(vocab), (2, seq), generator=generator)
+    return {"input_ids": ids.to(device)}
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def normalize_example(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], Optional[inspect.Signature]]:
+    """Bind the example to ``model.forward``'s signature so every input is a keyword."""
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is None:
+        if args:
+            raise ConfigError("cannot read the model's forward signature; pass example_kwargs")
+        return dict(kwargs), None
+    kinds = {p.kind for p in signature.parameters.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds and args:
+        raise ConfigError("forward(*args) models need their inputs as example_kwargs")
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"the example inputs do not fit {type(model).__name__}.forward: {exc}")
+    named = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    if is_hf_model(model) and "use_cache" in signature.parameters and "use_cache" not in named:
+        named["use_cache"] = False
+    return named, signature
+
+
+def _dynamic_shapes(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Batch and sequence (dims 0 and 1) of every tensor input are symbolic."""
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {d: Dim.AUTO for d in range(min(value.dim(), 2))} or None
+        return None
+
+    return {name: pytree.tree_map(spec, value) if _has_tensor(value) else None
+            for name, value in kwargs.items()}
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+
+
+def capture(
+    model: torch.nn.Module,
+    example_args: Optional[tuple[Any, ...]] = None,
+    example_kwargs: Optional[dict[str, Any]] = None,
+) -> Captured:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
+    if example_args is not None and not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    if example_args is None and example_kwargs is None:
+        named = default_example(model)
+        named, signature = normalize_example(model, (), named)
+    else:
+        named, signature = normalize_example(model, example_args or (), example_kwargs or {})
+    try:
+        ep = torch.export.export(
+            model, (), named, dynamic_shapes=_dynamic_shapes(named), strict=False
+        )
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+        raise TraceError(_trace_failure_message(model, exc)) from exc
+    gm = ep.module()
+    merge_tied_parameters(gm)
+    split_biases(gm)
+    captured = Captured(gm=gm, example_kwargs=named, signature=signature)
+    captured.dim_names = _name_dims(gm)
+    captured.aliases = _aliases(model, gm)
+    return captured
+
+
+def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "site-packages/torch" not in f.filename
+            and "/torch/" not in f.filename and "autotp" not in f.filename]
+    text = f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: "
+    text += str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if user:
+        frame = user[-1]
+        text += f"\n  at {frame.filename}:{frame.lineno}: {frame.line}"
+    text += (
+        "\n  autotp traces the model once with symbolic batch and sequence sizes: Python "
+        "control flow on tensor values (if x.sum() > 0, .item(), .tolist()) cannot be "
+        "traced; use torch.where / torch.cond, or pass example inputs that fit the model"
+    )
+    return text
+
+
+def merge_tied_parameters(gm: fx.GraphModule) -> None:
+    """One get_attr node per parameter object: a tied weight gets one layout, one shard."""
+    graph = gm.graph
+    canonical: dict[int, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        tensor = _fetch_attr(gm, node.target)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        first = canonical.setdefault(id(tensor), node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def split_biases(gm: fx.GraphModule) -> None:
+    """linear(x, W, b) -> linear(x, W) + b and addmm(b, x, W) -> mm(x, W) + b (exact)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+            x, weight, bias = node.args[:3]
+            product_target, product_args = aten.linear.default, (x, weight)
+        elif (node.target == aten.addmm.default and not node.kwargs
+              and len(node.args) == 3):
+            bias, x, weight = node.args
+            product_target, product_args = aten.mm.default, (x, weight)
+        else:
+            continue
+        with graph.inserting_before(node):
+            product = graph.call_function(product_target, product_args)
+            added = graph.call_function(aten.add.Tensor, (product, bias))
+        for new in (product, added):
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        product.meta["val"] = _fake_run(product_target, product_args)
+        added.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(added)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _fake_run(target: Any, args: tuple[Any, ...]) -> Any:
+    from torch._guards import detect_fake_mode
+
+    vals = [a.meta["val"] for a in args if isinstance(a, fx.Node)]
+    fake_mode = detect_fake_mode(vals)
+    real_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    with fake_mode:
+        return target(*real_args)
+
+
+def _name_dims(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
+    names: dict[sympy.Symbol, str] = {}
+    readable = {0: "B", 1: "T"}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if isinstance(expr, sympy.Symbol) and expr not in names:
+                    base = readable.get(d, f"D{d}")
+                    name = base if base not in names.values() else f"{base}{len(names)}"
+                    names[expr] = name
+    return names
+
+
+def _aliases(model: torch.nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(tensor), []).append(name)
+    out: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor = _fetch_attr(gm, node.target)
+            if isinstance(tensor, torch.nn.Parameter):
+                out[node.target] = by_id.get(id(tensor), [node.target])
+    return out
+
+
+# ---- graph facts the planner and rewriter share ----------------------------------------
+
+
+def size_expr(size: Any) -> Any:
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        return int(expr) if isinstance(expr, sympy.Integer) else expr
+    return int(size)
+
+
+def tensor_meta(val: Any) -> Optional[TensorMeta]:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(size_expr(s) for s in val.shape), val.dtype)
+    return None
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued nodes ``node`` reads, in flatten order (args, then kwargs)."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if is_tensor_node(a)]
+
+
+def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...]) -> OpCall:
+    def convert(arg: Any) -> Any:
+        if is_tensor_node(arg):
+            return tensor_meta(arg.meta["val"])
+        return arg
+
+    args = tuple(pytree.tree_map(convert, list(node.args)))
+    kwargs = {k: pytree.tree_map(convert, v) for k, v in node.kwargs.items()}
+    inputs = tuple(tensor_meta(n.meta["val"]) for n in tensor_inputs(node))
+    val = node.meta.get("val")
+    output: Any
+    if isinstance(val, torch.Tensor):
+        output = tensor_meta(val)
+    elif isinstance(val, (tuple, list)):
+        output = tuple(tensor_meta(v) for v in val)
+    else:
+        output = None
+    return OpCall(node.target, args, kwargs, inputs, output, tp, blocks)  # type: ignore[arg-type]
+
+
+_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)$")
+
+
+def layer_of(node: fx.Node) -> Optional[int]:
+    """The index of the repeated block (an entry of an nn.ModuleList) ``node`` belongs to.
+
+    Used for labels only (which layer a collective belongs to), never for layout decisions.
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _cls in stack.values():
+        match = _LAYER.match(str(path))
+        if match:
+            return int(match.group("index"))
+    return None
+
+
+def source_of(node: fx.Node) -> Optional[str]:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not found:
+        return None
+    filename, line = found[-1]
+    return f"{filename}:{line}"

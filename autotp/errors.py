@@ -1,0 +1,45 @@
+"""User-facing errors. Every error autotp raises on bad input derives from ``AutotpError``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+
+class AutotpError(Exception):
+    """Base class of the errors autotp raises for bad input or unsupported models."""
+
+
+class ConfigError(AutotpError, ValueError):
+    """An argument of autotp's API is wrong (tp, group, example inputs)."""
+
+
+class TraceError(AutotpError, RuntimeError):
+    """The model could not be captured into a graph."""
+
+
+class NoRuleError(AutotpError, NotImplementedError):
+    """The graph holds an op that autotp has no layout rule for."""
+
+
+class PlanError(AutotpError, ValueError):
+    """No tensor-parallel plan satisfies the constraints (divisibility, strictness)."""
+
+
+def where(node: Optional[fx.Node]) -> str:
+    """The node and, when known, the user's source line that produced it."""
+    if node is None:
+        return ""
+    text = f"\n  node: {node.format_node()}"
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [line for line in trace.strip().splitlines() if line.strip()]
+        # The last "File ..." line of the trace is the user's line closest to the op.
+        file_lines = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
+        if file_lines:
+            i = file_lines[-1]
+            text += "\n  source: " + lines[i].strip()
+            if i + 1 < len(lines):
+                text += "\n          " + lines[i + 1].strip()
+    return text

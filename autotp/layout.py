@@ -1,0 +1,128 @@
+"""Layouts: how one global tensor is held across the ranks of a tensor-parallel group.
+
+Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on layouts.
+
+    R      every rank holds the whole tensor, and its gradient is identical on every rank
+    R*     every rank holds the whole tensor, but each rank's gradient is a partial sum:
+           the value feeds a sharded computation (Megatron's ``f`` has been applied)
+    S(d)   rank r holds the r-th of ``tp`` equal slices of dim ``d``
+    S(d)x3 blocked: dim ``d`` is ``k = 3`` equal segments (fused q|k|v, gate|up), each
+           sliced across the ranks; rank r holds slice r of every segment, concatenated
+    P      every rank holds a tensor of the global shape; the global value is their sum
+
+The gradient of a value with layout S(d) has layout S(d); that of P is replicated; that of R*
+is partial. Keeping R-gradients identical on every rank is the invariant that lets the
+rewriter place Megatron's ``f``/``g`` pairs from forward layouts alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+
+@dataclass(frozen=True, order=True)
+class Replicate:
+    grad_partial: bool = False
+
+    def __str__(self) -> str:
+        return "R*" if self.grad_partial else "R"
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    dim: int
+    blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Shard.dim must be normalized (>= 0), got {self.dim}")
+        if self.blocks < 1:
+            raise ValueError(f"Shard.blocks must be >= 1, got {self.blocks}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim})x{self.blocks}"
+
+
+@dataclass(frozen=True, order=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Layout = Union[Replicate, Shard, Partial]
+
+R = Replicate()
+R_STAR = Replicate(grad_partial=True)
+P = Partial()
+
+
+def is_replicated(layout: Layout) -> bool:
+    return isinstance(layout, Replicate)
+
+
+def parse_layout(text: str) -> Layout:
+    """Inverse of ``str(layout)``: ``"R"``, ``"R*"``, ``"P"``, ``"S(2)"``, ``"S(1)x3"``."""
+    text = text.strip()
+    if text == "R":
+        return R
+    if text == "R*":
+        return R_STAR
+    if text == "P":
+        return P
+    if text.startswith("S(") and ")" in text:
+        dim_text, _, rest = text[2:].partition(")")
+        blocks = int(rest[1:]) if rest.startswith("x") else 1
+        return Shard(int(dim_text), blocks)
+    raise ValueError(f"not a layout: {text!r}")
+
+
+def local_size(global_size: int, tp: int) -> int:
+    if global_size % tp:
+        raise ValueError(f"size {global_size} is not divisible by tp={tp}")
+    return global_size // tp
+
+
+def local_shape(global_shape: Sequence[int], layout: Layout, tp: int) -> tuple[int, ...]:
+    shape = list(global_shape)
+    if isinstance(layout, Shard):
+        if shape[layout.dim] % (tp * layout.blocks):
+            raise ValueError(
+                f"dim {layout.dim} of size {shape[layout.dim]} cannot be split into "
+                f"{layout.blocks} block(s) x tp={tp}"
+            )
+        shape[layout.dim] //= tp
+    return tuple(shape)
+
+
+def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torch.Tensor:
+    """The piece of ``full`` that ``rank`` holds under ``layout`` (a copy for shards).
+
+    For ``P`` rank 0 holds the value and the others hold zeros, so the sum is ``full``.
+    """
+    if isinstance(layout, Replicate):
+        return full
+    if isinstance(layout, Partial):
+        return full if rank == 0 else torch.zeros_like(full)
+    segments = full.chunk(layout.blocks, dim=layout.dim)
+    pieces = [seg.chunk(tp, dim=layout.dim)[rank] for seg in segments]
+    return torch.cat(pieces, dim=layout.dim).contiguous()
+
+
+def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """Reassemble the global tensor from every rank's piece (rank order)."""
+    if isinstance(layout, Replicate):
+        return pieces[0]
+    if isinstance(layout, Partial):
+        total = pieces[0].clone()
+        for piece in pieces[1:]:
+            total = total + piece
+        return total
+    per_rank = [piece.chunk(layout.blocks, dim=layout.dim) for piece in pieces]
+    segments = [
+        torch.cat([per_rank[r][j] for r in range(len(pieces))], dim=layout.dim)
+        for j in range(layout.blocks)
+    ]
+    return torch.cat(segments, dim=layout.dim)

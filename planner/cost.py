@@ -1,0 +1,66 @@
+"""The cost model: an alpha-beta model of collectives, a flop rate, and parameter memory.
+
+    cost(plan) = sum_params  w(p) * bytes_per_rank(p)                      memory
+               + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
+               + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
+
+``w`` is large for matrices (ndim >= 2): a matrix is replicated only when no exact plan
+shards it within Megatron's communication pattern. Vectors (norm weights, biases) get a tiny
+weight that only breaks ties. Byte counts are sympy expressions in the batch and sequence
+sizes; they are evaluated at a reference (batch, seq) for the comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import sympy
+
+from autotp.planner.transitions import Collective
+
+
+@dataclass(frozen=True)
+class CostModel:
+    bandwidth: float = 100e9  # bytes/s, per rank
+    latency: float = 10e-6  # s, per collective
+    flops: float = 100e12  # flop/s
+    batch: int = 8
+    seq: int = 1024
+    matrix_weight: float = 1.0  # cost per byte of a matrix parameter held per rank
+    vector_weight: float = 1e-12  # cost per byte of a vector parameter held per rank
+
+    def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
+        return self.latency + kind.ring_factor(tp) * nbytes / self.bandwidth
+
+    def compute_time(self, flops: float) -> float:
+        return flops / self.flops
+
+    def memory_cost(self, nbytes: float, ndim: int) -> float:
+        return nbytes * (self.matrix_weight if ndim >= 2 else self.vector_weight)
+
+    def evaluate(self, expr: Any, dim_names: dict[sympy.Symbol, str]) -> float:
+        """A size expression at the reference batch and sequence (other symbols: seq)."""
+        if isinstance(expr, (int, float)):
+            return float(expr)
+        values = tuple(sorted(
+            (str(sym), self.batch if name.startswith("B") else self.seq)
+            for sym, name in dim_names.items()
+        ))
+        return _evaluate(str(expr), values, self.seq)
+
+
+@lru_cache(maxsize=65536)
+def _evaluate(expr_text: str, values: tuple[tuple[str, int], ...], default: int) -> float:
+    expr = sympy.sympify(expr_text)
+    subs = dict(values)
+    return float(expr.subs({s: subs.get(str(s), default) for s in expr.free_symbols}))
+
+
+def readable(expr: Any, dim_names: dict[sympy.Symbol, str]) -> str:
+    """A size expression with the export's symbols renamed to B, T."""
+    if isinstance(expr, (int, float)):
+        return str(int(expr))
+    renamed = sympy.sympify(expr).subs({sym: sympy.Symbol(name) for sym, name in dim_names.items()})
+    return str(renamed)

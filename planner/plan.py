@@ -1,0 +1,142 @@
+"""The Plan: one layout per value, one strategy per op, and the collectives they imply.
+
+A Plan is plain data keyed by graph node names. It round-trips through JSON and explains
+itself; the rewriter executes it and never decides anything on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from autotp.layout import Layout, parse_layout
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    layout: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    names: tuple[str, ...]  # every name the original model has for it (tied weights)
+    grad_sync: bool = False  # replicated, read where its gradient is partial: summed after backward
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Value ``value`` (layout ``src``) is read by ``consumer`` as ``dst``."""
+
+    value: str
+    consumer: str
+    src: str
+    dst: str
+    forward: Optional[str]  # collective kind, or None
+    backward: Optional[str]
+    layer: Optional[int]
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    kind: str
+    phase: str
+    layer: Optional[int]
+    bytes_expr: str
+    node: str
+    source: Optional[str]
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    strategy: str
+    inputs: tuple[str, ...]
+    output: str
+    layer: Optional[int]
+    source: Optional[str]
+    candidates: int
+
+
+@dataclass
+class Plan:
+    model: str
+    tp: int
+    layers: int
+    values: dict[str, str] = field(default_factory=dict)  # node -> layout (or tuple) as text
+    choices: dict[str, Choice] = field(default_factory=dict)
+    params: dict[str, ParamPlan] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    cost: float = 0.0
+    dims: dict[str, str] = field(default_factory=dict)  # symbol -> B/T
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def layout(self, node: str) -> Layout:
+        return parse_layout(self.values[node])
+
+    def param_layout(self, target: str) -> Layout:
+        return parse_layout(self.params[target].layout)
+
+    def edges_into(self, consumer: str) -> list[Edge]:
+        return [e for e in self.edges if e.consumer == consumer]
+
+    def count(self, phase: str, layer: Optional[int] = None, kind: Optional[str] = None) -> int:
+        return sum(
+            1 for c in self.collectives
+            if c.phase == phase and (layer is None or c.layer == layer)
+            and (kind is None or c.kind == kind)
+        )
+
+    def per_layer(self) -> dict[Optional[int], Counter]:
+        table: dict[Optional[int], Counter] = {}
+        for c in self.collectives:
+            table.setdefault(c.layer, Counter())[(c.phase, c.kind)] += 1
+        return table
+
+    def summary(self) -> str:
+        lines = [f"autotp plan: {self.model}, tp={self.tp}, {self.layers} layer(s)"]
+        sharded = [n for n, p in self.params.items() if p.layout.startswith("S")]
+        lines.append(f"  parameters: {len(sharded)} sharded, {len(self.params) - len(sharded)} "
+                     "replicated")
+        table = self.per_layer()
+        layer_keys = sorted((k for k in table if k is not None))
+        for key in layer_keys + ([None] if None in table else []):
+            counts = table[key]
+            fwd = sum(v for (phase, _), v in counts.items() if phase == "forward")
+            bwd = sum(v for (phase, _), v in counts.items() if phase == "backward")
+            kinds = ", ".join(f"{phase[:3]} {kind}x{v}" for (phase, kind), v in sorted(counts.items()))
+            label = f"layer {key}" if key is not None else "outside layers"
+            lines.append(f"  {label}: {fwd} forward, {bwd} backward collectives ({kinds})")
+        if self.fallbacks:
+            lines.append(f"  fallbacks (replicated): {len(self.fallbacks)}")
+            lines += [f"    {f}" for f in self.fallbacks]
+        return "\n".join(lines)
+
+    # ---- JSON ------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data: dict[str, Any] = json.loads(text)
+        plan = cls(model=data["model"], tp=data["tp"], layers=data["layers"])
+        plan.values = dict(data["values"])
+        plan.choices = {k: Choice(**{**v, "inputs": tuple(v["inputs"])})
+                        for k, v in data["choices"].items()}
+        plan.params = {
+            k: ParamPlan(v["layout"], tuple(v["global_shape"]), tuple(v["local_shape"]),
+                         tuple(v["names"]), v["grad_sync"])
+            for k, v in data["params"].items()
+        }
+        plan.edges = [Edge(**e) for e in data["edges"]]
+        plan.collectives = [CollectiveRecord(**c) for c in data["collectives"]]
+        plan.fallbacks = list(data["fallbacks"])
+        plan.cost = data["cost"]
+        plan.dims = dict(data["dims"])
+        return plan

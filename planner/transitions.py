@@ -1,0 +1,89 @@
+"""Redistributions between layouts, and the collective each one costs in each direction.
+
+    from -> to    forward          backward          why
+    R  -> R*      -                all-reduce        Megatron's f: partial gradients summed
+    R* -> R       -                scale by 1/tp     identical gradients, counted once
+    R  -> S       slice            all-gather        the full gradient is rebuilt
+    R* -> S       slice            zero-pad          the gradient stays partial
+    P  -> R       all-reduce       -                 Megatron's g
+    P  -> R*      all-reduce       all-reduce
+    P  -> S       reduce-scatter   all-gather        sequence parallelism
+    S  -> R       all-gather       slice
+    S  -> R*      all-gather       reduce-scatter    sequence parallelism
+
+Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
+through f and g (and free slices) only; all-gathers happen where the user receives a value
+(the graph outputs). Every other pair (S(a) -> S(b), anything -> P) is not offered.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from autotp.layout import Layout, Partial, Replicate, Shard
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+    def ring_factor(self, tp: int) -> float:
+        """Bytes each rank sends, as a fraction of the full tensor (ring algorithms)."""
+        if self is Collective.ALL_REDUCE:
+            return 2.0 * (tp - 1) / tp
+        return (tp - 1) / tp
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Transition:
+    src: Layout
+    dst: Layout
+    forward: Optional[Collective]
+    backward: Optional[Collective]
+
+
+def transition(
+    src: Layout,
+    dst: Layout,
+    *,
+    requires_grad: bool,
+    to_output: bool = False,
+    sequence_parallel: bool = False,
+) -> Optional[Transition]:
+    """The redistribution from ``src`` to ``dst``, or None when autotp does not offer it."""
+    if src == dst:
+        return Transition(src, dst, None, None)
+    grad = requires_grad
+
+    def make(fwd: Optional[Collective], bwd: Optional[Collective]) -> Transition:
+        return Transition(src, dst, fwd, bwd if grad else None)
+
+    gather_ok = to_output or sequence_parallel
+    if isinstance(src, Replicate):
+        if isinstance(dst, Replicate):
+            if not grad:
+                return make(None, None)
+            return make(None, Collective.ALL_REDUCE if dst.grad_partial else None)
+        if isinstance(dst, Shard):
+            return make(None, None if src.grad_partial else Collective.ALL_GATHER)
+        return None
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return make(Collective.ALL_REDUCE, Collective.ALL_REDUCE if dst.grad_partial else None)
+        if isinstance(dst, Shard) and sequence_parallel:
+            return make(Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
+        return None
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate) and gather_ok:
+            return make(Collective.ALL_GATHER,
+                        Collective.REDUCE_SCATTER if dst.grad_partial else None)
+        return None
+    raise TypeError(f"not a layout: {src!r}")

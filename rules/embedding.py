@@ -1,0 +1,58 @@
+"""Embedding lookups.
+
+``embedding(W, idx)`` is a row gather: out[..., :] = W[idx[...], :].
+
+* W sharded by columns (S(1)): each rank gathers its columns -> the output's last dim is
+  sharded.
+* W sharded by rows, i.e. by vocabulary (S(0)): rank r holds rows [lo, hi); it looks up the
+  indices that fall in its range and writes zeros elsewhere, so the ranks' outputs sum to the
+  full lookup -> P. The lowering emits the masked local lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from autotp.layout import P, R, Shard
+from autotp.rules.registry import OpCall, RuleSet, Strategy
+
+aten = torch.ops.aten
+rules = RuleSet()
+
+
+@rules.register(aten.embedding.default)
+def embedding_rule(call: OpCall) -> Iterator[Strategy]:
+    weight, indices = call.inputs[:2]
+    if weight.shardable(1, call.tp):
+        yield Strategy((Shard(1), R), Shard(indices.ndim), name="column")
+    if weight.shardable(0, call.tp):
+        yield Strategy((Shard(0), R), P, name="vocab parallel")
+
+
+@rules.lowering(aten.embedding.default)
+def vocab_parallel_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    if strategy.inputs[0] != Shard(0):
+        return
+    weight, indices = node.args[:2]
+    vocab = node.args[0].meta["val"].shape[0]
+    rows = vocab // ctx.tp
+    lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    local_padding = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else -1
+    graph = ctx.graph
+    with graph.inserting_before(node):
+        below = graph.call_function(aten.lt.Scalar, (indices, lo))
+        above = graph.call_function(aten.ge.Scalar, (indices, hi))
+        outside = graph.call_function(aten.logical_or.default, (below, above))
+        shifted = graph.call_function(aten.sub.Tensor, (indices, lo))
+        local = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+        outside_col = graph.call_function(aten.unsqueeze.default, (outside, -1))
+    node.args = (weight, local, local_padding, *node.args[3:])
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
+    with graph.inserting_after(node):
+        masked = graph.call_function(aten.masked_fill.Scalar, (node, outside_col, 0.0))
+    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
+    masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    ctx.mark_lowered(node, masked)

@@ -1,0 +1,116 @@
+"""Matrix products, each written as an einsum equation; one enumerator derives the strategies.
+
+For ``"mk,kn->mn"`` (and bmm, linear, matmul) every index letter gives one way to shard:
+
+* a letter of the output that one operand holds (``n``: column parallel; ``m``: rows of the
+  activation) is sharded there and in the output; the other operand is read replicated,
+* a letter held by both operands and the output (a batch dim, e.g. attention heads in
+  q @ k^T) is sharded everywhere,
+* a contracted letter (``k``: row parallel) is sharded in both operands and gives ``P``:
+  A @ B = sum_r A[:, k_r] @ B[k_r, :].
+
+A product is linear in each operand, so (P, R) -> P and (R, P) -> P as well.
+The equation, not the name, decides which dim is the column: ``addmm``'s Conv1D weight is
+stored [in, out] and its column is dim 1; ``linear``'s weight is [out, in] and it is dim 0.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Iterator
+
+import torch
+
+from autotp.layout import P, R, Layout, Shard
+from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
+
+aten = torch.ops.aten
+rules = RuleSet()
+
+
+def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
+    lhs, out_spec = equation.split("->")
+    in_specs = lhs.split(",")
+    metas = call.inputs[: len(in_specs)]
+    sizes: dict[str, object] = {}
+    for spec, meta in zip(in_specs, metas):
+        for letter, size in zip(spec, meta.shape):
+            sizes.setdefault(letter, size)
+    extra = len(call.inputs) - len(in_specs)  # e.g. a bias operand, read replicated
+    for letter in dict.fromkeys(lhs.replace(",", "")):
+        holders = [i for i, spec in enumerate(in_specs) if letter in spec]
+        probe = TensorMeta((sizes[letter],), metas[holders[0]].dtype)
+        if letter in out_spec:
+            block_options = call.blocks if len(holders) == 1 else (1,)
+            for blocks in block_options:
+                if not probe.shardable(0, call.tp, blocks):
+                    continue
+                inputs: list[Layout] = [
+                    Shard(spec.index(letter), blocks) if letter in spec else R
+                    for spec in in_specs
+                ]
+                name = "batch" if len(holders) > 1 else "column"
+                yield Strategy(tuple(inputs) + (R,) * extra,
+                               Shard(out_spec.index(letter), blocks), name=name)
+        elif len(holders) == 2 and probe.shardable(0, call.tp):
+            inputs = [Shard(spec.index(letter)) for spec in in_specs]
+            yield Strategy(tuple(inputs), P, name="row")
+    if extra == 0 and all(m.floating for m in metas):
+        for i in range(len(in_specs)):
+            inputs = [P if j == i else R for j in range(len(in_specs))]
+            yield Strategy(tuple(inputs), P, name="linear")
+
+
+def _letters(n: int) -> str:
+    return string.ascii_lowercase[:n]
+
+
+@rules.register(aten.mm.default)
+def mm_rule(call: OpCall) -> Iterator[Strategy]:
+    yield from einsum_strategies("mk,kn->mn", call)
+
+
+@rules.register(aten.bmm.default)
+def bmm_rule(call: OpCall) -> Iterator[Strategy]:
+    yield from einsum_strategies("bmk,bkn->bmn", call)
+
+
+@rules.register(aten.linear.default)
+def linear_rule(call: OpCall) -> Iterator[Strategy]:
+    """y = x @ W^T (+ b): "...k,nk->...n". autotp splits the bias off before planning, so a
+    biased call only remains when it is planned as one unit; then only column-parallel and
+    replicated strategies are offered (a row-parallel bias would be added tp times)."""
+    batch = _letters(call.inputs[0].ndim - 1)
+    equation = f"{batch}z,yz->{batch}y"
+    has_bias = len(call.inputs) == 3
+    for strategy in einsum_strategies(equation, call):
+        if not has_bias:
+            yield strategy
+        elif strategy.name == "column" and strategy.inputs[1] == Shard(0, _blocks(strategy)):
+            yield Strategy(strategy.inputs[:2] + (Shard(0, _blocks(strategy)),),
+                           strategy.output, name="column")
+
+
+def _blocks(strategy: Strategy) -> int:
+    out = strategy.output
+    return out.blocks if isinstance(out, Shard) else 1
+
+
+@rules.register(aten.matmul.default)
+def matmul_rule(call: OpCall) -> Iterator[Strategy]:
+    a, b = call.inputs
+    if a.ndim < 2 or b.ndim < 2:
+        return
+    batch = _letters(max(a.ndim, b.ndim) - 2)
+    a_batch = batch[len(batch) - (a.ndim - 2):]
+    b_batch = batch[len(batch) - (b.ndim - 2):]
+    # Broadcast batch dims of size 1 are not shared letters: give them their own letter.
+    a_spec = "".join(
+        ch if a.shape[i] == call.out.shape[len(batch) - len(a_batch) + i] else ch.upper()
+        for i, ch in enumerate(a_batch)
+    )
+    b_spec = "".join(
+        ch if b.shape[i] == call.out.shape[len(batch) - len(b_batch) + i] else ch.upper()
+        for i, ch in enumerate(b_batch)
+    )
+    yield from einsum_strategies(f"{a_spec}xy,{b_spec}yz->{batch}xz", call)

@@ -1,0 +1,85 @@
+"""Ops that autotp computes replicated by design, and ops that carry no tensor result.
+
+Factories (arange, full, ones), index arithmetic (gather, index, diff) and the captured
+no-grad regions (e.g. rotary tables) read only inputs and buffers, which are replicated:
+computing them on every rank is exact and cheap. They are registered here explicitly; an op
+that is registered nowhere is an error (or, with ``strict=False``, a recorded fallback).
+
+``sym_size(x, d)`` reads a global size: ``x`` must not be sharded along ``d``.
+``_assert_tensor_metadata`` checks dtype and device only: any layout will do.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from autotp.layout import P, Shard
+from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shardable_dims
+
+aten = torch.ops.aten
+rules = RuleSet()
+
+REPLICATED_ONLY = [
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.new_ones.default,
+    aten.new_zeros.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.index.Tensor,
+    aten.gather.default,
+    aten.diff.default,
+    aten.triu.default,
+    aten.tril.default,
+    aten.repeat.default,
+    aten.index_select.default,
+    aten.sort.default,
+    aten.topk.default,
+    aten.bucketize.Tensor,
+    aten.searchsorted.Tensor,
+    aten.outer.default,
+    aten.item.default,
+    aten.copy.default,
+    aten.lift_fresh.default,
+    aten.min.default,
+    aten.max.default,
+]
+
+try:  # higher-order ops of torch.export's training IR (no-grad / autocast regions)
+    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+
+    REPLICATED_ONLY += [wrap_with_set_grad_enabled, wrap_with_autocast]
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+
+@rules.register(*REPLICATED_ONLY)
+def replicated_rule(call: OpCall) -> Iterator[Strategy]:
+    """Computed on replicated inputs only (the registry adds that strategy)."""
+    return iter(())
+
+
+@rules.register(aten.sym_size.int)
+def sym_size_rule(call: OpCall) -> Iterator[Strategy]:
+    x = call.inputs[0]
+    dim = normalize_dim(call.args[1], x.ndim)
+    yield Strategy((P,), None, name="global size")
+    for d, blocks in shardable_dims(x, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), None, name="global size")
+
+
+@rules.register(aten._assert_tensor_metadata.default)
+def assert_metadata_rule(call: OpCall) -> Iterator[Strategy]:
+    x = call.inputs[0]
+    yield Strategy((P,), None, name="metadata")
+    for d, blocks in shardable_dims(x, call):
+        yield Strategy((Shard(d, blocks),), None, name="metadata")

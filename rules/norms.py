@@ -1,0 +1,111 @@
+"""Reductions, normalizations, softmax and attention.
+
+* A reduction over dims that are not sharded keeps the shard (its index shifts when the
+  reduced dims are dropped). ``sum`` over a sharded dim is a partial sum:
+  sum(x) = sum_r sum(x_r) -> P. Both sum and mean are linear, so P passes through.
+* softmax, layer_norm and rms_norm need the normalized dim whole on each rank; any other dim
+  may be sharded (their affine weights are read replicated).
+* scaled_dot_product_attention is independent per (batch, head): sharding heads needs no
+  communication. The mask is sharded with the heads, or read replicated when it broadcasts
+  over them. With GQA (fewer k/v heads) the k/v heads must be divisible by tp as well.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from autotp.layout import P, R, Layout, Shard
+from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shardable_dims
+
+aten = torch.ops.aten
+rules = RuleSet()
+
+
+def _reduced_dims(call: OpCall, dims: object) -> list[int]:
+    ndim = call.inputs[0].ndim
+    if dims is None or dims == []:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    assert isinstance(dims, Sequence)
+    return sorted(normalize_dim(d, ndim) for d in dims)
+
+
+def _kept_shards(call: OpCall, reduced: list[int], keepdim: bool) -> Iterator[Strategy]:
+    for dim, blocks in shardable_dims(call.inputs[0], call):
+        if dim in reduced:
+            continue
+        out_dim = dim if keepdim else dim - sum(1 for r in reduced if r < dim)
+        yield Strategy((Shard(dim, blocks),), Shard(out_dim, blocks), name="keep shard")
+
+
+@rules.register(aten.sum.dim_IntList, aten.mean.dim)
+def sum_mean_rule(call: OpCall) -> Iterator[Strategy]:
+    reduced = _reduced_dims(call, call.arg(1, "dim"))
+    keepdim = bool(call.arg(2, "keepdim", False))
+    yield from _kept_shards(call, reduced, keepdim)
+    if call.inputs[0].floating:
+        yield Strategy((P,), P, name="linear")
+    if call.op == aten.sum.dim_IntList:
+        for dim, blocks in shardable_dims(call.inputs[0], call):
+            if dim in reduced:
+                yield Strategy((Shard(dim, blocks),), P, name="partial sum")
+
+
+@rules.register(aten.sum.default)
+def sum_all_rule(call: OpCall) -> Iterator[Strategy]:
+    if call.inputs[0].floating:
+        yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(call.inputs[0], call):
+        yield Strategy((Shard(dim, blocks),), P, name="partial sum")
+
+
+@rules.register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
+                aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default)
+def reduce_keep_rule(call: OpCall) -> Iterator[Strategy]:
+    reduced = _reduced_dims(call, call.arg(1, "dim"))
+    yield from _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False)))
+
+
+@rules.register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+                aten.log_softmax.int, aten.cumsum.default)
+def softmax_rule(call: OpCall) -> Iterator[Strategy]:
+    dim = normalize_dim(call.args[1], call.inputs[0].ndim)
+    for d, blocks in shardable_dims(call.inputs[0], call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
+
+
+@rules.register(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(call: OpCall) -> Iterator[Strategy]:
+    x = call.inputs[0]
+    normalized = len(call.args[1])
+    n_affine = len(call.inputs) - 1
+    for d, blocks in shardable_dims(x, call):
+        if d < x.ndim - normalized:
+            yield Strategy((Shard(d, blocks),) + (R,) * n_affine, Shard(d, blocks),
+                           name="keep shard")
+
+
+@rules.register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(call: OpCall) -> Iterator[Strategy]:
+    q, k, v = call.inputs[:3]
+    mask = call.inputs[3] if len(call.inputs) > 3 else None
+    for dim, blocks in shardable_dims(q, call):
+        if dim >= q.ndim - 2 or blocks != 1:
+            continue  # the sequence and head-size dims are mixed by attention
+        if not (k.shardable(dim, call.tp) and v.shardable(dim, call.tp)):
+            continue
+        inputs: list[Layout] = [Shard(dim), Shard(dim), Shard(dim)]
+        if mask is not None:
+            offset = q.ndim - mask.ndim
+            mdim = dim - offset
+            if mdim < 0 or mask.shape[mdim] == 1:
+                inputs.append(R)
+            elif mask.shape[mdim] == q.shape[dim]:
+                inputs.append(Shard(mdim))
+            else:
+                continue
+        yield Strategy(tuple(inputs), Shard(dim), name="heads")

@@ -1,0 +1,251 @@
+"""The rule registry: ATen overload -> the strategies that compute it exactly under sharding.
+
+A rule is a pure function of one op call (op, arguments with global shapes, tp). It lists
+*base* strategies in terms of the forward algebra only: which input layouts give which output
+layout. The registry then applies the gradient semantics in one place:
+
+* a strategy whose inputs and outputs are all replicated is offered twice: all ``R`` (every
+  rank computes the same value and the same gradient) and all ``R*`` (the same value, partial
+  gradients),
+* in any other strategy a replicated input is read as ``R*``: its gradient on each rank only
+  covers that rank's part of the output, so the ranks' gradients must be summed.
+
+Every op is also computable fully replicated, so the all-replicated strategies are always
+present. Rules never read module or parameter names: only ops, shapes and arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import sympy
+import torch
+
+from autotp.layout import R, R_STAR, Layout, Partial, Replicate, Shard
+
+Size = Union[int, sympy.Expr]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Global shape (ints, or sympy expressions for symbolic batch/sequence) and dtype."""
+
+    shape: tuple[Size, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def static(self, dim: int) -> Optional[int]:
+        size = self.shape[dim]
+        if isinstance(size, int):
+            return size
+        if isinstance(size, sympy.Integer):
+            return int(size)
+        return None
+
+    def shardable(self, dim: int, tp: int, blocks: int = 1) -> bool:
+        size = self.static(dim)
+        return size is not None and size > 1 and size % (tp * blocks) == 0
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+Output = Union[Layout, tuple[Optional[Layout], ...], None]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to compute an op: a layout per tensor input (flatten order) and the output's."""
+
+    inputs: tuple[Layout, ...]
+    output: Output
+    name: str = ""
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(layout) for layout in self.inputs)
+        return f"({ins}) -> {format_output(self.output)}" + (f"  [{self.name}]" if self.name else "")
+
+
+def format_output(output: Output) -> str:
+    if output is None:
+        return "-"
+    if isinstance(output, tuple):
+        return "(" + ", ".join("-" if o is None else str(o) for o in output) + ")"
+    return str(output)
+
+
+def output_layouts(output: Output) -> list[Layout]:
+    if output is None:
+        return []
+    if isinstance(output, tuple):
+        return [o for o in output if o is not None]
+    return [output]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op, as the rules see it: no graph, no names, only algebra."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: tuple[TensorMeta, ...]
+    output: Union[TensorMeta, tuple[Optional[TensorMeta], ...], None]
+    tp: int
+    blocks: tuple[int, ...] = (1,)
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    @property
+    def out(self) -> TensorMeta:
+        assert isinstance(self.output, TensorMeta), f"{self.op} has no single tensor output"
+        return self.output
+
+
+Rule = Callable[[OpCall], Iterable[Strategy]]
+# A lowering turns the node of the original graph into the local op(s) for one rank.
+Lowering = Callable[[Any, Any, Strategy], None]
+
+
+@dataclass
+class RuleSet:
+    """The rules of one op family, collected by decorator, merged into a ``Registry``."""
+
+    rules: dict[Any, Rule] = field(default_factory=dict)
+    lowerings: dict[Any, Lowering] = field(default_factory=dict)
+
+    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
+        def decorate(rule: Rule) -> Rule:
+            for op in ops:
+                if op in self.rules:
+                    raise KeyError(f"two rules for {op}")
+                self.rules[op] = rule
+            return rule
+
+        return decorate
+
+    def lowering(self, *ops: Any) -> Callable[[Lowering], Lowering]:
+        def decorate(fn: Lowering) -> Lowering:
+            for op in ops:
+                self.lowerings[op] = fn
+            return fn
+
+        return decorate
+
+
+class Registry:
+    """Maps op overloads to rules and lowerings; build a fresh one per test if needed."""
+
+    def __init__(self, rule_sets: Sequence[RuleSet]):
+        self._rules: dict[Any, Rule] = {}
+        self._lowerings: dict[Any, Lowering] = {}
+        for rule_set in rule_sets:
+            for op, rule in rule_set.rules.items():
+                if op in self._rules:
+                    raise KeyError(f"two rules for {op}")
+                self._rules[op] = rule
+            self._lowerings.update(rule_set.lowerings)
+
+    @classmethod
+    def default(cls) -> "Registry":
+        from autotp.rules import embedding, matmul, misc, norms, pointwise, views
+
+        return cls(
+            [
+                matmul.rules,
+                pointwise.rules,
+                views.rules,
+                norms.rules,
+                embedding.rules,
+                misc.rules,
+            ]
+        )
+
+    def __contains__(self, op: Any) -> bool:
+        return op in self._rules
+
+    @property
+    def ops(self) -> list[Any]:
+        return sorted(self._rules, key=str)
+
+    def lowering(self, op: Any) -> Optional[Lowering]:
+        return self._lowerings.get(op)
+
+    def base_strategies(self, call: OpCall) -> list[Strategy]:
+        return list(self._rules[call.op](call))
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        """All strategies of ``call``, with gradient semantics applied, deduplicated."""
+        out: list[Strategy] = []
+        seen: set[tuple[Any, ...]] = set()
+        n = len(call.inputs)
+        replicated = _replicate_output(call.output, R)
+        base = [Strategy((R,) * n, replicated, name="replicated")]
+        base += self.base_strategies(call)
+        for strategy in base:
+            if len(strategy.inputs) != n:
+                raise AssertionError(
+                    f"rule for {call.op} gave {len(strategy.inputs)} input layouts for "
+                    f"{n} tensor inputs"
+                )
+            for variant in _with_gradient_semantics(strategy, call):
+                key = (variant.inputs, variant.output)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(variant)
+        return out
+
+
+def _replicate_output(output: Any, layout: Layout) -> Output:
+    if output is None:
+        return None
+    if isinstance(output, tuple):
+        return tuple(None if o is None else layout for o in output)
+    return layout
+
+
+def _with_gradient_semantics(strategy: Strategy, call: OpCall) -> Iterator[Strategy]:
+    outs = output_layouts(strategy.output)
+    all_replicated = all(isinstance(x, Replicate) for x in (*strategy.inputs, *outs))
+    if all_replicated:
+        yield Strategy((R,) * len(strategy.inputs), _replicate_output(strategy.output, R),
+                       name=strategy.name or "replicated")
+        yield Strategy((R_STAR,) * len(strategy.inputs),
+                       _replicate_output(strategy.output, R_STAR),
+                       name=strategy.name or "replicated")
+        return
+    if any(isinstance(o, Replicate) and not o.grad_partial for o in outs):
+        # An exact replicated output from non-replicated inputs would need a collective
+        # inside the op; rules never offer that.
+        raise AssertionError(f"rule for {call.op} returned R output from sharded inputs")
+    inputs = tuple(R_STAR if isinstance(x, Replicate) else x for x in strategy.inputs)
+    yield Strategy(inputs, strategy.output, strategy.name)
+
+
+# ---- helpers shared by the rule modules -------------------------------------------------
+
+
+def shardable_dims(meta: TensorMeta, call: OpCall) -> Iterator[tuple[int, int]]:
+    """(dim, blocks) pairs along which ``meta`` can be sharded at this tp."""
+    for dim in range(meta.ndim):
+        for blocks in call.blocks:
+            if meta.shardable(dim, call.tp, blocks):
+                yield dim, blocks
+
+
+def all_layouts(meta: TensorMeta, call: OpCall) -> list[Layout]:
+    layouts: list[Layout] = [R, Partial()]
+    layouts += [Shard(d, b) for d, b in shardable_dims(meta, call)]
+    return layouts
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim

@@ -1,0 +1,260 @@
+"""View ops: a shard moves through a reshape by a small dim algebra.
+
+``view_groups(from_shape, to_shape)`` splits any reshape into groups of input dims whose
+product equals that of a group of output dims: [B, T, 192] -> [B*T, 192] is
+((0, 1) -> (0,)), ((2,) -> (1,)); [B, T, 64] -> [B, T, 4, 16] ends with ((2,) -> (2, 3)).
+A shard of the *major* dim of a group survives as a shard of the major output dim when tp
+divides both: splitting C into (H, D) keeps the shard on H exactly when tp divides H.
+Blocked shards only pass through groups that map one dim to one dim.
+
+Every view is linear, so ``P`` passes through. The lowerings rewrite size arguments to
+their local values (C -> C/tp, H -> H/tp, split sizes likewise); ``-1`` stays ``-1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+import sympy
+import torch
+
+from autotp.layout import P, Shard
+from autotp.rules.registry import (
+    OpCall,
+    RuleSet,
+    Strategy,
+    TensorMeta,
+    normalize_dim,
+    shardable_dims,
+)
+
+aten = torch.ops.aten
+rules = RuleSet()
+
+Group = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _expr(size: Any) -> sympy.Expr:
+    return sympy.sympify(size)
+
+
+def view_groups(from_shape: Sequence[Any], to_shape: Sequence[Any]) -> list[Group]:
+    """Decompose a reshape into (input dims, output dims) groups of equal product."""
+    src = [_expr(s) for s in from_shape]
+    dst = [_expr(s) for s in to_shape]
+    groups: list[Group] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and j < len(dst) and src[i] == 1 and dst[j] == 1:
+            groups.append(((i,), (j,)))
+            i, j = i + 1, j + 1
+            continue
+        if i < len(src) and src[i] == 1:
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            raise ValueError(f"shapes {tuple(from_shape)} and {tuple(to_shape)} differ in size")
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while sympy.simplify(pi - pj) != 0:
+            _, denominator = sympy.fraction(sympy.cancel(pj / pi))
+            if denominator == 1:  # pj is a multiple of pi: the input group needs more dims
+                if i >= len(src):
+                    raise ValueError(f"cannot group {tuple(from_shape)} -> {tuple(to_shape)}")
+                gi.append(i)
+                pi = pi * src[i]
+                i += 1
+            else:
+                if j >= len(dst):
+                    raise ValueError(f"cannot group {tuple(from_shape)} -> {tuple(to_shape)}")
+                gj.append(j)
+                pj = pj * dst[j]
+                j += 1
+        groups.append((tuple(gi), tuple(gj)))
+    return groups
+
+
+def map_shard_through_view(
+    layout: Shard, src: TensorMeta, dst: TensorMeta, tp: int
+) -> Optional[Shard]:
+    """The output shard a reshape gives an input shard, or None if it cannot be kept."""
+    for in_dims, out_dims in view_groups(src.shape, dst.shape):
+        if layout.dim not in in_dims:
+            continue
+        major_in = [d for d in in_dims if _expr(src.shape[d]) != 1]
+        major_out = [d for d in out_dims if _expr(dst.shape[d]) != 1]
+        if not major_in or major_in[0] != layout.dim or not major_out:
+            return None
+        out_dim = major_out[0]
+        identity = len(major_in) == 1 and len(major_out) == 1
+        if layout.blocks > 1 and not identity:
+            return None
+        if not dst.shardable(out_dim, tp, layout.blocks):
+            return None
+        return Shard(out_dim, layout.blocks)
+    return None
+
+
+@rules.register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                aten.view_copy.default)
+def view_rule(call: OpCall) -> Iterator[Strategy]:
+    src, dst = call.inputs[0], call.out
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(src, call):
+        mapped = map_shard_through_view(Shard(dim, blocks), src, dst, call.tp)
+        if mapped is not None:
+            yield Strategy((Shard(dim, blocks),), mapped, name="view")
+
+
+@rules.lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                aten.view_copy.default, aten.expand.default)
+def localize_shape_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    out = strategy.output
+    if isinstance(out, Shard):
+        shape = list(node.args[1])
+        shape[out.dim] = ctx.local_size_arg(shape[out.dim], node)
+        node.args = (node.args[0], shape, *node.args[2:])
+
+
+@rules.register(aten.transpose.int)
+def transpose_rule(call: OpCall) -> Iterator[Strategy]:
+    ndim = call.inputs[0].ndim
+    d0, d1 = normalize_dim(call.args[1], ndim), normalize_dim(call.args[2], ndim)
+    perm = list(range(ndim))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    yield from _permutation_strategies(call, perm)
+
+
+@rules.register(aten.t.default)
+def t_rule(call: OpCall) -> Iterator[Strategy]:
+    yield from _permutation_strategies(call, list(reversed(range(call.inputs[0].ndim))))
+
+
+@rules.register(aten.permute.default)
+def permute_rule(call: OpCall) -> Iterator[Strategy]:
+    ndim = call.inputs[0].ndim
+    yield from _permutation_strategies(call, [normalize_dim(d, ndim) for d in call.args[1]])
+
+
+def _permutation_strategies(call: OpCall, perm: list[int]) -> Iterator[Strategy]:
+    """out.dim(i) = in.dim(perm[i])."""
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(call.inputs[0], call):
+        yield Strategy((Shard(dim, blocks),), Shard(perm.index(dim), blocks), name="permute")
+
+
+@rules.register(aten.unsqueeze.default)
+def unsqueeze_rule(call: OpCall) -> Iterator[Strategy]:
+    new = normalize_dim(call.args[1], call.inputs[0].ndim + 1)
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(call.inputs[0], call):
+        yield Strategy((Shard(dim, blocks),), Shard(dim + (dim >= new), blocks), name="view")
+
+
+@rules.register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(call: OpCall) -> Iterator[Strategy]:
+    src = call.inputs[0]
+    if call.op == aten.squeeze.default:
+        removed = [d for d in range(src.ndim) if _expr(src.shape[d]) == 1]
+    else:
+        dims = call.args[1] if isinstance(call.args[1], (list, tuple)) else [call.args[1]]
+        removed = [normalize_dim(d, src.ndim) for d in dims if _expr(src.shape[d]) == 1]
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(src, call):
+        shift = sum(1 for r in removed if r < dim)
+        yield Strategy((Shard(dim, blocks),), Shard(dim - shift, blocks), name="view")
+
+
+@rules.register(aten.expand.default)
+def expand_rule(call: OpCall) -> Iterator[Strategy]:
+    src, dst = call.inputs[0], call.out
+    offset = dst.ndim - src.ndim
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(src, call):
+        if _expr(src.shape[dim]) == _expr(dst.shape[dim + offset]):
+            yield Strategy((Shard(dim, blocks),), Shard(dim + offset, blocks), name="view")
+
+
+def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -> bool:
+    if step not in (None, 1) or start not in (None, 0):
+        return False
+    if end is None:
+        return True
+    size = src.static(dim)
+    return isinstance(end, int) and (end >= 2**62 or (size is not None and end >= size))
+
+
+@rules.register(aten.slice.Tensor)
+def slice_rule(call: OpCall) -> Iterator[Strategy]:
+    src = call.inputs[0]
+    dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
+    full = _is_full_slice(src, dim, call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1))
+    yield Strategy((P,), P, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim or full:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="view")
+
+
+@rules.register(aten.select.int)
+def select_rule(call: OpCall) -> Iterator[Strategy]:
+    src = call.inputs[0]
+    dim = normalize_dim(call.args[1], src.ndim)
+    yield Strategy((P,), P, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), Shard(d - (d > dim), blocks), name="view")
+
+
+@rules.register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def split_rule(call: OpCall) -> Iterator[Strategy]:
+    src = call.inputs[0]
+    outputs = call.output
+    assert isinstance(outputs, tuple)
+    n = len(outputs)
+    dim = normalize_dim(call.arg(2, "dim", 0), src.ndim)
+    yield Strategy((P,), (P,) * n, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), (Shard(d, blocks),) * n, name="view")
+    # A blocked shard with one block per piece splits into plain shards (fused q|k|v).
+    sizes = {o.shape[dim] for o in outputs if o is not None}
+    if n > 1 and len(sizes) == 1 and src.shardable(dim, call.tp, n):
+        yield Strategy((Shard(dim, n),), (Shard(dim),) * n, name="split blocks")
+
+
+@rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)
+def localize_split_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    layout = strategy.inputs[0]
+    if not isinstance(layout, Shard):
+        return
+    ndim = len(node.args[0].meta["val"].shape)
+    dim = normalize_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), ndim)
+    if layout.dim != dim:
+        return
+    sizes = node.args[1]
+    if isinstance(sizes, (list, tuple)):
+        local: Any = [ctx.local_size_arg(s, node) for s in sizes]
+    else:
+        local = ctx.local_size_arg(sizes, node)
+    node.args = (node.args[0], local, *node.args[2:])
+
+
+@rules.register(aten.cat.default)
+def cat_rule(call: OpCall) -> Iterator[Strategy]:
+    n = len(call.inputs)
+    out = call.out
+    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    yield Strategy((P,) * n, P, name="linear")
+    for d, blocks in shardable_dims(out, call):
+        if d != dim and all(m.shape[d] == out.shape[d] for m in call.inputs):
+            yield Strategy((Shard(d, blocks),) * n, Shard(d, blocks), name="view")
+    # Concatenating equal sharded pieces gives a blocked shard (one block per piece).
+    sizes = {m.shape[dim] for m in call.inputs}
+    if n > 1 and len(sizes) == 1 and call.inputs[0].shardable(dim, call.tp):
+        yield Strategy((Shard(dim),) * n, Shard(dim, n), name="cat blocks")
