@@ -1,0 +1,39 @@
+"""autotp: automatic tensor parallelism for unmodified PyTorch transformers.
+
+    sharded = autotp.parallelize(model, tp=8)        # on every rank of a process group
+    plan = autotp.plan(model, tp=8)                  # no process group needed
+    sim = autotp.simulate(model, tp=4)               # all ranks in one process
+"""
+
+from autotp.api import (
+    ShardedModule,
+    Simulation,
+    full_state_dict,
+    parallelize,
+    plan,
+    simulate,
+)
+from autotp.errors import AutotpError, ConfigError, NoRuleError, PlanError, TraceError
+from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
+from autotp.planner.plan import Plan
+
+__all__ = [
+    "AutotpError",
+    "ConfigError",
+    "NoRuleError",
+    "P",
+    "Partial",
+    "Plan",
+    "PlanError",
+    "R",
+    "R_STAR",
+    "Replicate",
+    "Shard",
+    "ShardedModule",
+    "Simulation",
+    "TraceError",
+    "full_state_dict",
+    "parallelize",
+    "plan",
+    "simulate",
+]

@@ -1,0 +1,226 @@
+"""Autograd-correct redistributions: each forward collective has its conjugate backward.
+
+    R  -> R*   identity        | all-reduce      (Megatron's f)
+    P  -> R    all-reduce      | identity        (Megatron's g)
+    S  -> R    all-gather      | slice
+    P  -> S    reduce-scatter  | all-gather      (sequence parallelism)
+    ...        (the full table is ``autotp.planner.transitions``)
+
+The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
+are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
+their gradient contributions are summed across ranks once, in one bucket, at the end of
+backward (as Megatron does for sequence-parallel norm weights) instead of once per use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from autotp.comm import Communicator
+from autotp.layout import Layout, Partial, Replicate, Shard
+
+# ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
+
+
+def _rank_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
+    """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...]."""
+    if blocks == 1:
+        return x
+    shape = list(x.shape)
+    piece = shape[dim] // (blocks * tp)
+    y = x.reshape(*shape[:dim], blocks, tp, piece, *shape[dim + 1:]).transpose(dim, dim + 1)
+    return y.reshape(shape)
+
+
+def _segment_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
+    """Inverse of ``_rank_major``."""
+    if blocks == 1:
+        return x
+    shape = list(x.shape)
+    piece = shape[dim] // (blocks * tp)
+    y = x.reshape(*shape[:dim], tp, blocks, piece, *shape[dim + 1:]).transpose(dim, dim + 1)
+    return y.reshape(shape)
+
+
+def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:
+    return _rank_major(x, layout.dim, layout.blocks, tp).chunk(tp, dim=layout.dim)[rank]
+
+
+def gather(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
+    full = comm.all_gather(x.contiguous(), layout.dim)
+    return _segment_major(full, layout.dim, layout.blocks, comm.world_size)
+
+
+def reduce_scatter(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
+    ordered = _rank_major(x, layout.dim, layout.blocks, comm.world_size)
+    return comm.reduce_scatter(ordered.contiguous(), layout.dim)
+
+
+def zero_pad(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:
+    """The full-size tensor holding ``x`` at this rank's position and zeros elsewhere."""
+    shape = list(x.shape)
+    shape[layout.dim] *= tp
+    full = x.new_zeros(shape)
+    full_ordered = _rank_major(full, layout.dim, layout.blocks, tp)
+    full_ordered.narrow(layout.dim, rank * x.shape[layout.dim], x.shape[layout.dim]).copy_(x)
+    return _segment_major(full_ordered, layout.dim, layout.blocks, tp)
+
+
+# ---- the redistribution --------------------------------------------------------------------
+
+
+class Redistribute(nn.Module):
+    """Changes the layout of one value, with the conjugate collective in backward."""
+
+    def __init__(self, comm: Communicator, src: Layout, dst: Layout, *, layer: Optional[int],
+                 bwd_layer: Optional[int], label: str):
+        super().__init__()
+        self.comm = comm
+        self.src = src
+        self.dst = dst
+        self.layer = layer
+        self.bwd_layer = bwd_layer
+        self.label = label
+
+    def extra_repr(self) -> str:
+        return f"{self.src} -> {self.dst}, {self.label}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RedistributeFn.apply(x, self)
+
+    # forward and backward programs, by (src, dst) kind
+
+    def run_forward(self, x: torch.Tensor) -> torch.Tensor:
+        src, dst, comm = self.src, self.dst, self.comm
+        tp, rank = comm.world_size, comm.rank
+        if isinstance(src, Replicate) and isinstance(dst, Replicate):
+            return x.view_as(x)
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            return local_slice(x, dst, rank, tp).contiguous()
+        if isinstance(src, Partial) and isinstance(dst, Replicate):
+            return self._log("all_reduce", "forward", x, comm.all_reduce(x))
+        if isinstance(src, Partial) and isinstance(dst, Shard):
+            return self._log("reduce_scatter", "forward", x, reduce_scatter(comm, x, dst))
+        if isinstance(src, Shard) and isinstance(dst, Replicate):
+            out = gather(comm, x, src)
+            return self._log("all_gather", "forward", out, out)
+        raise AssertionError(f"no redistribution {src} -> {dst}")
+
+    def run_backward(self, g: torch.Tensor) -> torch.Tensor:
+        src, dst, comm = self.src, self.dst, self.comm
+        tp, rank = comm.world_size, comm.rank
+        if isinstance(src, Replicate) and isinstance(dst, Replicate):
+            if dst.grad_partial and not src.grad_partial:  # f: sum the partial gradients
+                return self._log("all_reduce", "backward", g, comm.all_reduce(g))
+            if src.grad_partial and not dst.grad_partial:  # identical grads, counted once
+                return g / tp
+            return g
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            if src.grad_partial:
+                return zero_pad(g, dst, rank, tp)
+            out = gather(comm, g, dst)
+            return self._log("all_gather", "backward", out, out)
+        if isinstance(src, Partial) and isinstance(dst, Replicate):
+            if dst.grad_partial:
+                return self._log("all_reduce", "backward", g, comm.all_reduce(g))
+            return g
+        if isinstance(src, Partial) and isinstance(dst, Shard):
+            out = gather(comm, g, dst)
+            return self._log("all_gather", "backward", out, out)
+        if isinstance(src, Shard) and isinstance(dst, Replicate):
+            if dst.grad_partial:
+                return self._log("reduce_scatter", "backward", g, reduce_scatter(comm, g, src))
+            return local_slice(g, src, rank, tp).contiguous()
+        raise AssertionError(f"no redistribution {src} -> {dst}")
+
+    def _log(self, kind: str, phase: str, sized: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        layer = self.layer if phase == "forward" else self.bwd_layer
+        nbytes = sized.numel() * sized.element_size()
+        self.comm.log.record(kind, phase, layer, nbytes, self.label)
+        return result
+
+
+class _RedistributeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: Redistribute) -> torch.Tensor:
+        ctx.module = module
+        return module.run_forward(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        return ctx.module.run_backward(g), None
+
+
+# ---- deferred gradient reduction of replicated parameters ----------------------------------
+
+
+class GradBucket:
+    """Sums, across ranks, the partial gradients of replicated parameters after backward."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.params: dict[str, nn.Parameter] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.scheduled = False
+
+    def add(self, key: str, grad: torch.Tensor) -> None:
+        if key in self.pending:
+            self.pending[key] = self.pending[key] + grad
+        else:
+            self.pending[key] = grad
+        if not self.scheduled:
+            self.scheduled = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        self.scheduled = False
+        keys = sorted(self.params)
+        pieces = []
+        for key in keys:
+            param = self.params[key]
+            pending = self.pending.get(key)
+            pieces.append((pending if pending is not None else torch.zeros_like(param)).reshape(-1))
+        self.pending = {}
+        flat = torch.cat(pieces)
+        total = self.comm.all_reduce(flat)
+        self.comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(),
+                             "grad sync")
+        offset = 0
+        for key in keys:
+            param = self.params[key]
+            piece = total[offset: offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if param.grad is None:
+                param.grad = piece.clone()
+            else:
+                param.grad += piece
+
+
+class DeferredGradReduce(nn.Module):
+    """Identity forward; backward hands the partial gradient to the bucket."""
+
+    def __init__(self, bucket: GradBucket, key: str):
+        super().__init__()
+        self.bucket = bucket
+        self.key = key
+
+    def extra_repr(self) -> str:
+        return f"R -> R*, gradient summed after backward: {self.key}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferredFn.apply(x, self)
+
+
+class _DeferredFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: DeferredGradReduce) -> torch.Tensor:
+        ctx.module = module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None]:
+        ctx.module.bucket.add(ctx.module.key, g)
+        return None, None

@@ -1,0 +1,177 @@
+"""Communicators: the three collectives autotp needs, over a process group or over threads.
+
+``ProcessGroupComm`` uses torch.distributed (NCCL for CUDA tensors, gloo for CPU tensors).
+``ThreadComm`` runs every rank as a thread of one process and exchanges tensors in memory;
+the simulation uses it to check whole models cheaply and deterministically. Reductions sum
+in rank order on every rank, so replicated results are bitwise identical across ranks.
+
+Every executed collective is appended to the communicator's ``log`` with its phase and the
+transformer layer it serves: tests count collectives from what actually ran.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from autotp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    kind: str  # all_reduce | all_gather | reduce_scatter
+    phase: str  # forward | backward
+    layer: Optional[int]
+    nbytes: int
+    label: str
+
+
+@dataclass
+class CollectiveLog:
+    events: list[CollectiveEvent] = field(default_factory=list)
+    enabled: bool = True
+
+    def record(self, kind: str, phase: str, layer: Optional[int], nbytes: int, label: str) -> None:
+        if self.enabled:
+            self.events.append(CollectiveEvent(kind, phase, layer, nbytes, label))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def count(self, phase: str, layer: Optional[int] = None, kind: Optional[str] = None,
+              any_layer: bool = False) -> int:
+        return sum(
+            1 for e in self.events
+            if e.phase == phase and (any_layer or e.layer == layer)
+            and (kind is None or e.kind == kind)
+        )
+
+
+class Communicator:
+    rank: int
+    world_size: int
+    log: CollectiveLog
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/world_size slice of ``dim``."""
+        raise NotImplementedError
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        raise NotImplementedError
+
+
+class ProcessGroupComm(Communicator):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.log = CollectiveLog()
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            raise ConfigError(
+                f"the process group uses NCCL but the model runs on {tensor.device}: move the "
+                "model and inputs to this rank's GPU, or use a gloo group for CPU"
+            )
+        if self.backend == "gloo" and tensor.device.type == "cuda":
+            raise ConfigError(
+                "the process group uses gloo but the model runs on CUDA: initialize the "
+                "group with backend='nccl' (or 'cpu:gloo,cuda:nccl')"
+            )
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check_device(tensor)
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        self._check_device(tensor)
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
+        dist.all_gather_into_tensor(out, moved, group=self.group)
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        self._check_device(tensor)
+        moved = tensor.movedim(dim, 0).contiguous()
+        if self.backend == "nccl":
+            out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
+            dist.reduce_scatter_tensor(out, moved, group=self.group)
+        else:  # gloo has no reduce-scatter of tensors: all-reduce and keep the slice
+            dist.all_reduce(moved, group=self.group)
+            out = moved.chunk(self.world_size, dim=0)[self.rank].contiguous()
+        return out.movedim(0, dim)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+class ThreadHub:
+    """The meeting point of the ranks of one simulated group."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list[object] = [None] * world_size
+
+    def comms(self) -> list["ThreadComm"]:
+        return [ThreadComm(self, rank) for rank in range(self.world_size)]
+
+
+class ThreadComm(Communicator):
+    def __init__(self, hub: ThreadHub, rank: int):
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+        self.log = CollectiveLog()
+
+    def _exchange(self, obj: object) -> list[object]:
+        hub = self.hub
+        hub.slots[self.rank] = obj
+        try:
+            hub.barrier.wait(hub.timeout)
+            got = list(hub.slots)
+            hub.barrier.wait(hub.timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                f"simulated rank {self.rank}: another rank failed or did not reach the same "
+                f"collective within {hub.timeout:.0f} s"
+            ) from None
+        return got
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(tensor)
+        out = parts[0].clone()  # type: ignore[union-attr]
+        for part in parts[1:]:
+            out += part  # type: ignore[operator]
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = self._exchange(tensor)
+        return torch.cat(parts, dim=dim)  # type: ignore[arg-type]
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        total = self.all_reduce(tensor)
+        return total.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return self._exchange(obj)
+
+    def abort(self) -> None:
+        self.hub.barrier.abort()

@@ -1,0 +1,203 @@
+"""The rewriter: a Plan and a rank -> that rank's GraphModule, as a sequence of small passes.
+
+    shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
+    insert_collectives   one Redistribute per (value, target layout) the plan asks for
+    lower_ops            per-op lowerings: local size arguments, masked vocab lookups
+
+Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a layout.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autotp.capture import Captured, layer_of, tensor_meta
+from autotp.collectives import DeferredGradReduce, GradBucket, Redistribute
+from autotp.comm import Communicator
+from autotp.errors import PlanError, where
+from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor
+from autotp.planner.plan import Plan
+from autotp.rules.registry import Registry, Strategy
+
+
+def parse_output(text: str) -> Any:
+    if text == "-":
+        return None
+    if text.startswith("("):
+        parts = [p.strip() for p in _split_top(text[1:-1])]
+        return tuple(None if p == "-" else parse_layout(p) for p in parts)
+    return parse_layout(text)
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        parts.append(current)
+    return parts
+
+
+class LowerContext:
+    """What a lowering may use: the rank, tp, the graph being rewritten."""
+
+    def __init__(self, graph: fx.Graph, rank: int, tp: int):
+        self.graph = graph
+        self.rank = rank
+        self.tp = tp
+        self.lowered: dict[fx.Node, fx.Node] = {}
+
+    def local_size_arg(self, arg: Any, node: fx.Node) -> Any:
+        """A size argument of a sharded dim, made local: C -> C/tp; -1 stays -1."""
+        if isinstance(arg, int):
+            if arg == -1:
+                return arg
+            if arg % self.tp:
+                raise PlanError(f"size {arg} is not divisible by tp={self.tp}{where(node)}")
+            return arg // self.tp
+        if isinstance(arg, fx.Node):
+            with self.graph.inserting_before(node):
+                return self.graph.call_function(operator.floordiv, (arg, self.tp))
+        raise PlanError(f"cannot localize size argument {arg!r}{where(node)}")
+
+    def mark_lowered(self, node: fx.Node, replacement: fx.Node) -> None:
+        self.lowered[node] = replacement
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    value_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, value_map)
+    graph.output(out)
+    return graph
+
+
+def _get(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _set(root: nn.Module, target: str, value: Any) -> None:
+    *path, leaf = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, nn.Module):
+        module.add_module(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)
+
+
+def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int) -> nn.Module:
+    """A fresh root module holding this rank's piece of every attribute the graph reads."""
+    root = nn.Module()
+    source = captured.gm
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            value = _get(source, node.target)
+            if isinstance(value, nn.Parameter):
+                layout = plan.param_layout(node.target)
+                local = shard_tensor(value.detach(), layout, rank, plan.tp)
+                value = nn.Parameter(local.clone(), requires_grad=value.requires_grad)
+            elif isinstance(value, torch.Tensor):
+                value = value.detach().clone()
+            _set(root, node.target, value)
+        elif node.op == "call_module":
+            _set(root, node.target, _get(source, node.target))
+    return root
+
+
+def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
+                       bucket: GradBucket) -> int:
+    """Redistribute each value once per target layout; returns the modules inserted."""
+    nodes = {n.name: n for n in graph.nodes}
+    made: dict[tuple[str, str], fx.Node] = {}
+    count = 0
+    for edge in plan.edges:
+        value, consumer = nodes[edge.value], nodes[edge.consumer]
+        key = (edge.value, edge.dst)
+        if key not in made:
+            src, dst = parse_layout(edge.src), parse_layout(edge.dst)
+            name = f"autotp_{edge.value}_to_{_slug(edge.dst)}"
+            if value.op == "get_attr" and isinstance(src, Replicate) and \
+                    isinstance(dst, Replicate) and dst.grad_partial:
+                param = _get(root, value.target)
+                bucket.params[value.target] = param
+                module: nn.Module = DeferredGradReduce(bucket, value.target)
+            else:
+                fwd_layer = layer_of(value) if value.op == "call_function" else layer_of(consumer)
+                module = Redistribute(comm, src, dst, layer=fwd_layer,
+                                      bwd_layer=layer_of(consumer) if consumer.op != "output"
+                                      else layer_of(value),
+                                      label=f"{edge.value} {edge.src}->{edge.dst}")
+            root.add_module(name, module)
+            anchor = value if value.op != "placeholder" else _last_placeholder(graph)
+            with graph.inserting_after(anchor):
+                new = graph.call_module(name, (value,))
+            new.meta["val"] = value.meta.get("val")
+            made[key] = new
+            count += 1
+        consumer.replace_input_with(value, made[key])
+    return count
+
+
+def _last_placeholder(graph: fx.Graph) -> fx.Node:
+    last = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            last = node
+    assert last is not None
+    return last
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
+
+
+def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> None:
+    ctx = LowerContext(graph, rank, plan.tp)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.name not in plan.choices:
+            continue
+        lowering = registry.lowering(node.target)
+        if lowering is None:
+            continue
+        choice = plan.choices[node.name]
+        strategy = Strategy(tuple(parse_layout(x) for x in choice.inputs),
+                            parse_output(choice.output))
+        lowering(ctx, node, strategy)
+
+
+def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
+            registry: Optional[Registry] = None) -> tuple[fx.GraphModule, GradBucket]:
+    registry = registry or Registry.default()
+    graph = copy_graph(captured.gm)
+    root = shard_parameters(captured, plan, graph, rank)
+    bucket = GradBucket(comm)
+    insert_collectives(graph, plan, comm, root, bucket)
+    lower_ops(graph, plan, registry, rank)
+    graph.lint()
+    gm = fx.GraphModule(root, graph)
+    gm.recompile()
+    return gm, bucket
