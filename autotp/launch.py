@@ -1,0 +1,81 @@
+"""Run a function on N local processes joined by a gloo (or NCCL) process group.
+
+Results travel back over a queue before any teardown, and workers end with ``os._exit``:
+spawned gloo workers can abort during interpreter shutdown after the group is destroyed,
+which must not turn a finished run into a failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
+            args: tuple, results: Any, timeout: float) -> None:
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+        code = 1
+    os._exit(code)
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                  timeout: float = 300.0) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes; results in rank order.
+
+    ``fn`` must be importable by a fresh interpreter (a module-level function).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, backend, fn, args, results, timeout),
+                         daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    got: dict[int, Any] = {}
+    failure: Optional[str] = None
+    try:
+        while len(got) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                failure = f"no result from ranks {sorted(set(range(world_size)) - set(got))} " \
+                          f"within {timeout:.0f} s"
+                break
+            if not ok:
+                failure = f"rank {rank} failed:\n{value}"
+                break
+            got[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if failure is None else 1)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return [got[r] for r in range(world_size)]

@@ -1,0 +1,376 @@
+"""Every registered layout rule, checked numerically on small real tensors.
+
+``SAMPLES`` maps each op of ``Registry.default()`` to sample calls whose shapes let the rules
+actually shard: sizes divisible by tp=2 and tp=4, fused dims divisible by 3 * tp, attention
+shaped [B, H, T, D]. ``check_op`` shards the inputs per strategy, runs every rank's lowered op,
+reassembles and compares with the unsharded op. The reshape algebra and the registry's
+gradient semantics are tested directly below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import pytest
+import sympy
+import torch
+
+from autotp.layout import R, R_STAR, Partial, Replicate, Shard
+from autotp.rules import misc
+from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta, output_layouts
+from autotp.rules.views import map_shard_through_view, view_groups
+from autotp.testing import check_op
+
+aten = torch.ops.aten
+Sample = tuple[tuple[Any, ...], dict[str, Any]]
+TPS = (2, 4)
+MAX_INT = 9223372036854775807
+
+# ---- sample tensors ----------------------------------------------------------------------
+
+_GEN = torch.Generator().manual_seed(1234)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=_GEN).to(dtype)
+
+
+def positive(*shape: int) -> torch.Tensor:
+    """Values in [0.5, 1.5): safe for log, sqrt, rsqrt, reciprocal, pow."""
+    return torch.rand(shape, generator=_GEN) + 0.5
+
+
+def randint(high: int, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=_GEN).to(dtype)
+
+
+def bools(*shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=_GEN) > 0.5
+
+
+def s(*args: Any, **kwargs: Any) -> Sample:
+    return args, kwargs
+
+
+X = randn(8, 12)  # the default pointwise operand: 8 -> S(0) (x2), 12 -> S(1) (x3)
+X3 = randn(4, 8, 12)
+XI = randint(5, 8, 12)
+XB = bools(8, 12)
+QKV = [randn(2, 4, 8, 8) for _ in range(3)]  # [B, H, T, D]
+CAUSAL = torch.ones(8, 8, dtype=torch.bool).tril()
+IDS = torch.tensor([[0, 5, 9, 15, 3, 12, 7, 8], [5, 1, 14, 10, 4, 11, 2, 6]])
+WITH_INF = X.clone().index_fill_(1, torch.tensor([3]), float("inf"))
+WITH_NAN = X.clone().index_fill_(0, torch.tensor([2]), float("nan"))
+WITH_ZEROS = X.clone().index_fill_(1, torch.tensor([0, 5]), 0.0)
+
+
+def unary(ops: list[Any], *extra: Any, x: torch.Tensor = X, **kwargs: Any) -> dict[Any, list]:
+    return {op: [s(x, *extra, **kwargs)] for op in ops}
+
+
+SAMPLES: dict[Any, list[Sample]] = {
+    # ---- matrix products (fused output dims of 24 = 3 * tp * 2) ----
+    aten.mm.default: [s(randn(8, 12), randn(12, 24))],
+    aten.bmm.default: [s(randn(4, 8, 12), randn(4, 12, 8))],
+    aten.linear.default: [
+        s(randn(8, 12), randn(24, 12)),
+        s(randn(2, 8, 12), randn(24, 12)),
+        s(randn(2, 8, 12), randn(24, 12), randn(24)),
+    ],
+    aten.matmul.default: [
+        s(randn(2, 4, 8, 12), randn(12, 16)),
+        s(randn(2, 4, 8, 12), randn(1, 4, 12, 8)),
+        s(randn(4, 8, 12), randn(2, 1, 12, 8)),
+        s(QKV[0], QKV[1].transpose(-1, -2)),
+    ],
+    # ---- attention: broadcast bool mask, per-head float mask, causal, GQA (8 q / 4 kv) ----
+    aten.scaled_dot_product_attention.default: [
+        s(*QKV),
+        s(*QKV, CAUSAL.expand(2, 1, 8, 8).clone()),
+        s(*QKV, randn(2, 4, 8, 8)),
+        s(*QKV, randn(8, 8)),
+        s(*QKV, is_causal=True, scale=0.5),
+        s(randn(2, 8, 8, 8), randn(2, 4, 8, 8), randn(2, 4, 8, 8), enable_gqa=True),
+    ],
+    # ---- normalizations, softmax, scans ----
+    aten.layer_norm.default: [
+        s(randn(4, 6, 16), [16], randn(16), randn(16), 1e-5),
+        s(randn(4, 8, 12), [8, 12], randn(8, 12), randn(8, 12), 1e-5),
+        s(randn(4, 6, 16), [16], None, None),
+    ],
+    aten.rms_norm.default: [s(randn(4, 6, 16), [16], randn(16), 1e-6), s(randn(4, 8, 16), [16])],
+    aten.softmax.int: [s(randn(2, 4, 8, 8), -1), s(X, 0, torch.float64)],
+    aten._softmax.default: [s(randn(2, 4, 8, 8), -1, False)],
+    aten.log_softmax.int: [s(randn(2, 4, 8, 8), -1)],
+    aten._log_softmax.default: [s(randn(2, 4, 8, 8), 1, False)],
+    aten.cumsum.default: [s(X, 1), s(XI, 0, dtype=torch.int64)],
+    # ---- reductions ----
+    aten.sum.dim_IntList: [
+        s(X3, [1]), s(X3, [1], True), s(X3, [0, 2]), s(X3, [-1], True), s(X3, []), s(X3, None),
+        s(randint(9, 4, 8), [1]), s(X3, [2], dtype=torch.float64),
+    ],
+    aten.mean.dim: [s(X3, [1]), s(X3, [0, 2], True), s(X3, [-1])],
+    aten.sum.default: [s(X3), s(randint(9, 4, 8))],
+    aten.amax.default: [s(X3, [1]), s(X3, [0, 2], True)],
+    aten.amin.default: [s(X3, [-1], True)],
+    aten.var.correction: [s(X3, [1], correction=1), s(X3, [2], correction=0, keepdim=True)],
+    aten.std.correction: [s(X3, [-1], keepdim=True)],
+    aten.any.dim: [s(bools(4, 8, 12), 1)],
+    aten.all.dim: [s(bools(4, 8, 12), 0, True)],
+    aten.argmax.default: [s(X3, 1), s(X3, -1, True)],
+    aten.argmin.default: [s(X3, 2)],
+    aten.min.default: [s(X)],
+    aten.max.default: [s(X)],
+    # ---- embedding: vocab 16, padding_idx 5 lies inside one rank's rows ----
+    aten.embedding.default: [s(randn(16, 8), IDS), s(randn(16, 8), IDS, 5)],
+    # ---- views ----
+    aten.view.default: [
+        s(randn(2, 3, 16), [2, 3, 4, 4]),  # split the hidden dim into heads
+        s(randn(2, 3, 4, 4), [2, 3, 16]),  # merge heads
+        s(randn(2, 3, 16), [6, 16]),  # flatten
+        s(randn(2, 3, 16), [2, 3, -1, 4]),
+        s(randn(2, 3, 16), [-1, 16]),
+        s(randn(4, 1, 24), [4, 24]),
+        s(randn(4, 24), [4, 24]),
+    ],
+    aten.reshape.default: [s(randn(2, 3, 16), [2, 3, 4, 4]), s(randn(2, 3, 4, 4), [6, -1])],
+    aten._unsafe_view.default: [s(randn(2, 3, 16), [2, 3, 4, 4])],
+    aten.view_copy.default: [s(randn(2, 3, 4, 4), [2, 3, 16])],
+    aten.expand.default: [s(randn(2, 1, 16), [2, 4, -1]), s(randn(4, 16), [3, 4, 16])],
+    aten.slice.Tensor: [
+        s(X3, 1, 0, MAX_INT),
+        s(X3, 2, 2, 10),
+        s(X3, -1, 0, 6, 2),
+        s(X3, 0, 0, 4),
+        s(X3, 1),
+    ],
+    aten.select.int: [s(X3, 1, 3), s(X3, -1, 0)],
+    aten.split.Tensor: [s(randn(4, 24), 8, 1), s(randn(8, 12), 4), s(randn(4, 24), 10, -1)],
+    aten.split_with_sizes.default: [s(randn(4, 24), [8, 8, 8], 1), s(randn(4, 24), [16, 8], -1)],
+    aten.chunk.default: [s(randn(4, 24), 3, 1), s(randn(8, 12), 2)],
+    aten.cat.default: [
+        s([randn(4, 8), randn(4, 8), randn(4, 8)], 1),
+        s([randn(4, 8), randn(4, 8)]),
+        s([randn(4, 8), randn(4, 4)], -1),
+    ],
+    aten.transpose.int: [s(X3, 0, 2), s(X3, -1, -2)],
+    aten.t.default: [s(X), s(randn(8))],
+    aten.permute.default: [s(X3, [2, 0, 1]), s(X3, [0, -1, 1])],
+    aten.unsqueeze.default: [s(X, 1), s(X, -1), s(X, 0)],
+    aten.squeeze.dim: [s(randn(8, 1, 12), 1), s(randn(8, 1, 12), -2), s(X, 0), s(randn(4, 8), 0)],
+    aten.squeeze.dims: [s(randn(8, 1, 12, 1), [1, 3]), s(randn(4, 1, 8), [0, 1])],
+    aten.squeeze.default: [s(randn(8, 1, 12, 1)), s(randn(4, 1, 8, 1))],
+    # ---- linear pointwise ----
+    **unary([aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+             aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default]),
+    aten.add.Tensor: [s(X, randn(12)), s(X3, randn(4, 1, 12), alpha=2), s(X, 1.0), s(XI, XI)],
+    aten.sub.Tensor: [s(X, randn(8, 1)), s(X3, X3, alpha=0.5)],
+    aten.mul.Tensor: [s(X, randn(12)), s(randn(2, 4, 8, 8), randn(2, 1, 8, 8)), s(XI, 3)],
+    aten.mul.Scalar: [s(X, 2.5)],
+    aten.div.Tensor: [s(X, positive(8, 12)), s(X, 4.0)],
+    aten.div.Scalar: [s(X, 4.0)],
+    aten.add.Scalar: [s(X, 1.0, alpha=2)],
+    aten.sub.Scalar: [s(X, 1.0)],
+    # ---- dtype casts ----
+    aten.to.dtype: [s(X, torch.float64), s(XI, torch.float32), s(X, torch.int64)],
+    aten._to_copy.default: [
+        s(X, dtype=torch.float64), s(XB, dtype=torch.float32), s(WITH_ZEROS, dtype=torch.bool),
+        s(X, dtype=torch.bfloat16),
+    ],
+    aten.to.dtype_layout: [
+        s(X, dtype=torch.float64, layout=torch.strided, device=torch.device("cpu")),
+        s(X, dtype=torch.int32, layout=torch.strided, device=torch.device("cpu")),
+    ],
+    aten.to.device: [s(X, torch.device("cpu"), torch.float64)],
+    aten.to.other: [s(X, randn(8, 12, dtype=torch.float64))],
+    aten.type_as.default: [s(X, randn(12, dtype=torch.float64)), s(X, randn(3))],
+    # ---- nonlinear pointwise ----
+    **unary([aten.relu.default, aten.silu.default, aten.sigmoid.default,
+             aten.tanh.default, aten.exp.default, aten.abs.default, aten.sin.default,
+             aten.cos.default, aten.erf.default, aten.square.default, aten.relu_.default,
+             aten.mish.default, aten.elu.default, aten.sign.default, aten.floor.default,
+             aten.ceil.default, aten.round.default, aten.softplus.default,
+             aten.hardtanh.default, aten.leaky_relu.default, aten.zeros_like.default,
+             aten.ones_like.default]),
+    **unary([aten.log.default, aten.rsqrt.default, aten.sqrt.default, aten.reciprocal.default],
+            x=positive(8, 12)),
+    aten.pow.Tensor_Scalar: [s(positive(8, 12), 2.5)],
+    aten.pow.Tensor_Tensor: [s(positive(8, 12), positive(12))],
+    aten.pow.Scalar: [s(2.0, X)],
+    aten.gelu.default: [s(X), s(X, approximate="tanh")],
+    aten.clamp.default: [s(X, -0.5, 0.5), s(X, None, 0.1)],
+    aten.clamp_min.default: [s(X, 0.0)],
+    aten.clamp_max.default: [s(X, 0.0)],
+    aten.maximum.default: [s(X, randn(12))],
+    aten.minimum.default: [s(X, randn(8, 1))],
+    aten.full_like.default: [s(X, 3.0)],
+    aten.empty_like.default: [s(XI)],  # filled deterministically, see _deterministic_fill
+    aten.dropout.default: [s(X, 0.5, False)],
+    aten.isinf.default: [s(WITH_INF)],
+    aten.isnan.default: [s(WITH_NAN)],
+    aten.fmod.Scalar: [s(X, 0.3)],
+    aten.remainder.Scalar: [s(XI, 3)],
+    aten.floor_divide.default: [s(XI, randint(4, 12) + 1)],
+    # ---- comparisons and logic on int/bool tensors, with broadcast masks ----
+    **{op: [s(XI, randint(5, 12)), s(X, randn(8, 1))]
+       for op in (aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
+                  aten.gt.Tensor, aten.ge.Tensor)},
+    **{op: [s(XI, 2), s(X, 0.0)]
+       for op in (aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar,
+                  aten.gt.Scalar, aten.ge.Scalar)},
+    **unary([aten.logical_not.default, aten.bitwise_not.default], x=XB),
+    **{op: [s(XB, bools(12)), s(bools(2, 4, 8, 8), CAUSAL)]
+       for op in (aten.logical_and.default, aten.logical_or.default, aten.__and__.Tensor,
+                  aten.__or__.Tensor)},
+    aten.bitwise_and.Tensor: [s(XI, randint(7, 8, 1))],
+    aten.bitwise_or.Tensor: [s(XI, XI.flip(0)), s(XB, XB)],
+    aten.where.self: [
+        s(CAUSAL.expand(2, 1, 8, 8).clone(), randn(2, 4, 8, 8), torch.tensor(-100.0)),
+        s(XB, X, randn(12)),
+    ],
+    aten.masked_fill.Scalar: [
+        s(randn(2, 4, 8, 8), ~CAUSAL.expand(2, 1, 8, 8).clone(), -100.0),
+        s(randn(2, 4, 8, 8), ~CAUSAL, 0.0),
+    ],
+    aten.masked_fill.Tensor: [s(randn(2, 4, 8, 8), bools(2, 4, 8, 8), torch.tensor(-5.0))],
+    # ---- factories and replicated-by-design ops ----
+    aten.arange.default: [s(8), s(8, dtype=torch.float32)],
+    aten.arange.start: [s(2, 10)],
+    aten.arange.start_step: [s(0, 16, 2)],
+    aten.full.default: [s([4, 8], 1.5)],
+    aten.zeros.default: [s([4, 8])],
+    aten.ones.default: [s([4, 8], dtype=torch.int64)],
+    aten.empty.memory_format: [s([4, 8], dtype=torch.int64)],
+    aten.scalar_tensor.default: [s(3.0, dtype=torch.float32)],
+    aten.new_ones.default: [s(X, [4, 8])],
+    aten.new_zeros.default: [s(XI, [2, 3])],
+    aten.new_full.default: [s(X, [4, 8], 2.0)],
+    aten.new_empty.default: [s(XI, [4, 8])],
+    aten.index.Tensor: [s(X, [randint(8, 5)]), s(X, [None, randint(12, 2, 3)])],
+    aten.gather.default: [s(X, 1, randint(12, 8, 3))],
+    aten.index_select.default: [s(X, 0, randint(8, 5))],
+    aten.diff.default: [s(X, 1, -1), s(X, 1, 0, randn(1, 12), randn(2, 12))],
+    aten.triu.default: [s(randn(8, 8), 1)],
+    aten.tril.default: [s(randn(8, 8))],
+    aten.repeat.default: [s(X, [2, 1])],
+    aten.sort.default: [s(X, -1), s(X, 0, True)],
+    aten.topk.default: [s(X, 3)],
+    aten.bucketize.Tensor: [s(X, torch.tensor([-1.0, 0.0, 1.0]))],
+    aten.searchsorted.Tensor: [s(torch.tensor([-1.0, 0.0, 1.0]), X)],
+    aten.outer.default: [s(randn(8), randn(12))],
+    aten.copy.default: [s(X, randn(8, 12))],
+    aten.lift_fresh.default: [s(X)],
+    # ---- size queries and metadata asserts (no tensor result) ----
+    aten.sym_size.int: [s(X3, 1), s(X3, -1)],
+    aten._assert_tensor_metadata.default: [s(X, dtype=torch.float32)],
+}
+
+NOT_SAMPLED: dict[Any, str] = {
+    op: "higher-order op of torch.export's training IR: takes a subgraph, not tensors"
+    for op in misc.REPLICATED_ONLY if not isinstance(op, torch._ops.OpOverload)
+}
+NOT_SAMPLED[aten.item.default] = "returns a data-dependent Python scalar: no fake output"
+
+# Ops that only ever get the replicated strategies, by design.
+REPLICATED_BY_DESIGN = frozenset(misc.REPLICATED_ONLY)
+# Ops whose output is uninitialized memory: compared under torch's deterministic fill.
+UNINITIALIZED = frozenset({aten.empty_like.default, aten.empty.memory_format,
+                           aten.new_empty.default})
+
+# Real rule bugs found by these tests, marked xfail(strict): (op, sample index, tp) -> reason.
+_SQUEEZE_BUG = ("squeeze_rule keeps S(d) when d's local size is 1 (global size == tp): each "
+                "rank's squeeze also drops the sharded dim")
+_INT_CAST_BUG = ("linear_unary_rule offers (P) -> P for a cast to an integer/bool dtype: "
+                 "int(a1) + int(a2) != int(a1 + a2)")
+_LOW_PRECISION_CAST = ("linear_unary_rule offers (P) -> P for a down-cast: each partial is "
+                       "rounded separately, so the sum is off by ~tp ulps of the partials")
+KNOWN_BUGS: dict[tuple[Any, int, int], str] = {
+    (aten.squeeze.dim, 3, 4): _SQUEEZE_BUG,
+    (aten.squeeze.dims, 1, 4): _SQUEEZE_BUG,
+    (aten.squeeze.default, 1, 4): _SQUEEZE_BUG,
+    **{(op, index, tp): _INT_CAST_BUG for op, index in
+       [(aten.to.dtype, 2), (aten._to_copy.default, 2), (aten.to.dtype_layout, 1)]
+       for tp in TPS},
+    **{(aten._to_copy.default, 3, tp): _LOW_PRECISION_CAST for tp in TPS},
+}
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _cases() -> Iterator[Any]:
+    for op, samples in SAMPLES.items():
+        for index in range(len(samples)):
+            for tp in TPS:
+                marks = []
+                if (op, index, tp) in KNOWN_BUGS:
+                    marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[op, index, tp]))
+                yield pytest.param(op, index, tp, id=f"{op}-{index}-tp{tp}", marks=marks)
+
+
+def _clone(value: Any) -> Any:
+    """Fresh copies of the sample's tensors: in-place ops must not leak between cases."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _deterministic_fill(enabled: bool) -> Iterator[None]:
+    """Under deterministic algorithms torch fills uninitialized memory (ints with their max)."""
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _is_sharded(strategy: Strategy) -> bool:
+    layouts = [*strategy.inputs, *output_layouts(strategy.output)]
+    return any(isinstance(layout, (Shard, Partial)) for layout in layouts)
+
+
+def _call(op: Any, inputs: list[TensorMeta], output: TensorMeta, tp: int) -> OpCall:
+    return OpCall(op, tuple(inputs), {}, tuple(inputs), output, tp, (1, 2, 3))
+
+
+def _sym(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, positive=True, integer=True)
+
+
+# ---- coverage ------------------------------------------------------------------------------
+
+
+def test_every_registered_op_has_a_sample() -> None:
+    registered = set(Registry.default().ops)
+    missing = [str(op) for op in registered if op not in SAMPLES and op not in NOT_SAMPLED]
+    assert not missing, f"registered ops without a sample: {sorted(missing)}"
+    stale = [str(op) for op in {*SAMPLES, *NOT_SAMPLED} if op not in registered]
+    assert not stale, f"sampled ops that no rule registers: {sorted(stale)}"
+    assert not set(SAMPLES) & set(NOT_SAMPLED)
+
+
+# ---- every strategy of every op is exact ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("op", "index", "tp"), list(_cases()))
+def test_strategies_are_exact(op: Any, index: int, tp: int) -> None:
+    args, kwargs = _clone(SAMPLES[op][index])
+    with _deterministic_fill(op in UNINITIALIZED):
+        checks = check_op(op, args, kwargs, tp=tp)
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, f"{op} sample {index} at tp={tp}:\n  " + "\n  ".join(failing)
+    replicated = [c for c in checks if not _is_sharded(c.strategy)]
+    assert len(replicated) >= 2, "the all-R and all-R* strategies must always be checked"
+    if op not in REPLICATED_BY_DESIGN:
+        sharded = [c.strategy for c in checks if _is_sharded(c.strategy)]
+        assert sharded, f"{op} sample {index} at tp={tp} exercised no Shard/Partial strategy"
