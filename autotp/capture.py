@@ -94,7 +94,9 @@ def normalize_example(
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError as exc:
-        raise ConfigError(f"the example inputs do not fit {type(model).__name__}.forward: {exc}")
+        raise ConfigError(
+            f"the example inputs do not fit {type(model).__name__}.forward: {exc}"
+        ) from None
     named = dict(bound.arguments)
     for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:

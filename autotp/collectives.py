@@ -136,7 +136,8 @@ class Redistribute(nn.Module):
             return local_slice(g, src, rank, tp).contiguous()
         raise AssertionError(f"no redistribution {src} -> {dst}")
 
-    def _log(self, kind: str, phase: str, sized: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    def _log(self, kind: str, phase: str, sized: torch.Tensor,
+             result: torch.Tensor) -> torch.Tensor:
         layer = self.layer if phase == "forward" else self.bwd_layer
         nbytes = sized.numel() * sized.element_size()
         self.comm.log.record(kind, phase, layer, nbytes, self.label)

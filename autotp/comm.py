@@ -101,7 +101,7 @@ class ProcessGroupComm(Communicator):
         self._check_device(tensor)
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
-        dist.all_gather_into_tensor(out, moved, group=self.group)
+        _all_gather_single(out, moved, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -109,7 +109,7 @@ class ProcessGroupComm(Communicator):
         moved = tensor.movedim(dim, 0).contiguous()
         if self.backend == "nccl":
             out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
-            dist.reduce_scatter_tensor(out, moved, group=self.group)
+            _reduce_scatter_single(out, moved, group=self.group)
         else:  # gloo has no reduce-scatter of tensors: all-reduce and keep the slice
             dist.all_reduce(moved, group=self.group)
             out = moved.chunk(self.world_size, dim=0)[self.rank].contiguous()
@@ -119,6 +119,11 @@ class ProcessGroupComm(Communicator):
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+# torch >= 2.10 names these *_single; older releases have the *_into_tensor / *_tensor forms.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ThreadHub:

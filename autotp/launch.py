@@ -37,6 +37,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
         code = 1
+    results.close()
+    results.join_thread()  # the result must be on the pipe before the hard exit
     os._exit(code)
 
 

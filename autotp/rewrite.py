@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture import Captured, layer_of, tensor_meta
+from autotp.capture import Captured, layer_of
 from autotp.collectives import DeferredGradReduce, GradBucket, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
-from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor
+from autotp.layout import Replicate, parse_layout, shard_tensor
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry, Strategy
 

@@ -161,7 +161,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         b, t = idx.size()  # (B, T)
-        assert t <= self.config.block_size, f"sequence of {t} exceeds block_size {self.config.block_size}"
+        limit = self.config.block_size
+        assert t <= limit, f"sequence of {t} exceeds block_size {limit}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # (T,)
 
         tok_emb = self.transformer.wte(idx)  # (B, T, C)

@@ -108,7 +108,8 @@ class Plan:
             counts = table[key]
             fwd = sum(v for (phase, _), v in counts.items() if phase == "forward")
             bwd = sum(v for (phase, _), v in counts.items() if phase == "backward")
-            kinds = ", ".join(f"{phase[:3]} {kind}x{v}" for (phase, kind), v in sorted(counts.items()))
+            kinds = ", ".join(f"{phase[:3]} {kind}x{v}"
+                              for (phase, kind), v in sorted(counts.items()))
             label = f"layer {key}" if key is not None else "outside layers"
             lines.append(f"  {label}: {fwd} forward, {bwd} backward collectives ({kinds})")
         if self.fallbacks:

@@ -153,8 +153,12 @@ def elementwise_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.register(*LINEAR_UNARY)
 def linear_unary_rule(call: OpCall) -> Iterator[Strategy]:
     yield from broadcast_shards(call)
-    if len(call.inputs) == 1 and call.inputs[0].floating:
-        yield Strategy((P,), P, name="linear")
+    # A cast is linear only into a floating type at least as wide: int(a1) + int(a2) is not
+    # int(a1 + a2), and rounding each partial sum to bf16 is not rounding their sum.
+    if len(call.inputs) == 1 and isinstance(call.output, TensorMeta):
+        src, dst = call.inputs[0].dtype, call.output.dtype
+        if src.is_floating_point and dst.is_floating_point and dst.itemsize >= src.itemsize:
+            yield Strategy((P,), P, name="linear")
 
 
 @rules.register(*ADDITIVE)

@@ -68,7 +68,8 @@ class Strategy:
 
     def __str__(self) -> str:
         ins = ", ".join(str(layout) for layout in self.inputs)
-        return f"({ins}) -> {format_output(self.output)}" + (f"  [{self.name}]" if self.name else "")
+        suffix = f"  [{self.name}]" if self.name else ""
+        return f"({ins}) -> {format_output(self.output)}{suffix}"
 
 
 def format_output(output: Output) -> str:

@@ -171,6 +171,22 @@ def squeeze_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy((Shard(dim, blocks),), Shard(dim - shift, blocks), name="view")
 
 
+@rules.lowering(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    """Squeeze exactly the dims that are 1 globally: a shard of size 1 must stay."""
+    if not isinstance(strategy.inputs[0], Shard):
+        return
+    shape = node.args[0].meta["val"].shape
+    if node.target == aten.squeeze.default:
+        dims = [d for d in range(len(shape)) if shape[d] == 1]
+    else:
+        given = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [normalize_dim(d, len(shape)) for d in given]
+        dims = [d for d in dims if shape[d] == 1]
+    node.target = aten.squeeze.dims
+    node.args = (node.args[0], dims)
+
+
 @rules.register(aten.expand.default)
 def expand_rule(call: OpCall) -> Iterator[Strategy]:
     src, dst = call.inputs[0], call.out
@@ -194,7 +210,8 @@ def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -
 def slice_rule(call: OpCall) -> Iterator[Strategy]:
     src = call.inputs[0]
     dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
-    full = _is_full_slice(src, dim, call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1))
+    full = _is_full_slice(src, dim, call.arg(2, "start"), call.arg(3, "end"),
+                          call.arg(4, "step", 1))
     yield Strategy((P,), P, name="linear")
     for d, blocks in shardable_dims(src, call):
         if d != dim or full:

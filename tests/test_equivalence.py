@@ -116,7 +116,7 @@ def test_other_batch_and_sequence_sizes() -> None:
     for b, t in [(1, 5), (4, 32)]:
         ids = batch(seed=7, b=b, t=t)
         expected = model(ids).logits
-        outs = sim.run(lambda module: module(ids).logits.detach())
+        outs = sim.run(lambda module, ids=ids: module(ids).logits.detach())
         for out in outs:
             assert out.shape == expected.shape
             assert float((out - expected).abs().max()) <= ATOL

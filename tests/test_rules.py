@@ -10,11 +10,12 @@ gradient semantics are tested directly below.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 import sympy
 import torch
+from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
 from autotp.layout import R, R_STAR, Partial, Replicate, Shard
 from autotp.rules import misc
@@ -88,6 +89,7 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.scaled_dot_product_attention.default: [
         s(*QKV),
         s(*QKV, CAUSAL.expand(2, 1, 8, 8).clone()),
+        s(*QKV, randn(2, 1, 8, 8)),
         s(*QKV, randn(2, 4, 8, 8)),
         s(*QKV, randn(8, 8)),
         s(*QKV, is_causal=True, scale=0.5),
@@ -266,35 +268,18 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten._assert_tensor_metadata.default: [s(X, dtype=torch.float32)],
 }
 
+_HIGHER_ORDER = "higher-order op (no-grad/autocast region): takes a subgraph, not an aten call"
 NOT_SAMPLED: dict[Any, str] = {
-    op: "higher-order op of torch.export's training IR: takes a subgraph, not tensors"
-    for op in misc.REPLICATED_ONLY if not isinstance(op, torch._ops.OpOverload)
+    wrap_with_set_grad_enabled: _HIGHER_ORDER,
+    wrap_with_autocast: _HIGHER_ORDER,
+    aten.item.default: "data-dependent Python scalar: check_op's FakeTensorMode cannot run it",
 }
-NOT_SAMPLED[aten.item.default] = "returns a data-dependent Python scalar: no fake output"
 
 # Ops that only ever get the replicated strategies, by design.
 REPLICATED_BY_DESIGN = frozenset(misc.REPLICATED_ONLY)
 # Ops whose output is uninitialized memory: compared under torch's deterministic fill.
 UNINITIALIZED = frozenset({aten.empty_like.default, aten.empty.memory_format,
                            aten.new_empty.default})
-
-# Real rule bugs found by these tests, marked xfail(strict): (op, sample index, tp) -> reason.
-_SQUEEZE_BUG = ("squeeze_rule keeps S(d) when d's local size is 1 (global size == tp): each "
-                "rank's squeeze also drops the sharded dim")
-_INT_CAST_BUG = ("linear_unary_rule offers (P) -> P for a cast to an integer/bool dtype: "
-                 "int(a1) + int(a2) != int(a1 + a2)")
-_LOW_PRECISION_CAST = ("linear_unary_rule offers (P) -> P for a down-cast: each partial is "
-                       "rounded separately, so the sum is off by ~tp ulps of the partials")
-KNOWN_BUGS: dict[tuple[Any, int, int], str] = {
-    (aten.squeeze.dim, 3, 4): _SQUEEZE_BUG,
-    (aten.squeeze.dims, 1, 4): _SQUEEZE_BUG,
-    (aten.squeeze.default, 1, 4): _SQUEEZE_BUG,
-    **{(op, index, tp): _INT_CAST_BUG for op, index in
-       [(aten.to.dtype, 2), (aten._to_copy.default, 2), (aten.to.dtype_layout, 1)]
-       for tp in TPS},
-    **{(aten._to_copy.default, 3, tp): _LOW_PRECISION_CAST for tp in TPS},
-}
-
 
 # ---- helpers -------------------------------------------------------------------------------
 
@@ -303,10 +288,7 @@ def _cases() -> Iterator[Any]:
     for op, samples in SAMPLES.items():
         for index in range(len(samples)):
             for tp in TPS:
-                marks = []
-                if (op, index, tp) in KNOWN_BUGS:
-                    marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[op, index, tp]))
-                yield pytest.param(op, index, tp, id=f"{op}-{index}-tp{tp}", marks=marks)
+                yield pytest.param(op, index, tp, id=f"{op}-{index}-tp{tp}")
 
 
 def _clone(value: Any) -> Any:
@@ -371,6 +353,93 @@ def test_strategies_are_exact(op: Any, index: int, tp: int) -> None:
     assert not failing, f"{op} sample {index} at tp={tp}:\n  " + "\n  ".join(failing)
     replicated = [c for c in checks if not _is_sharded(c.strategy)]
     assert len(replicated) >= 2, "the all-R and all-R* strategies must always be checked"
-    if op not in REPLICATED_BY_DESIGN:
-        sharded = [c.strategy for c in checks if _is_sharded(c.strategy)]
+    sharded = [str(c.strategy) for c in checks if _is_sharded(c.strategy)]
+    if op in REPLICATED_BY_DESIGN:
+        assert not sharded, f"{op} is replicated-only by design but offers {sharded}"
+    else:
         assert sharded, f"{op} sample {index} at tp={tp} exercised no Shard/Partial strategy"
+
+
+# ---- the reshape algebra -------------------------------------------------------------------
+
+S0, S1 = _sym("s0"), _sym("s1")
+VIEW_GROUPS = [
+    ((S0, S1, 192), (S0 * S1, 192), [((0, 1), (0,)), ((2,), (1,))]),
+    ((S0 * S1, 192), (S0, S1, 192), [((0,), (0, 1)), ((1,), (2,))]),
+    ((S0, S1, 64), (S0, S1, 4, 16), [((0,), (0,)), ((1,), (1,)), ((2,), (2, 3))]),
+    ((2, 3, 16), (2, 3, 4, 4), [((0,), (0,)), ((1,), (1,)), ((2,), (2, 3))]),
+    ((2, 3, 4, 4), (2, 3, 16), [((0,), (0,)), ((1,), (1,)), ((2, 3), (2,))]),
+    ((2, 3, 16), (6, 16), [((0, 1), (0,)), ((2,), (1,))]),
+    ((6, 4), (4, 6), [((0, 1), (0, 1))]),
+    ((4, 1, 8), (4, 8), [((0,), (0,)), ((1,), ()), ((2,), (1,))]),
+    ((8,), (1, 8), [((), (0,)), ((0,), (1,))]),
+    ((1, 1), (1,), [((0,), (0,)), ((1,), ())]),
+]
+
+SHARD_THROUGH_VIEW = [
+    # splitting the hidden dim into heads keeps the shard iff tp divides the heads
+    ((2, 3, 32), (2, 3, 8, 4), Shard(2), 4, Shard(2)),
+    ((2, 3, 8), (2, 3, 2, 4), Shard(2), 4, None),
+    ((2, 3, 8), (2, 3, 2, 4), Shard(2), 2, Shard(2)),
+    ((S0, S1, 64), (S0, S1, 4, 16), Shard(2), 4, Shard(2)),
+    ((S0, S1, 64), (S0, S1, 4, 16), Shard(2), 8, None),
+    # merging heads: only the major (head) dim carries a shard through
+    ((2, 3, 4, 4), (2, 3, 16), Shard(2), 4, Shard(2)),
+    ((2, 3, 4, 4), (2, 3, 16), Shard(3), 2, None),
+    # flattening: the major dim's shard survives if the merged size is static
+    ((4, 3, 16), (12, 16), Shard(0), 4, Shard(0)),
+    ((2, 3, 16), (6, 16), Shard(2), 2, Shard(1)),
+    ((S0, S1, 192), (S0 * S1, 192), Shard(2), 4, Shard(1)),
+    ((S0, S1, 192), (S0 * S1, 192), Shard(1), 2, None),
+    # blocked shards only pass through one-to-one groups
+    ((4, 24), (4, 24), Shard(1, 3), 2, Shard(1, 3)),
+    ((4, 24), (4, 3, 8), Shard(1, 3), 2, None),
+    # size-1 dims are skipped on either side
+    ((4, 1, 8), (4, 8), Shard(2), 2, Shard(1)),
+    ((8,), (1, 8), Shard(0), 4, Shard(1)),
+    ((1, 8), (8,), Shard(1), 2, Shard(0)),
+]
+
+
+def _shape_id(shape: tuple) -> str:
+    return "[" + ",".join(str(size).replace(" ", "") for size in shape) + "]"
+
+
+@pytest.mark.parametrize(("src", "dst", "groups"), [
+    pytest.param(*case, id=f"{_shape_id(case[0])}->{_shape_id(case[1])}") for case in VIEW_GROUPS
+])
+def test_view_groups(src: tuple, dst: tuple, groups: list) -> None:
+    assert view_groups(src, dst) == groups
+
+
+def test_view_groups_rejects_a_size_change() -> None:
+    with pytest.raises(ValueError):
+        view_groups((2, 3), (7,))
+
+
+@pytest.mark.parametrize(("src", "dst", "shard", "tp", "expected"), [
+    pytest.param(*case, id=f"{_shape_id(case[0])}->{_shape_id(case[1])}-{case[2]}-tp{case[3]}")
+    for case in SHARD_THROUGH_VIEW
+])
+def test_map_shard_through_view(src: tuple, dst: tuple, shard: Shard, tp: int,
+                                expected: Optional[Shard]) -> None:
+    src_meta, dst_meta = TensorMeta(src, torch.float32), TensorMeta(dst, torch.float32)
+    assert map_shard_through_view(shard, src_meta, dst_meta, tp) == expected
+
+
+# ---- gradient semantics of the registry ----------------------------------------------------
+
+
+def test_mm_strategies_read_replicated_inputs_as_partial_gradients() -> None:
+    a, b, out = (TensorMeta(shape, torch.float32) for shape in [(8, 12), (12, 24), (8, 24)])
+    strategies = Registry.default().strategies(_call(aten.mm.default, [a, b], out, tp=2))
+    layouts = {(st.inputs, st.output) for st in strategies}
+    assert ((R, R), R) in layouts and ((R_STAR, R_STAR), R_STAR) in layouts
+    sharded = [st for st in strategies if isinstance(st.output, (Shard, Partial))]
+    assert {st.name for st in sharded} >= {"column", "row", "linear"}
+    for strategy in sharded:
+        replicated = [x for x in strategy.inputs if isinstance(x, Replicate)]
+        assert all(x == R_STAR for x in replicated), f"{strategy} reads an exact R input"
+    # column parallel: x read R*, W sharded by columns; row parallel: both sharded, P out
+    assert ((R_STAR, Shard(1)), Shard(1)) in layouts
+    assert ((Shard(1), Shard(0)), Partial()) in layouts
