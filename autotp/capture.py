@@ -136,6 +136,11 @@ def capture(
         named, signature = normalize_example(model, (), named)
     else:
         named, signature = normalize_example(model, example_args or (), example_kwargs or {})
+    # Fresh contiguous copies: an example that is a view, or two inputs that are one tensor,
+    # would otherwise become stride and aliasing guards of the traced program.
+    named = pytree.tree_map(
+        lambda v: v.detach().clone(memory_format=torch.contiguous_format)
+        if isinstance(v, torch.Tensor) else v, named)
     try:
         ep = torch.export.export(
             model, (), named, dynamic_shapes=_dynamic_shapes(named), strict=False

@@ -102,7 +102,7 @@ class ProcessGroupComm(Communicator):
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
         _all_gather_single(out, moved, group=self.group)
-        return out.movedim(0, dim)
+        return out.movedim(0, dim).contiguous()  # views of it must work as in the original
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
@@ -112,8 +112,8 @@ class ProcessGroupComm(Communicator):
             _reduce_scatter_single(out, moved, group=self.group)
         else:  # gloo has no reduce-scatter of tensors: all-reduce and keep the slice
             dist.all_reduce(moved, group=self.group)
-            out = moved.chunk(self.world_size, dim=0)[self.rank].contiguous()
-        return out.movedim(0, dim)
+            out = moved.chunk(self.world_size, dim=0)[self.rank]
+        return out.movedim(0, dim).contiguous()
 
     def all_gather_object(self, obj: object) -> list[object]:
         out: list[object] = [None] * self.world_size

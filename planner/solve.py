@@ -60,6 +60,7 @@ class PNode:
     is_param: bool = False
     ndim: int = 0
     fallback: bool = False
+    is_output: bool = False  # the user receives it: gathering it is needed anyway
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,9 @@ def build_problem(
         elif node.op == "output":
             pn.kind = "output"
             pn.inputs = [n.name for n in tensor_inputs(node)]
+            for pred in pnodes:
+                if pred.node.name in pn.inputs:
+                    pred.is_output = True
         elif node.op == "call_function":
             ins = tensor_inputs(node)
             if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
@@ -397,7 +401,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
             continue
         if isinstance(have, Replicate) and isinstance(want, Shard) and src_pn.kind != "leaf":
             sliced = True
-        step = transition(have, want, requires_grad=src_pn.requires_grad, to_output=to_output,
+        step = transition(have, want, requires_grad=src_pn.requires_grad,
+                          to_output=to_output or src_pn.is_output,
                           sequence_parallel=options.sequence_parallel)
         if step is None:
             return None
@@ -465,7 +470,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                     isinstance(want, Replicate):
                 continue
             step = transition(have, want, requires_grad=src.requires_grad,
-                              to_output=pn.kind == "output",
+                              to_output=pn.kind == "output" or src.is_output,
                               sequence_parallel=options.sequence_parallel)
             assert step is not None, (name, have, want)
             fwd_layer = layer_of(src.node) if src.kind == "op" else layer_of(pn.node)

@@ -51,6 +51,13 @@ REPLICATED_ONLY = [
     aten.lift_fresh.default,
     aten.min.default,
     aten.max.default,
+    # losses: computed on replicated (gathered) inputs; vocabulary-parallel losses come from
+    # the reduction rules, not from these ops
+    aten.nll_loss_forward.default,
+    aten.nll_loss_nd.default,
+    aten.nll_loss.default,
+    aten.cross_entropy_loss.default,
+    aten.mse_loss.default,
 ]
 
 try:  # higher-order ops of torch.export's training IR (no-grad / autocast regions)

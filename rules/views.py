@@ -275,3 +275,17 @@ def cat_rule(call: OpCall) -> Iterator[Strategy]:
     sizes = {m.shape[dim] for m in call.inputs}
     if n > 1 and len(sizes) == 1 and call.inputs[0].shardable(dim, call.tp):
         yield Strategy((Shard(dim),) * n, Shard(dim, n), name="cat blocks")
+
+
+@rules.register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> Iterator[Strategy]:
+    """Padding the last len(pad)/2 dims keeps a shard of any other dim (and P for zero fill)."""
+    src = call.inputs[0]
+    padded = len(call.args[1]) // 2
+    for d, blocks in shardable_dims(src, call):
+        if d < src.ndim - padded:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
+    value = call.arg(3, "value", 0.0) if call.op == aten.pad.default else call.arg(2, "value", 0)
+    mode = call.arg(2, "mode", "constant") if call.op == aten.pad.default else "constant"
+    if mode == "constant" and not value and call.out.floating:
+        yield Strategy((P,), P, name="linear")

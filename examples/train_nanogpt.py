@@ -1,0 +1,73 @@
+"""Train the nanoGPT-style model of examples/nanogpt.py with autotp tensor parallelism.
+
+    torchrun --nproc-per-node 2 examples/train_nanogpt.py --steps 20
+    torchrun --nproc-per-node 8 examples/train_nanogpt.py --n-layer 12 --n-embd 768 --n-head 12
+
+NCCL on GPUs when CUDA is available, gloo on CPU otherwise. The model file is unmodified
+single-device code; autotp finds the Megatron layout (fused qkv included) from its graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autotp  # noqa: E402
+from nanogpt import GPT, GPTConfig  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+
+    torch.manual_seed(0)  # the same weights on every rank
+    config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       vocab_size=1024, block_size=args.seq, dropout=0.0)
+    model = GPT(config).to(device)
+    idx = torch.randint(0, config.vocab_size, (2, 16), device=device)
+    sharded = autotp.parallelize(model, example_args=(idx, idx))  # inputs and targets
+    del model
+    if rank == 0:
+        print(sharded.plan.summary())
+
+    opt = torch.optim.AdamW(sharded.parameters(), lr=3e-4)
+    data = torch.Generator().manual_seed(1)  # the same batches on every rank
+    for step in range(args.steps):
+        x = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=data)
+        x = x.to(device)
+        start = time.perf_counter()
+        _, loss = sharded(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - start):.0f} ms")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
