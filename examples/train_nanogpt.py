@@ -64,7 +64,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - start):.0f} ms")
+            ms = 1e3 * (time.perf_counter() - start)
+            print(f"step {step:3d}  loss {loss.item():.4f}  {ms:.0f} ms")
     dist.barrier()
     dist.destroy_process_group()
 

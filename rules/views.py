@@ -84,7 +84,11 @@ def map_shard_through_view(
     layout: Shard, src: TensorMeta, dst: TensorMeta, tp: int
 ) -> Optional[Shard]:
     """The output shard a reshape gives an input shard, or None if it cannot be kept."""
-    for in_dims, out_dims in view_groups(src.shape, dst.shape):
+    try:
+        groups = view_groups(src.shape, dst.shape)
+    except ValueError:  # symbolic sizes the algebra cannot line up (e.g. T // 2): replicate
+        return None
+    for in_dims, out_dims in groups:
         if layout.dim not in in_dims:
             continue
         major_in = [d for d in in_dims if _expr(src.shape[d]) != 1]

@@ -7,8 +7,12 @@ from typing import Any
 import torch
 
 
-def equivalence_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
-    """parallelize ``name`` over the gloo group; compare with the unsharded model."""
+def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
+                     ) -> dict[str, Any]:
+    """parallelize ``name`` over the gloo group; compare with the unsharded model.
+
+    With ``labels`` the model computes its own loss (HF ``labels=``) from gathered logits.
+    """
     import autotp
     from autotp.verify import compare, layer_counts, reference_step, sharded_step
     from models import BUILDERS, batch, example, loss_of, main_output
@@ -16,15 +20,17 @@ def equivalence_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = BUILDERS[name]()
     args, kwargs = example(name)
+    if labels:
+        kwargs = {**kwargs, "labels": kwargs["input_ids"]}
     sharded = autotp.parallelize(model, tp=world_size, example_args=args,
                                  example_kwargs=kwargs)
     ids = batch()
 
     def call(m: torch.nn.Module) -> Any:
-        return m(ids)
+        return m(ids, labels=ids) if labels else m(ids)
 
     def loss(out: Any) -> torch.Tensor:
-        return loss_of(out, ids)
+        return out.loss if labels else loss_of(out, ids)
 
     reference = reference_step(model, call, loss, main_output)
     got = sharded_step(sharded, call, loss, main_output)

@@ -26,3 +26,11 @@ def test_gloo_processes_match_unsharded(name: str, tp: int) -> None:
         for layer in (0, 1):
             assert r["counts"][layer] == {"forward": 2, "backward": 2}, (rank, r["counts"])
         assert r["local_params"] < r["full_params"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gloo_loss_computed_by_the_model(name: str) -> None:
+    """HF computes the loss from labels= inside forward: the traced loss matches too."""
+    for r in run_processes(equivalence_case, 2, name, True, timeout=240):
+        assert r["loss_diff"] <= ATOL and r["output_diff"] <= ATOL, r
+        assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r

@@ -122,6 +122,18 @@ def test_other_batch_and_sequence_sizes() -> None:
             assert float((out - expected).abs().max()) <= ATOL
 
 
+def test_example_may_be_a_view_or_aliased() -> None:
+    """An example that is a slice, passed twice (input_ids and labels), must not become a
+    stride or aliasing guard of the traced program."""
+    model = BUILDERS["gpt2"]()
+    ids = batch(b=4, t=32)
+    example = {"input_ids": ids[:2, :16], "labels": ids[:2, :16]}
+    sim = autotp.simulate(model, 2, example_kwargs=example)
+    expected = float(model(input_ids=ids, labels=ids).loss)
+    for loss in sim.run(lambda m: float(m(input_ids=ids, labels=ids).loss.detach())):
+        assert abs(loss - expected) <= ATOL
+
+
 def test_output_structure_is_kept() -> None:
     model, sim = _simulate("bert", 2)
     ids = batch()

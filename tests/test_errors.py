@@ -1,0 +1,99 @@
+"""Bad input gets an AutotpError that says what to change, never a deep internal trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.launch import run_processes
+from models import BUILDERS, example
+
+
+def test_tp_not_dividing_heads_names_valid_values() -> None:
+    model = BUILDERS["gpt2"]()  # 8 heads
+    with pytest.raises(autotp.PlanError, match=r"tp=3 does not divide the 8 attention heads; "
+                                               r"use tp in \{1, 2, 4, 8\}"):
+        autotp.plan(model, 3)
+
+
+@pytest.mark.parametrize("tp", [0, -2, 2.0, "2", True])
+def test_tp_must_be_a_positive_int(tp: object) -> None:
+    with pytest.raises(autotp.ConfigError, match="tp must be a positive int"):
+        autotp.plan(BUILDERS["gpt2"](), tp)  # type: ignore[arg-type]
+
+
+def test_model_must_be_a_module() -> None:
+    with pytest.raises(autotp.ConfigError, match="takes a torch.nn.Module"):
+        autotp.plan(lambda x: x, 2)  # type: ignore[arg-type]
+
+
+def test_parallelize_needs_a_process_group() -> None:
+    with pytest.raises(autotp.ConfigError, match="initialized process group"):
+        autotp.parallelize(BUILDERS["gpt2"](), tp=2)
+
+
+def _tp_mismatch(rank: int, world_size: int) -> str:
+    from models import BUILDERS
+
+    try:
+        autotp.parallelize(BUILDERS["gpt2"](), tp=4)
+    except autotp.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_tp_must_match_the_group() -> None:
+    messages = run_processes(_tp_mismatch, 2, timeout=120)
+    assert all("tp=4 but the process group has 2 ranks" in m for m in messages), messages
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # control flow on a tensor value
+            return self.proj(x)
+        return -self.proj(x)
+
+
+def test_untraceable_model_names_the_user_line() -> None:
+    with pytest.raises(autotp.TraceError) as info:
+        autotp.plan(DataDependent(), 2, example_args=(torch.randn(2, 4, 8),))
+    text = str(info.value)
+    assert "test_errors.py" in text and "if x.sum() > 0" in text
+    assert "torch.where" in text
+
+
+class UsesAnOpWithoutRule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.det(self.proj(x).reshape(-1, 2, 4, 2, 2).sum(2))
+
+
+def test_op_without_rule_is_named_or_replicated_when_not_strict() -> None:
+    model = UsesAnOpWithoutRule()
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(autotp.NoRuleError, match=r"no layout rule for aten\.linalg_det") as info:
+        autotp.plan(model, 2, example_args=(x,))
+    assert "test_errors.py" in str(info.value)
+    plan = autotp.plan(model, 2, example_args=(x,), strict=False)
+    assert any("linalg_det" in f for f in plan.fallbacks)
+    sim = autotp.simulate(model, 2, example_args=(x,), strict=False)
+    for out in sim.run(lambda m: m(x).detach()):
+        assert torch.allclose(out, model(x), atol=1e-5)
+
+
+def test_untraced_input_is_refused_with_a_fix() -> None:
+    model = BUILDERS["gpt2"]()
+    args, kwargs = example("gpt2")
+    sim = autotp.simulate(model, 2, example_args=args, example_kwargs=kwargs)
+    ids = kwargs["input_ids"]
+    with pytest.raises(autotp.ConfigError, match=r"traced without \['labels'\]"):
+        sim.ranks[0](input_ids=ids, labels=ids)
