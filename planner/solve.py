@@ -19,7 +19,6 @@ the printed state so that plans are deterministic.
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from autotp.capture import (
 from autotp.errors import NoRuleError, PlanError, where
 from autotp.layout import R, R_STAR, Layout, Partial, Replicate, Shard, local_shape
 from autotp.planner.cost import CostModel, readable
+from autotp.planner.frontier import FrontierSolver, leaf_memory_cost
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import Registry, Strategy, format_output, output_layouts
@@ -61,13 +61,16 @@ class PNode:
     ndim: int = 0
     fallback: bool = False
     is_output: bool = False  # the user receives it: gathering it is needed anyway
+    live: bool = False  # some later node reads it
+    split: Optional[list[bool]] = None  # per strategy: is the work divided among ranks
 
 
 @dataclass(frozen=True)
 class PlanOptions:
     strict: bool = True
     sequence_parallel: bool = False
-    max_states: int = 256
+    max_states: int = 64
+    reuse_layers: bool = True
 
 
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
@@ -96,17 +99,15 @@ def plan_graph(
 
 
 def block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
-    """Segment counts worth considering for blocked shards: the arity of splits and cats."""
+    """Segment counts worth considering for blocked shards: the arity of equal splits (a fused
+    q|k|v or gate|up projection is split into its parts)."""
     counts = {1}
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        if node.op == "call_function" and node.target in (
+                aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             val = node.meta.get("val")
             if isinstance(val, (list, tuple)) and len(val) > 1:
                 counts.add(len(val))
-        elif node.target == aten.cat.default and len(node.args[0]) > 1:
-            counts.add(len(node.args[0]))
     return tuple(sorted(counts))
 
 
@@ -163,6 +164,7 @@ def build_problem(
     dims = captured.dim_names
     pnodes: list[PNode] = []
     grad: dict[str, bool] = {}
+    strategy_memo: dict[Any, list[Strategy]] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         pn = PNode(node=node, kind="skip")
@@ -191,7 +193,11 @@ def build_problem(
             elif node.target in registry:
                 pn.kind = "op"
                 pn.inputs = [n.name for n in ins]
-                pn.strategies = registry.strategies(make_call(node, tp, blocks))
+                call = make_call(node, tp, blocks)
+                memo_key = _call_key(call)
+                if memo_key not in strategy_memo:  # repeated layers repeat their calls
+                    strategy_memo[memo_key] = registry.strategies(call)
+                pn.strategies = strategy_memo[memo_key]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
                 if options.strict:
                     raise NoRuleError(
@@ -216,6 +222,14 @@ def build_problem(
             pn.flops = _flops(node, cost_model, dims)
         pnodes.append(pn)
     return pnodes
+
+
+def _call_key(call: Any) -> Any:
+    try:
+        return (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs,
+                call.output)
+    except TypeError:  # unhashable argument: no memo
+        return object()
 
 
 def _map_out(out: Any, layout: Layout) -> Any:
@@ -249,64 +263,16 @@ def solve(
     for i, pn in enumerate(pnodes):
         for name in pn.inputs:
             last_use[name] = i
-    leaf_candidates = _leaf_candidates(pnodes, by_name)
+    for pn in pnodes:
+        pn.live = pn.node.name in last_use
 
-    # state key -> (cost, entries); entries: name -> Entry
-    states: dict[tuple, tuple[float, dict[str, Entry]]] = {(): (0.0, {})}
-    history: list[dict[tuple, tuple[tuple, Any]]] = []
-    for i, pn in enumerate(pnodes):
-        step: dict[tuple, tuple[tuple, Any]] = {}
-        new_states: dict[tuple, tuple[float, dict[str, Entry]]] = {}
-        if pn.kind in ("op", "getitem", "output"):
-            entering = [n for n in dict.fromkeys(pn.inputs)
-                        if by_name[n].kind == "leaf"]
-            for key, (cost, entries) in states.items():
-                fresh = [n for n in entering if n not in entries]
-                options_per_leaf = [leaf_candidates[n] for n in fresh]
-                for leaf_choice in itertools.product(*options_per_leaf):
-                    base = dict(entries)
-                    base_cost = cost
-                    for name, layout in zip(fresh, leaf_choice):
-                        base[name] = (layout, frozenset())
-                        leaf = by_name[name]
-                        per_rank = leaf.nbytes / tp if isinstance(layout, Shard) else leaf.nbytes
-                        base_cost += cost_model.memory_cost(per_rank, leaf.ndim) if \
-                            leaf.is_param else 0.0
-                    for choice, (new_cost, new_entries) in _transitions(
-                        pn, base, base_cost, by_name, tp, cost_model, options
-                    ):
-                        for name in dict.fromkeys(pn.inputs):
-                            if last_use[name] == i:
-                                new_entries.pop(name, None)
-                        new_key = _key(new_entries)
-                        old = new_states.get(new_key)
-                        if old is None or new_cost < old[0] - 1e-15:
-                            new_states[new_key] = (new_cost, new_entries)
-                            step[new_key] = (key, (choice, tuple(zip(fresh, leaf_choice))))
-            if not new_states:
-                raise PlanError(f"no exact tensor-parallel plan at tp={tp} reaches this node"
-                                f"{where(pn.node)}")
-            if len(new_states) > options.max_states:
-                kept = sorted(new_states.items(), key=lambda kv: (kv[1][0], repr(kv[0])))
-                new_states = dict(kept[: options.max_states])
-            states = new_states
-        else:
-            step = {key: (key, None) for key in states}
-        history.append(step)
+    def transition(pn: PNode, entries: dict, cost: float):
+        return _transitions(pn, entries, cost, by_name, tp, cost_model, options)
 
-    best_key = min(states, key=lambda k: (states[k][0], repr(k)))
-    total = states[best_key][0]
-    decisions: dict[str, Any] = {}
-    key = best_key
-    for i in range(len(pnodes) - 1, -1, -1):
-        prev_key, payload = history[i][key]
-        if payload is not None:
-            choice, leaves = payload
-            decisions[pnodes[i].node.name] = choice
-            for name, layout in leaves:
-                decisions.setdefault(name, layout)
-        key = prev_key
-    return decisions, total
+    solver = FrontierSolver(pnodes, by_name, last_use, _leaf_candidates(pnodes, by_name),
+                            leaf_memory_cost(tp, cost_model), transition, options.max_states,
+                            reuse_layers=options.reuse_layers)
+    return solver.run()
 
 
 def _leaf_candidates(pnodes: list[PNode], by_name: dict[str, PNode]) -> dict[str, list[Layout]]:
@@ -323,15 +289,9 @@ def _leaf_candidates(pnodes: list[PNode], by_name: dict[str, PNode]) -> dict[str
     return out
 
 
-def _key(entries: dict[str, Entry]) -> tuple:
-    return tuple(sorted(
-        (name, _layout_text(layout), tuple(sorted(str(m) for m in mat)))
-        for name, (layout, mat) in entries.items()
-    ))
-
-
-def _layout_text(layout: Any) -> str:
-    return format_output(layout)
+def _key(entries: dict[str, Entry]) -> frozenset:
+    """Order-free and hashable; never iterated, so hash randomization cannot reorder plans."""
+    return frozenset(entries.items())
 
 
 def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dict[str, PNode],
@@ -353,8 +313,10 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         if result is not None:
             yield None, result
         return
+    if pn.split is None:
+        pn.split = [_split_cost(s) for s in pn.strategies]
     for index, strategy in enumerate(pn.strategies):
-        extra = pn.flops / (tp if _split_cost(strategy) else 1)
+        extra = pn.flops / (tp if pn.split[index] else 1)
         result = _read_inputs(pn, list(strategy.inputs), entries,
                               cost + cost_model.compute_time(extra), by_name, tp, cost_model,
                               options)
@@ -362,9 +324,10 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
             continue
         new_cost, new_entries = result
         out = strategy.output
-        if not pn.requires_grad:
-            out = _drop_grad_partial(out)
-        new_entries[pn.node.name] = (out, frozenset())
+        if out is not None and pn.live:
+            if not pn.requires_grad:
+                out = _drop_grad_partial(out)
+            new_entries[pn.node.name] = (out, frozenset())
         yield index, (new_cost, new_entries)
 
 

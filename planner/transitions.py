@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from autotp.layout import Layout, Partial, Replicate, Shard
@@ -50,6 +51,7 @@ class Transition:
     backward: Optional[Collective]
 
 
+@lru_cache(maxsize=4096)
 def transition(
     src: Layout,
     dst: Layout,

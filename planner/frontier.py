@@ -1,0 +1,300 @@
+"""The frontier dynamic program, with repeated transformer layers solved once.
+
+A state assigns a layout (and the layouts already materialized from it) to every live value.
+Steps visit the nodes in topological order (``transition``); each keeps, per distinct state,
+the cheapest way to reach it and a back-pointer.
+
+Repeated layers. A layer is a contiguous run of steps labelled with one block index. Two
+layers are interchangeable when their steps have the same *signature*: the same ops, the same
+strategies, inputs referenced relative to the layer start (values of the layer itself, the
+previous layer, parameters first used in it) or by name (values shared by all layers, like
+rotary tables). When a layer's signature and its incoming states (renamed the same way, costs
+relative to the cheapest) equal those of a layer already solved, its outgoing states and its
+back-pointers are that layer's, renamed: the result is exactly what solving it would give.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from autotp.capture import layer_of
+from autotp.errors import PlanError, where
+from autotp.layout import Shard
+
+Entry = tuple[Any, frozenset]
+Key = frozenset
+States = dict  # Key -> (cost, entries)
+Transition = Callable[[Any, dict, float], Any]  # (pnode, entries, cost) -> [(choice, (c, e))]
+
+
+@dataclass
+class Segment:
+    layer: int
+    start: int
+    end: int  # exclusive
+    prev_start: int
+
+
+@dataclass
+class _Solved:
+    segment: Segment
+    incoming: frozenset
+    min_in: float
+    outgoing: States
+    names: dict[Any, str]  # canonical reference -> name in this segment
+
+
+class FrontierSolver:
+    def __init__(self, pnodes: list[Any], by_name: dict[str, Any], last_use: dict[str, int],
+                 leaf_candidates: dict[str, list], memory_cost: Callable[[Any, Any], float],
+                 transition: Transition, max_states: int, reuse_layers: bool = True):
+        self.pnodes = pnodes
+        self.by_name = by_name
+        self.last_use = last_use
+        self.leaf_candidates = leaf_candidates
+        self.memory_cost = memory_cost
+        self.transition = transition
+        self.max_states = max_states
+        self.reuse_layers = reuse_layers
+        self.index = {pn.node.name: i for i, pn in enumerate(pnodes)}
+        self.first_use: dict[str, int] = {}
+        for i, pn in enumerate(pnodes):
+            for name in pn.inputs:
+                self.first_use.setdefault(name, i)
+        self.history: list[Any] = [None] * len(pnodes)
+        self.reused_layers = 0
+
+    # ---- the plain DP step -------------------------------------------------------------
+
+    def step(self, i: int, states: States) -> States:
+        pn = self.pnodes[i]
+        if pn.kind not in ("op", "getitem", "output"):
+            return states
+        by_name, last_use = self.by_name, self.last_use
+        entering = [n for n in dict.fromkeys(pn.inputs) if by_name[n].kind == "leaf"]
+        dying = [n for n in dict.fromkeys(pn.inputs) if last_use[n] == i]
+        record: dict[Key, tuple[Key, Any]] = {}
+        new_states: States = {}
+        for key, (cost, entries) in states.items():
+            fresh = [n for n in entering if n not in entries]
+            for leaf_choice in itertools.product(*(self.leaf_candidates[n] for n in fresh)):
+                base = dict(entries)
+                base_cost = cost
+                for name, layout in zip(fresh, leaf_choice):
+                    base[name] = (layout, frozenset())
+                    base_cost += self.memory_cost(by_name[name], layout)
+                for choice, (new_cost, new_entries) in self.transition(pn, base, base_cost):
+                    for name in dying:
+                        new_entries.pop(name, None)
+                    new_key = frozenset(new_entries.items())
+                    old = new_states.get(new_key)
+                    if old is None or new_cost < old[0] - 1e-15:
+                        new_states[new_key] = (new_cost, new_entries)
+                        record[new_key] = (key, (choice, tuple(zip(fresh, leaf_choice))))
+        if not new_states:
+            raise PlanError(f"no exact tensor-parallel plan reaches this node{where(pn.node)}")
+        if len(new_states) > self.max_states // 2:  # cheap enough only where it matters
+            new_states = _drop_dominated(new_states)
+        if len(new_states) > self.max_states:
+            # a stable sort: ties keep their deterministic insertion order
+            kept = sorted(new_states.items(), key=lambda kv: kv[1][0])[: self.max_states]
+            new_states = dict(kept)
+        self.history[i] = record
+        return new_states
+
+    # ---- the whole graph ---------------------------------------------------------------
+
+    def run(self) -> tuple[dict[str, Any], float]:
+        segments = {s.start: s for s in self.segments()} if self.reuse_layers else {}
+        solved: dict[Any, _Solved] = {}
+        states: States = {frozenset(): (0.0, {})}
+        i = 0
+        while i < len(self.pnodes):
+            segment = segments.get(i)
+            if segment is None:
+                states = self.step(i, states)
+                i += 1
+                continue
+            signature = self.signature(segment)
+            incoming, min_in = self._canonical(states, segment)
+            earlier = solved.get(signature)
+            if earlier is not None and earlier.incoming == incoming:
+                states = self._reuse(earlier, segment, min_in)
+                self.reused_layers += 1
+            else:
+                for j in range(segment.start, segment.end):
+                    states = self.step(j, states)
+                solved[signature] = _Solved(segment, incoming, min_in, states,
+                                            self._names(segment))
+            i = segment.end
+        best_key = min(states, key=lambda k: states[k][0])
+        return self._backtrack(best_key), states[best_key][0]
+
+    def _backtrack(self, key: Key) -> dict[str, Any]:
+        decisions: dict[str, Any] = {}
+        for i in range(len(self.pnodes) - 1, -1, -1):
+            record = self.history[i]
+            if record is None:
+                continue
+            if isinstance(record, _Link):
+                prev, payload = record.lookup(self.history, key)
+            else:
+                prev, payload = record[key]
+            choice, leaves = payload
+            decisions[self.pnodes[i].node.name] = choice
+            for name, layout in leaves:
+                decisions.setdefault(name, layout)
+            key = prev
+        return decisions
+
+    # ---- repeated layers ---------------------------------------------------------------
+
+    def segments(self) -> list[Segment]:
+        runs: dict[int, list[int]] = {}
+        for i, pn in enumerate(self.pnodes):
+            if pn.kind in ("op", "getitem"):
+                layer = layer_of(pn.node)
+                if layer is not None:
+                    runs.setdefault(layer, []).append(i)
+        out: list[Segment] = []
+        prev_start = 0
+        for layer in sorted(runs, key=lambda k: runs[k][0]):
+            steps = runs[layer]
+            start, end = steps[0], steps[-1] + 1
+            inside = [pn for pn in self.pnodes[start:end] if pn.kind in ("op", "getitem")]
+            if len(inside) != len(steps):
+                continue  # interleaved with other layers: solve it step by step
+            if out and start < out[-1].end:
+                continue
+            out.append(Segment(layer, start, end, prev_start))
+            prev_start = start
+        return out
+
+    def ref(self, name: str, segment: Segment) -> Any:
+        """A name as seen from ``segment``: relative to it, or absolute when shared."""
+        pn = self.by_name[name]
+        if pn.kind == "leaf":
+            first = self.first_use[name]
+            if first >= segment.start:
+                return ("leaf", first - segment.start, self.pnodes[first].inputs.index(name))
+            return ("abs", name)
+        p = self.index[name]
+        if p >= segment.start:
+            return ("in", p - segment.start)
+        if p >= segment.prev_start:
+            return ("prev", segment.start - p)
+        return ("abs", name)
+
+    def signature(self, segment: Segment) -> Any:
+        parts = []
+        for i in range(segment.start, segment.end):
+            pn = self.pnodes[i]
+            inputs = []
+            for name in pn.inputs:
+                src = self.by_name[name]
+                ref = self.ref(name, segment)
+                extra: Any = None
+                if ref[0] != "in":
+                    extra = (src.kind, src.requires_grad, round(src.nbytes), src.is_output,
+                             src.ndim, src.is_param,
+                             tuple(self.leaf_candidates.get(name, ())))
+                inputs.append((ref, self.last_use[name] == i, extra))
+            getitem = pn.node.args[1] if pn.kind == "getitem" else None
+            parts.append((pn.kind, str(pn.node.target) if pn.kind == "op" else None,
+                          tuple(pn.strategies), tuple(inputs), pn.live, pn.requires_grad,
+                          pn.is_output, round(pn.nbytes), round(pn.flops), getitem))
+        return tuple(parts)
+
+    def _canonical(self, states: States, segment: Segment) -> tuple[frozenset, float]:
+        min_in = min(cost for cost, _ in states.values())
+        canon = frozenset(
+            (frozenset((self.ref(n, segment), e) for n, e in entries.items()),
+             round(cost - min_in, 6))
+            for cost, entries in states.values()
+        )
+        return canon, min_in
+
+    def _names(self, segment: Segment) -> dict[Any, str]:
+        """Canonical reference -> name, for every name the segment's states can hold."""
+        names: dict[Any, str] = {}
+        for i in range(segment.prev_start, segment.end):
+            pn = self.pnodes[i]
+            if pn.kind in ("op", "getitem", "input") or (pn.kind == "leaf"
+                                                         and pn.node.name in self.first_use):
+                names[self.ref(pn.node.name, segment)] = pn.node.name
+            for name in pn.inputs:
+                names[self.ref(name, segment)] = name
+        return names
+
+    def _reuse(self, earlier: _Solved, segment: Segment, min_in: float) -> States:
+        mine = self._names(segment)
+        to_mine = {earlier.names[r]: mine[r] for r in earlier.names if r in mine}
+        to_theirs = {v: k for k, v in to_mine.items()}
+        shift = min_in - earlier.min_in
+        out: States = {}
+        for _, (cost, entries) in earlier.outgoing.items():
+            renamed = {to_mine.get(n, n): e for n, e in entries.items()}
+            out[frozenset(renamed.items())] = (cost + shift, renamed)
+        offset = earlier.segment.start - segment.start
+        for i in range(segment.start, segment.end):
+            if self.history[i + offset] is not None:
+                self.history[i] = _Link(i + offset, to_mine, to_theirs)
+        return out
+
+
+def _drop_dominated(states: States) -> States:
+    """Drop a state when another has the same layouts, has materialized at least the same
+    redistributions, and costs no more: whatever follows, it can do no better."""
+    groups: dict[frozenset, list[Key]] = {}
+    for key, (_, entries) in states.items():
+        layouts = frozenset((name, entry[0]) for name, entry in entries.items())
+        groups.setdefault(layouts, []).append(key)
+    dropped: set[Key] = set()
+    for keys in groups.values():
+        if len(keys) < 2:
+            continue
+        for a in keys:
+            if a in dropped:
+                continue
+            cost_a, entries_a = states[a]
+            for b in keys:
+                if b is a or b in dropped:
+                    continue
+                cost_b, entries_b = states[b]
+                if cost_a <= cost_b and all(entries_a[n][1] >= entries_b[n][1] for n in entries_b):
+                    dropped.add(b)
+    if not dropped:
+        return states
+    return {k: v for k, v in states.items() if k not in dropped}
+
+
+@dataclass
+class _Link:
+    """Back-pointers of a reused step: those of the solved step, renamed."""
+
+    target: int
+    to_mine: dict[str, str]
+    to_theirs: dict[str, str]
+
+    def lookup(self, history: list[Any], key: Key) -> tuple[Key, Any]:
+        theirs = frozenset((self.to_theirs.get(n, n), e) for n, e in key)
+        record = history[self.target]
+        prev, (choice, leaves) = record[theirs]
+        prev_mine = frozenset((self.to_mine.get(n, n), e) for n, e in prev)
+        leaves_mine = tuple((self.to_mine.get(n, n), layout) for n, layout in leaves)
+        return prev_mine, (choice, leaves_mine)
+
+
+def leaf_memory_cost(tp: int, cost_model: Any) -> Callable[[Any, Any], float]:
+    def cost(leaf: Any, layout: Any) -> float:
+        if not leaf.is_param:
+            return 0.0
+        per_rank = leaf.nbytes / tp if isinstance(layout, Shard) else leaf.nbytes
+        return cost_model.memory_cost(per_rank, leaf.ndim)
+
+    return cost
+
+
+__all__ = ["FrontierSolver", "Segment", "leaf_memory_cost", "Optional"]
