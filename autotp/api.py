@@ -197,6 +197,7 @@ class Simulation:
 
     plan: Plan
     ranks: list[ShardedModule]
+    captured: Optional[Captured] = None
 
     @property
     def tp(self) -> int:
@@ -250,7 +251,7 @@ def simulate(
                                  cost_model=cost_model)
     hub = ThreadHub(tp, timeout)
     ranks = [_build(captured, the_plan, comm.rank, comm) for comm in hub.comms()]
-    return Simulation(the_plan, ranks)
+    return Simulation(the_plan, ranks, captured)
 
 
 __all__: Sequence[str] = [

@@ -175,7 +175,8 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
 
 
-def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> None:
+def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> dict[str, str]:
+    """Lower every op; returns original node -> the node now holding its value."""
     ctx = LowerContext(graph, rank, plan.tp)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in plan.choices:
@@ -187,6 +188,7 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> Non
         strategy = Strategy(tuple(parse_layout(x) for x in choice.inputs),
                             parse_output(choice.output))
         lowering(ctx, node, strategy)
+    return {node.name: new.name for node, new in ctx.lowered.items()}
 
 
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
@@ -196,8 +198,9 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     root = shard_parameters(captured, plan, graph, rank)
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket)
-    lower_ops(graph, plan, registry, rank)
+    lowered = lower_ops(graph, plan, registry, rank)
     graph.lint()
     gm = fx.GraphModule(root, graph)
+    gm.meta["autotp_values"] = lowered
     gm.recompile()
     return gm, bucket

@@ -81,3 +81,80 @@ def layer_counts(log: CollectiveLog) -> dict[Optional[int], dict[str, int]]:
     for event in log.events:
         table[event.layer][event.phase] += 1
     return dict(table)
+
+
+# ---- localizing a mismatch ----------------------------------------------------------------
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.values[n.name] = out.detach()
+        return out
+
+
+@dataclass
+class Divergence:
+    node: str
+    op: str
+    layout: str
+    diff: float
+    source: Optional[str]
+
+    def __str__(self) -> str:
+        where = f"\n  source: {self.source}" if self.source else ""
+        return (f"first diverging value: {self.node} = {self.op} (layout {self.layout}), "
+                f"max |diff| {self.diff:.3e}{where}")
+
+
+def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
+                     atol: float = 1e-4) -> Optional[Divergence]:
+    """Run the unsharded graph and every rank's program on the same inputs, reassemble each
+    value from the ranks as its layout says, and return the first value that differs."""
+    from autotp.capture import source_of
+    from autotp.layout import Partial, Shard, unshard_tensor
+    from autotp.rewrite import parse_output
+
+    kwargs = kwargs or {}
+    captured = sim.captured
+    call = sim.ranks[0]._bind(args, kwargs)
+    placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    flat = [call[name] for name in placeholders]
+    reference = _Recorder(captured.gm)
+    with torch.no_grad():
+        reference.run(*flat)
+
+    def record(module: ShardedModule) -> dict[str, Any]:
+        recorder = _Recorder(module.program)
+        with torch.no_grad():
+            recorder.run(*flat)
+        renamed = module.program.meta.get("autotp_values", {})
+        return {name: recorder.values.get(renamed.get(name, name)) for name in reference.values}
+
+    per_rank = sim.run(record)
+    for node in captured.gm.graph.nodes:
+        expected = reference.values.get(node.name)
+        text = sim.plan.values.get(node.name)
+        if expected is None or text is None or not expected.is_floating_point():
+            continue
+        layout = parse_output(text)
+        pieces = [values.get(node.name) for values in per_rank]
+        if any(p is None for p in pieces) or isinstance(layout, tuple) or layout is None:
+            continue
+        if isinstance(layout, (Shard, Partial)):
+            got = unshard_tensor(pieces, layout)
+        else:
+            got = pieces[0]
+        if got.shape != expected.shape:
+            diff = float("inf")
+        else:
+            diff = float((got.float() - expected.float()).abs().max()) if got.numel() else 0.0
+        scale = float(expected.abs().max()) if expected.numel() else 0.0
+        if diff > atol * (1.0 + scale):
+            return Divergence(node.name, str(node.target), text, diff, source_of(node))
+    return None

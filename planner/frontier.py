@@ -94,7 +94,8 @@ class FrontierSolver:
                         new_states[new_key] = (new_cost, new_entries)
                         record[new_key] = (key, (choice, tuple(zip(fresh, leaf_choice))))
         if not new_states:
-            raise PlanError(f"no exact tensor-parallel plan reaches this node{where(pn.node)}")
+            raise PlanError(f"no exact tensor-parallel plan reaches {pn.node.name} "
+                            f"({pn.node.target}){where(pn.node)}")
         if len(new_states) > self.max_states // 2:  # cheap enough only where it matters
             new_states = _drop_dominated(new_states)
         if len(new_states) > self.max_states:

@@ -21,6 +21,7 @@ class ParamPlan:
     local_shape: tuple[int, ...]
     names: tuple[str, ...]  # every name the original model has for it (tied weights)
     grad_sync: bool = False  # replicated, read where its gradient is partial: summed after backward
+    layer: Optional[int] = None  # the layer of its first use (for display)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class Plan:
     fallbacks: list[str] = field(default_factory=list)
     cost: float = 0.0
     dims: dict[str, str] = field(default_factory=dict)  # symbol -> B/T
+    # the dataflow graph: node -> the tensor nodes it reads; node -> op (for display)
+    graph: dict[str, list[str]] = field(default_factory=dict)
+    ops: dict[str, str] = field(default_factory=dict)
+    node_layers: dict[str, Optional[int]] = field(default_factory=dict)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -132,7 +137,7 @@ class Plan:
                         for k, v in data["choices"].items()}
         plan.params = {
             k: ParamPlan(v["layout"], tuple(v["global_shape"]), tuple(v["local_shape"]),
-                         tuple(v["names"]), v["grad_sync"])
+                         tuple(v["names"]), v["grad_sync"], v.get("layer"))
             for k, v in data["params"].items()
         }
         plan.edges = [Edge(**e) for e in data["edges"]]
@@ -140,4 +145,7 @@ class Plan:
         plan.fallbacks = list(data["fallbacks"])
         plan.cost = data["cost"]
         plan.dims = dict(data["dims"])
+        plan.graph = {k: list(v) for k, v in data.get("graph", {}).items()}
+        plan.ops = dict(data.get("ops", {}))
+        plan.node_layers = dict(data.get("node_layers", {}))
         return plan

@@ -71,6 +71,8 @@ class PlanOptions:
     sequence_parallel: bool = False
     max_states: int = 64
     reuse_layers: bool = True
+    # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
+    force: tuple[tuple[str, Any], ...] = ()
 
 
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
@@ -198,6 +200,9 @@ def build_problem(
                 if memo_key not in strategy_memo:  # repeated layers repeat their calls
                     strategy_memo[memo_key] = registry.strategies(call)
                 pn.strategies = strategy_memo[memo_key]
+                forced = dict(options.force).get(node.name)
+                if forced is not None:
+                    pn.strategies = [pn.strategies[forced]]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
                 if options.strict:
                     raise NoRuleError(
@@ -269,7 +274,11 @@ def solve(
     def transition(pn: PNode, entries: dict, cost: float):
         return _transitions(pn, entries, cost, by_name, tp, cost_model, options)
 
-    solver = FrontierSolver(pnodes, by_name, last_use, _leaf_candidates(pnodes, by_name),
+    candidates = _leaf_candidates(pnodes, by_name)
+    for name, layout in options.force:
+        if name in candidates:
+            candidates[name] = [layout]
+    solver = FrontierSolver(pnodes, by_name, last_use, candidates,
                             leaf_memory_cost(tp, cost_model), transition, options.max_states,
                             reuse_layers=options.reuse_layers)
     return solver.run()
@@ -413,6 +422,12 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             parent = values[pn.inputs[0]]
             values[name] = parent[pn.node.args[1]] if isinstance(parent, tuple) else parent
     plan.values = {k: format_output(v) for k, v in values.items()}
+    for pn in pnodes:
+        if pn.kind in ("input", "leaf", "op", "getitem", "output"):
+            name = pn.node.name
+            plan.graph[name] = list(pn.inputs)
+            plan.ops[name] = (str(pn.node.target) if pn.kind in ("op", "leaf") else pn.kind)
+            plan.node_layers[name] = layer_of(pn.node)
 
     params = dict(captured.gm.named_parameters(remove_duplicate=False))
     grad_sync: set[str] = set()
@@ -469,7 +484,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 layout=str(layout), global_shape=global_shape,
                 local_shape=local_shape(global_shape, layout, tp),
                 names=tuple(captured.aliases.get(target, [target])),
-                grad_sync=target in grad_sync)
+                grad_sync=target in grad_sync,
+                layer=_first_use_layer(pn.node))
     if grad_sync:
         numel = sum(math.prod(params[t].shape) * params[t].element_size() for t in grad_sync)
         plan.collectives.append(CollectiveRecord(
@@ -477,6 +493,14 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             bytes_expr=str(numel), node="grad sync: " + ", ".join(sorted(grad_sync)),
             source=None, src="R*", dst="R"))
     return plan
+
+
+def _first_use_layer(node: fx.Node) -> Optional[int]:
+    for user in node.users:
+        layer = layer_of(user)
+        if layer is not None:
+            return layer
+    return None
 
 
 def _bytes_expr(node: fx.Node, dims: dict) -> str:

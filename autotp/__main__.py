@@ -1,0 +1,7 @@
+"""``python -m autotp`` is the ``autotp`` command."""
+
+import sys
+
+from autotp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,336 @@
+"""``autotp`` command line: plan, explain and verify a tensor-parallel plan.
+
+    autotp plan hf:llama --tp 8                         # the 7B shape, on the meta device
+    autotp plan hf:gpt2 --tp 4 --format json -o plan.json
+    autotp explain hf:llama --tp 8 model.layers.0.self_attn.o_proj.weight
+    autotp verify hf:llama --tp 4 --set num_hidden_layers=2 --set hidden_size=256 [--procs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+from autotp.errors import AutotpError, ConfigError
+
+
+class Progress:
+    """One line per long step on stderr (stdout stays clean for JSON)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    @contextmanager
+    def step(self, text: str) -> Iterator[None]:
+        start = time.perf_counter()
+        if self.enabled:
+            print(f"autotp: {text} ...", end="", file=sys.stderr, flush=True)
+        try:
+            yield
+        finally:
+            if self.enabled:
+                print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _cost_model(args: argparse.Namespace) -> Any:
+    from autotp.planner.cost import CostModel
+
+    return CostModel(bandwidth=args.bandwidth * 1e9, latency=args.latency * 1e-6,
+                     batch=args.batch, seq=args.seq)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="hf:<model_type>, a directory with config.json, or "
+                                      "file.py:factory / package.module:factory")
+    parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config field (repeatable)")
+    parser.add_argument("--batch", type=int, default=8, help="batch size B for byte counts")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length T")
+    parser.add_argument("--bandwidth", type=float, default=100.0, help="link GB/s per rank")
+    parser.add_argument("--latency", type=float, default=10.0, help="collective latency, us")
+    parser.add_argument("--non-strict", dest="strict", action="store_false",
+                        help="replicate ops without a rule (recorded) instead of failing")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
+    from autotp.capture import capture
+    from autotp.planner.solve import PlanOptions, plan_graph
+    from autotp.zoo import load_model, parse_overrides
+
+    progress = Progress(not args.quiet)
+    if isinstance(args.tp, bool) or args.tp < 1:
+        raise ConfigError(f"--tp must be a positive int, got {args.tp}")
+    with progress.step(f"building {args.model}" + (" on the meta device" if meta else "")):
+        loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
+    with progress.step("tracing with torch.export"):
+        captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
+    with progress.step("planning"):
+        plan = plan_graph(captured, args.tp, cost_model=_cost_model(args),
+                          options=PlanOptions(strict=args.strict, force=force),
+                          model_name=args.model)
+    return loaded, captured, plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autotp.report import to_json, to_table
+
+    _, _, plan = _prepare(args, meta=True)
+    cost_model = _cost_model(args)
+    if args.format == "table":
+        text = to_table(plan, cost_model)
+    elif args.format == "json":
+        text = to_json(plan, cost_model)
+    elif args.format == "dot":
+        from autotp.render import to_dot
+
+        text = to_dot(plan, cost_model)
+    else:
+        from autotp.render import to_html
+
+        text = to_html(plan, cost_model)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        if not args.quiet:
+            print(f"autotp: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _collective_counts(plan: Any) -> tuple[int, int]:
+    fwd = sum(1 for c in plan.collectives if c.phase == "forward")
+    return fwd, len(plan.collectives) - fwd
+
+
+def _param_bytes(plan: Any) -> int:
+    return sum(math.prod(p.local_shape) * 4 for p in plan.params.values())
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from autotp.errors import PlanError
+    from autotp.planner.solve import PlanOptions, plan_graph
+
+    loaded, captured, plan = _prepare(args, meta=True)
+    target = args.target
+    node_name = None
+    for node in captured.gm.graph.nodes:
+        if node.op == "get_attr" and (node.target == target or target in
+                                      plan.params.get(node.target, _NoNames).names):
+            node_name = node.name
+            target = node.target
+            break
+        if node.name == target:
+            node_name = node.name
+            break
+    if node_name is None:
+        raise ConfigError(f"{args.target!r} is neither a parameter nor a node of the graph; "
+                          f"parameters look like {next(iter(plan.params), '?')!r}")
+    cost_model = _cost_model(args)
+    is_param = target in plan.params
+    if is_param:
+        from autotp.planner.solve import _leaf_candidates, build_problem, block_counts
+        from autotp.rules.registry import Registry
+
+        pnodes = build_problem(captured, args.tp, block_counts(captured.gm), Registry.default(),
+                               cost_model, PlanOptions(strict=args.strict))
+        by_name = {pn.node.name: pn for pn in pnodes}
+        candidates: list[Any] = _leaf_candidates(pnodes, by_name)[node_name]
+        chosen = plan.params[target].layout
+        print(f"{target} {list(plan.params[target].global_shape)}: stored {chosen}")
+    else:
+        choice = plan.choices.get(node_name)
+        if choice is None:
+            raise ConfigError(f"{node_name} is not an op with a layout choice")
+        from autotp.capture import make_call
+        from autotp.planner.solve import block_counts
+        from autotp.rules.registry import Registry
+
+        node = next(n for n in captured.gm.graph.nodes if n.name == node_name)
+        call = make_call(node, args.tp, block_counts(captured.gm))
+        candidates = list(range(len(Registry.default().strategies(call))))
+        strategies = Registry.default().strategies(call)
+        chosen = choice.strategy
+        print(f"{node_name} = {choice.op} (layer {choice.layer}, {choice.source}): {chosen}")
+    base_fwd, base_bwd = _collective_counts(plan)
+    base_bytes = _param_bytes(plan)
+    print(f"{len(candidates)} candidate(s); each forced in turn, everything else re-planned:")
+    for candidate in candidates:
+        label = str(candidate) if is_param else str(strategies[candidate])
+        try:
+            alt = plan_graph(captured, args.tp, cost_model=cost_model,
+                             options=PlanOptions(strict=args.strict,
+                                                 force=((node_name, candidate),)),
+                             model_name=args.model)
+        except PlanError as exc:
+            reason = str(exc).splitlines()[0]
+            print(f"  {label:<48} infeasible: {reason}")
+            continue
+        fwd, bwd = _collective_counts(alt)
+        mark = "chosen " if label == chosen else "       "
+        memory = (_param_bytes(alt) - base_bytes) / 2**20
+        print(f"  {mark}{label:<48} collectives: forward {fwd - base_fwd:+d}, backward "
+              f"{bwd - base_bwd:+d}; parameters per rank {memory:+.1f} MiB; "
+              f"cost {alt.cost - plan.cost:+.3g}")
+    print("cost = parameter memory (matrices dominate) + alpha-beta communication + compute; "
+          "the chosen candidate has the least cost")
+    del loaded
+    return 0
+
+
+class _NoNames:
+    names: tuple = ()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import autotp
+    from autotp.verify import compare, first_divergence, layer_counts, reference_step, sharded_step
+    from autotp.zoo import load_model, parse_overrides
+
+    progress = Progress(not args.quiet)
+    overrides = parse_overrides(args.overrides)
+    with progress.step(f"building {args.model} with random weights"):
+        loaded = load_model(args.model, overrides, meta=False)
+    model = loaded.model.float()
+    if args.procs:
+        from autotp.launch import run_processes
+
+        with progress.step(f"running {args.tp} gloo processes"):
+            results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict)
+        outcome = results[0]
+    else:
+        with progress.step("tracing, planning and rewriting all ranks"):
+            sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
+                                  example_kwargs=loaded.example_kwargs, strict=args.strict)
+        call_args, call_kwargs = _example(loaded, sim)
+        with progress.step("running the unsharded and the sharded model"):
+            reference = reference_step(model, _caller(call_args, call_kwargs), generic_loss,
+                                       first_float)
+            got = sim.run(lambda m: sharded_step(m, _caller(call_args, call_kwargs),
+                                                 generic_loss, first_float))[0]
+        cmp = compare(reference, got)
+        outcome = {"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
+                   "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
+                   "worst_param": cmp.worst_param,
+                   "counts": layer_counts(sim.ranks[0].comm.log)}
+    ok = (outcome["output_diff"] <= args.atol and outcome["loss_diff"] <= args.atol
+          and outcome["grad_rel"] <= args.atol)
+    print(f"{args.model} tp={args.tp} ({'gloo processes' if args.procs else 'simulation'}): "
+          f"max |output diff| {outcome['output_diff']:.2e}, |loss diff| "
+          f"{outcome['loss_diff']:.2e}, max |grad diff| {outcome['grad_diff']:.2e} "
+          f"({outcome['grad_rel']:.2e} relative, {outcome['worst_param']})")
+    counts = outcome["counts"]
+    per_layer = sorted({(v["forward"], v["backward"]) for k, v in counts.items()
+                        if k is not None and k != -1})
+    print(f"collectives executed per layer (forward, backward): {per_layer}")
+    if ok:
+        print("OK: the sharded model matches the unsharded one")
+        return 0
+    print(f"MISMATCH (tolerance {args.atol:g})")
+    # Localize in simulation: the same rewritten programs as the processes run.
+    sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
+                          example_kwargs=loaded.example_kwargs, strict=args.strict)
+    call_args, call_kwargs = _example(loaded, sim)
+    found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
+    print(found if found else "no forward value diverges: the difference is in the backward "
+          "pass (gradients)")
+    return 1
+
+
+def _example(loaded: Any, sim: Any) -> tuple[tuple, dict]:
+    captured = sim.captured
+    if loaded.example_args is None and loaded.example_kwargs is None:
+        return (), {k: v for k, v in captured.example_kwargs.items()}
+    return tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
+
+
+def _caller(args: tuple, kwargs: dict) -> Any:
+    def call(m: torch.nn.Module) -> Any:
+        return m(*args, **kwargs)
+
+    return call
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return [x for x in pytree.tree_leaves(out)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def generic_loss(out: Any) -> torch.Tensor:
+    """A scalar touching every floating output (the model's own loss if it returns one)."""
+    leaves = float_leaves(out)
+    if not leaves:
+        raise ConfigError("the model returns no floating-point tensor to compare")
+    return sum(x.float().pow(2).mean() for x in leaves)  # type: ignore[return-value]
+
+
+def first_float(out: Any) -> torch.Tensor:
+    return torch.cat([x.detach().float().reshape(-1) for x in float_leaves(out)])
+
+
+def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
+                   strict: bool) -> dict[str, Any]:
+    import autotp
+    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.zoo import load_model
+
+    torch.set_num_threads(1)
+    loaded = load_model(spec, overrides, meta=False)
+    model = loaded.model.float()
+    sharded = autotp.parallelize(model, world_size, example_args=loaded.example_args,
+                                 example_kwargs=loaded.example_kwargs, strict=strict)
+    if loaded.example_args is None and loaded.example_kwargs is None:
+        args, kwargs = (), dict(sharded._example)
+    else:
+        args, kwargs = tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
+    reference = reference_step(model, _caller(args, kwargs), generic_loss, first_float)
+    got = sharded_step(sharded, _caller(args, kwargs), generic_loss, first_float)
+    cmp = compare(reference, got)
+    return {"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
+            "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
+            "worst_param": cmp.worst_param, "counts": layer_counts(sharded.comm.log)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
+    _add_model_args(p)
+    p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_plan)
+    e = sub.add_parser("explain", help="why a parameter or node got its layout")
+    _add_model_args(e)
+    e.add_argument("target", help="a parameter name or a graph node name")
+    e.set_defaults(func=cmd_explain)
+    v = sub.add_parser("verify", help="compare the sharded model with the unsharded one")
+    _add_model_args(v)
+    v.add_argument("--procs", action="store_true", help="real gloo processes, not simulation")
+    v.add_argument("--atol", type=float, default=1e-4, help="tolerance (outputs, gradients)")
+    v.set_defaults(func=cmd_verify)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AutotpError as exc:
+        print(f"autotp: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

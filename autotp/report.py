@@ -1,0 +1,237 @@
+"""Reading a Plan: identical layers folded, bytes at a given (B, T), an alpha-beta time, and
+the stable JSON schema of ``autotp plan --format json``.
+
+JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identical JSON)::
+
+    {"schema": "autotp.plan/1", "model": str, "tp": int, "layers": int,
+     "batch": int, "seq": int, "bandwidth_GBps": float, "latency_us": float,
+     "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
+                       "local_shape": [int], "layer": int | null, "aliases": [str],
+                       "grad_sync": bool}},
+     "collectives": [{"kind": "all_reduce" | "all_gather" | "reduce_scatter",
+                      "phase": "forward" | "backward", "layer": int | null,
+                      "bytes": int, "bytes_expr": str, "time_us": float, "node": str,
+                      "from": str, "to": str, "source": "file:line" | null}],
+     "summary": {"forward_collectives": int, "backward_collectives": int,
+                 "forward_bytes": int, "backward_bytes": int, "time_ms": float,
+                 "groups": [{"layers": [int], "forward": int, "backward": int}],
+                 "megatron_bound": {"forward": 2, "backward": 2}, "meets_bound": bool,
+                 "param_bytes_per_rank": int, "param_bytes": int, "fallbacks": [str]}}
+
+``bytes`` is ``bytes_expr`` (in the batch ``B`` and sequence ``T``) at the given B and T.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import sympy
+
+from autotp.planner.cost import CostModel
+from autotp.planner.plan import CollectiveRecord, Plan
+from autotp.planner.transitions import Collective
+
+MEGATRON_BOUND = {"forward": 2, "backward": 2}
+SCHEMA = "autotp.plan/1"
+
+
+def evaluate_bytes(expr: str, batch: int, seq: int) -> int:
+    value = sympy.sympify(expr)
+    subs = {s: (batch if str(s).startswith("B") else seq) for s in value.free_symbols}
+    return int(value.subs(subs))
+
+
+def relative_source(source: Optional[str]) -> Optional[str]:
+    """A source location without machine-specific prefixes (site-packages, the cwd)."""
+    if not source:
+        return None
+    path, _, line = source.rpartition(":")
+    marker = "site-packages" + os.sep
+    if marker in path:
+        path = path.split(marker, 1)[1]
+    else:
+        try:
+            rel = os.path.relpath(path)
+            if not rel.startswith(".."):
+                path = rel
+        except ValueError:
+            pass
+    return f"{path}:{line}"
+
+
+def relative_name(name: str, layer: Optional[int]) -> str:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``mlp.up_proj.weight`` (display only)."""
+    if layer is None:
+        return name
+    parts = name.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        if parts[k] == str(layer):
+            return ".".join(parts[k + 1:])
+    return name
+
+
+@dataclass
+class Group:
+    layers: list[int]
+    params: list[tuple[str, str, tuple, tuple]]  # relative name, layout, global, local
+    collectives: list[CollectiveRecord]
+
+
+def fold_layers(plan: Plan) -> list[Group]:
+    """Layers with the same parameters, layouts and collectives, grouped."""
+    by_layer_params: dict[int, list] = {}
+    for name, p in plan.params.items():
+        if p.layer is not None:
+            by_layer_params.setdefault(p.layer, []).append(
+                (relative_name(name, p.layer), p.layout, p.global_shape, p.local_shape))
+    by_layer_coll: dict[int, list[CollectiveRecord]] = {}
+    for c in plan.collectives:
+        if c.layer is not None:
+            by_layer_coll.setdefault(c.layer, []).append(c)
+    layers = sorted(set(by_layer_params) | set(by_layer_coll))
+    groups: dict[Any, Group] = {}
+    for layer in layers:
+        params = sorted(by_layer_params.get(layer, []))
+        colls = by_layer_coll.get(layer, [])
+        key = (tuple(params), tuple(sorted((c.kind, c.phase, c.bytes_expr, c.src, c.dst)
+                                           for c in colls)))
+        if key in groups:
+            groups[key].layers.append(layer)
+        else:
+            groups[key] = Group([layer], params, colls)
+    return list(groups.values())
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3, 8'."""
+    out, start, prev = [], None, None
+    for x in sorted(layers):
+        if start is None:
+            start = prev = x
+        elif x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}-{prev}" if start != prev else f"{start}")
+            start = prev = x
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else f"{start}")
+    return ", ".join(out)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _shape(shape: tuple) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
+    batch, seq = cost_model.batch, cost_model.seq
+    collectives = []
+    totals = {"forward": [0, 0], "backward": [0, 0]}
+    time_s = 0.0
+    for c in plan.collectives:
+        nbytes = evaluate_bytes(c.bytes_expr, batch, seq)
+        seconds = cost_model.collective_time(Collective(c.kind), nbytes, plan.tp)
+        time_s += seconds
+        totals[c.phase][0] += 1
+        totals[c.phase][1] += nbytes
+        collectives.append({
+            "kind": c.kind, "phase": c.phase, "layer": c.layer, "bytes": nbytes,
+            "bytes_expr": c.bytes_expr, "time_us": round(seconds * 1e6, 3), "node": c.node,
+            "from": c.src, "to": c.dst, "source": relative_source(c.source),
+        })
+    params = {}
+    per_rank = total = 0
+    for name, p in plan.params.items():
+        itemsize = 4
+        numel = math.prod(p.global_shape)
+        total += numel * itemsize
+        per_rank += math.prod(p.local_shape) * itemsize
+        params[name] = {"layout": p.layout, "global_shape": list(p.global_shape),
+                        "local_shape": list(p.local_shape), "layer": p.layer,
+                        "aliases": list(p.names), "grad_sync": p.grad_sync}
+    groups = []
+    meets = True
+    for group in fold_layers(plan):
+        fwd = sum(1 for c in group.collectives if c.phase == "forward")
+        bwd = sum(1 for c in group.collectives if c.phase == "backward")
+        meets &= fwd <= MEGATRON_BOUND["forward"] and bwd <= MEGATRON_BOUND["backward"]
+        groups.append({"layers": group.layers, "forward": fwd, "backward": bwd})
+    return {
+        "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
+        "batch": batch, "seq": seq, "bandwidth_GBps": cost_model.bandwidth / 1e9,
+        "latency_us": cost_model.latency * 1e6,
+        "params": params, "collectives": collectives,
+        "summary": {
+            "forward_collectives": totals["forward"][0],
+            "backward_collectives": totals["backward"][0],
+            "forward_bytes": totals["forward"][1], "backward_bytes": totals["backward"][1],
+            "time_ms": round(time_s * 1e3, 3), "groups": groups,
+            "megatron_bound": dict(MEGATRON_BOUND), "meets_bound": meets,
+            "param_bytes_per_rank": per_rank, "param_bytes": total,
+            "fallbacks": list(plan.fallbacks),
+        },
+    }
+
+
+def to_json(plan: Plan, cost_model: CostModel) -> str:
+    return json.dumps(to_dict(plan, cost_model), indent=1, sort_keys=True) + "\n"
+
+
+def to_table(plan: Plan, cost_model: CostModel) -> str:
+    data = to_dict(plan, cost_model)
+    batch, seq = cost_model.batch, cost_model.seq
+    lines = [f"autotp plan: {plan.model}, tp={plan.tp}, {plan.layers} layers; bytes at B={batch} "
+             f"T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
+             f"{cost_model.latency * 1e6:g} us"]
+
+    def collective_lines(colls: list[dict], indent: str) -> list[str]:
+        out = []
+        for c in sorted(colls, key=lambda c: (c["phase"] != "forward", c["kind"], c["node"])):
+            out.append(f"{indent}{c['phase'][:3]} {c['kind']:<14} {c['from']:>3}->{c['to']:<3} "
+                       f"{human_bytes(c['bytes']):>10} {c['time_us'] / 1e3:8.3f} ms  "
+                       f"{c['node']}")
+        return out
+
+    for group in fold_layers(plan):
+        count = len(group.layers)
+        lines.append(f"layers {layer_ranges(group.layers)}" + (f"  (x{count}, identical)"
+                                                               if count > 1 else ""))
+        for name, layout, global_shape, local_shape in group.params:
+            lines.append(f"  {name:<40} {_shape(global_shape):>14} {layout:<7} "
+                         f"-> {_shape(local_shape)}")
+        layer0 = group.layers[0]
+        colls = [c for c in data["collectives"] if c["layer"] == layer0]
+        lines += collective_lines(colls, "  ")
+    outside = [(n, p) for n, p in plan.params.items() if p.layer is None]
+    outside_colls = [c for c in data["collectives"] if c["layer"] is None]
+    if outside or outside_colls:
+        lines.append("outside the layers")
+        for name, p in outside:
+            lines.append(f"  {name:<40} {_shape(p.global_shape):>14} {p.layout:<7} "
+                         f"-> {_shape(p.local_shape)}")
+        lines += collective_lines(outside_colls, "  ")
+    s = data["summary"]
+    per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
+    verdict = "met" if s["meets_bound"] else "EXCEEDED"
+    lines.append(
+        f"total: {s['forward_collectives']} forward collectives "
+        f"({human_bytes(s['forward_bytes'])}), {s['backward_collectives']} backward "
+        f"({human_bytes(s['backward_bytes'])}); estimated {s['time_ms']:.2f} ms per step")
+    lines.append(f"per layer (forward, backward): {per_layer}; Megatron bound (2, 2): {verdict}")
+    lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "
+                 f"{human_bytes(s['param_bytes'])} (fp32)")
+    if s["fallbacks"]:
+        lines.append(f"replicated fallbacks: {len(s['fallbacks'])}")
+        lines += [f"  {f}" for f in s["fallbacks"]]
+    return "\n".join(lines) + "\n"
