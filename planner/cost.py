@@ -3,6 +3,7 @@
     cost(plan) = sum_params  w(p) * bytes_per_rank(p)                      memory
                + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
                + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
+               + epsilon * #(ops with a partial-sum output)                tie-break
 
 ``w`` is large for matrices (ndim >= 2): a matrix is replicated only when no exact plan
 shards it within Megatron's communication pattern. Vectors (norm weights, biases) get a tiny
@@ -28,8 +29,14 @@ class CostModel:
     flops: float = 100e12  # flop/s
     batch: int = 8
     seq: int = 1024
-    matrix_weight: float = 1.0  # cost per byte of a matrix parameter held per rank
-    vector_weight: float = 1e-12  # cost per byte of a vector parameter held per rank
+    # cost per byte of a matrix parameter held per rank: 1 KiB outweighs any communication,
+    # while a 70B model's total (~1e8) keeps microsecond differences above float resolution
+    matrix_weight: float = 1e-3
+    vector_weight: float = 1e-15  # cost per byte of a vector parameter held per rank
+    # Ties between plans of equal communication (a residual stream kept as a partial sum and
+    # reduced before each norm, or reduced right after each row-parallel product, as Megatron
+    # does) are broken toward reducing partial sums early: a tiny charge per op with P output.
+    partial_output: float = 1e-7
 
     def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
         return self.latency + kind.ring_factor(tp) * nbytes / self.bandwidth

@@ -125,8 +125,8 @@ class Plan:
     # ---- JSON ------------------------------------------------------------------------
 
     def to_json(self) -> str:
-        data = asdict(self)
-        return json.dumps(data, indent=1, sort_keys=True)
+        # insertion order is the graph's execution order, and deterministic
+        return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

@@ -326,9 +326,11 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         pn.split = [_split_cost(s) for s in pn.strategies]
     for index, strategy in enumerate(pn.strategies):
         extra = pn.flops / (tp if pn.split[index] else 1)
-        result = _read_inputs(pn, list(strategy.inputs), entries,
-                              cost + cost_model.compute_time(extra), by_name, tp, cost_model,
-                              options)
+        own = cost_model.compute_time(extra)
+        if isinstance(strategy.output, Partial):
+            own += cost_model.partial_output
+        result = _read_inputs(pn, list(strategy.inputs), entries, cost + own, by_name, tp,
+                              cost_model, options)
         if result is None:
             continue
         new_cost, new_entries = result

@@ -1,0 +1,336 @@
+"""``autotp.render``: the Graphviz digraph and the self-contained HTML page of a plan.
+
+The DOT is checked structurally (and with Graphviz's ``dot`` when it is installed), the HTML
+without a browser (self-contained, escaped, the embedded JSON round-trips to
+``report.to_dict``) and, when Chromium is installed, in a real headless browser (its JS ran,
+and it renders to a PNG). Both tools are optional: their tests skip cleanly without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+import autotp
+from autotp.planner.cost import CostModel
+from autotp.planner.plan import Plan
+from autotp.render import dot_quote, execution_order, to_dot, to_html
+from autotp.report import fold_layers, human_bytes, to_dict
+from models import BUILDERS
+
+COST = CostModel()
+
+
+@pytest.fixture(scope="module")
+def llama_plan() -> Plan:
+    return autotp.plan(BUILDERS["llama"](), 4)
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan() -> Plan:
+    return autotp.plan(BUILDERS["gpt2"](), 4)
+
+
+def _plan(request: pytest.FixtureRequest, name: str) -> Plan:
+    return request.getfixturevalue(f"{name}_plan")
+
+
+def expected_param_rows(plan: Plan) -> int:
+    """Rows of the parameter tables: one layer per group, and everything outside the layers."""
+    return (sum(len(g.params) for g in fold_layers(plan))
+            + sum(1 for p in plan.params.values() if p.layer is None))
+
+
+def split_layers(plan: Plan) -> Plan:
+    """The plan with a sharded matrix of layer 1 replicated: layers 0 and 1 now differ."""
+    name = next(n for n, p in plan.params.items()
+                if p.layer == 1 and p.layout.startswith("S") and len(p.global_shape) == 2)
+    param = plan.params[name]
+    params = dict(plan.params)
+    params[name] = dataclasses.replace(param, layout="R", local_shape=param.global_shape)
+    return dataclasses.replace(plan, params=params)
+
+
+# ---- DOT -----------------------------------------------------------------------------------
+
+
+def strip_dot_strings(text: str) -> str:
+    """DOT with every double-quoted string removed (escapes honoured)."""
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+def node_ids(dot: str) -> set[str]:
+    return set(re.findall(r'^\s*"((?:[^"\\]|\\.)*)" \[', dot, flags=re.M))
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_dot_is_a_well_formed_digraph(request: pytest.FixtureRequest, model: str) -> None:
+    plan = _plan(request, model)
+    dot = to_dot(plan, COST)
+    assert dot.startswith("digraph autotp {\n") and dot.endswith("}\n")
+    bare = strip_dot_strings(dot)
+    depth = 0
+    for char in bare:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        assert depth >= 0
+    assert depth == 0
+    # Outside strings, a statement holds only keywords, punctuation and "" placeholders.
+    assert not re.search(r"[^\s{}\[\]=;,\-\>\"a-z_]", bare), "unquoted text in the DOT"
+    assert dot == to_dot(plan, COST), "not deterministic"
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_dot_folds_layers_into_a_cluster(request: pytest.FixtureRequest, model: str) -> None:
+    plan = _plan(request, model)
+    dot = to_dot(plan, COST)
+    groups = fold_layers(plan)
+    assert [g.layers for g in groups] == [[0, 1]]
+    assert 'subgraph "cluster_layers_0" {' in dot
+    assert '"layers 0-1 (x2)\\n' in dot
+    assert "cluster_layers_1" not in dot
+    ids = node_ids(dot)
+    drawn_ops = {n for n in plan.graph if plan.node_layers.get(n) == 0}
+    skipped_ops = {n for n in plan.graph if plan.node_layers.get(n) == 1}
+    assert drawn_ops <= ids
+    assert not skipped_ops & ids, "nodes of folded layers are drawn"
+    # The last layer's output is read outside the layers: drawn from the cluster.
+    assert re.search(r'-> "[^"]+" \[label="from layer 1", style="dashed", '
+                     r'ltail="cluster_layers_0"\]', dot)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_dot_shows_every_parameter_of_the_first_layer(request: pytest.FixtureRequest,
+                                                      model: str) -> None:
+    plan = _plan(request, model)
+    dot = to_dot(plan, COST)
+    for name, param in plan.params.items():
+        if param.layer in (0, None):
+            local = "×".join(map(str, param.local_shape))
+            assert re.search(re.escape(f'[label="{name}\\n{param.layout}  ') + r"[^\"]*"
+                             + re.escape(f"→ {local}"), dot), name
+        else:
+            assert f'"{name}\\n' not in dot, f"{name} of a folded layer is drawn"
+    assert 'shape="cylinder"' in dot
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_dot_marks_every_collective(request: pytest.FixtureRequest, model: str) -> None:
+    plan = _plan(request, model)
+    dot = to_dot(plan, COST)
+    data = to_dict(plan, COST)
+    kinds = {c.kind for c in plan.collectives}
+    assert kinds >= {"all_reduce"}
+    for record, row in zip(plan.collectives, data["collectives"]):
+        if record.layer not in (0, None):
+            continue  # folded: layer 0's identical collectives stand for it
+        phase = {"forward": "fwd", "backward": "bwd"}[record.phase]
+        label = f"{record.kind} {phase} {human_bytes(row['bytes'])}  {record.src}→{record.dst}"
+        assert label in dot, label
+    # One diamond line per collective of the drawn layers (a grad sync adds a caption line).
+    diamonds = re.findall(r'^\s*"collective:[^"]*" \[label="([^"]*)"', dot, flags=re.M)
+    lines = [line for label in diamonds for line in label.split("\\n")
+             if not line.startswith("grad sync")]
+    assert len(lines) == sum(1 for c in plan.collectives if c.layer in (0, None))
+    assert {line.split()[0] for line in lines} == kinds
+
+
+def test_dot_of_a_plan_read_back_from_json(llama_plan: Plan) -> None:
+    """A plan read back from JSON keeps the graph in execution order, and draws the same."""
+    again = Plan.from_json(llama_plan.to_json())
+    assert list(again.graph) == list(llama_plan.graph)
+    assert execution_order(again) == list(llama_plan.graph)
+    assert sorted(to_dot(again, COST).splitlines()) == \
+        sorted(to_dot(llama_plan, COST).splitlines())
+
+
+def test_dot_of_layers_that_differ(llama_plan: Plan) -> None:
+    plan = split_layers(llama_plan)
+    assert [g.layers for g in fold_layers(plan)] == [[0], [1]]
+    dot = to_dot(plan, COST)
+    assert 'subgraph "cluster_layers_0" {' in dot and 'subgraph "cluster_layers_1" {' in dot
+    assert '"layer 1\\n' in dot
+    assert "from layer" not in dot
+    assert {n for n in plan.graph if plan.node_layers.get(n) == 1} <= node_ids(dot)
+
+
+def test_dot_quote_escapes() -> None:
+    assert dot_quote('a"b\\c\nd') == '"a\\"b\\\\c\\nd"'
+    assert dot_quote("x -> y; }") == '"x -> y; }"'
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_graphviz_renders_the_dot(request: pytest.FixtureRequest, model: str,
+                                  tmp_path: Path) -> None:
+    plan = _plan(request, model)
+    for variant in (plan, split_layers(plan)):
+        source = tmp_path / "plan.dot"
+        source.write_text(to_dot(variant, COST), encoding="utf-8")
+        done = subprocess.run(["dot", "-Tsvg", str(source), "-o", str(tmp_path / "plan.svg")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "Error" not in done.stderr and "Warning" not in done.stderr, done.stderr
+        assert "<svg" in (tmp_path / "plan.svg").read_text(encoding="utf-8")
+
+
+# ---- HTML without a browser -----------------------------------------------------------------
+
+
+def embedded_json(page: str) -> dict:
+    found = re.findall(r'<script type="application/json" id="autotp-plan">(.*?)</script>', page,
+                       flags=re.S)
+    assert len(found) == 1
+    return json.loads(found[0])
+
+
+def test_html_is_self_contained(llama_plan: Plan) -> None:
+    page = to_html(llama_plan, COST)
+    assert page.startswith("<!DOCTYPE html>")
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(//|[a-z]+:)""", page, flags=re.I)
+    assert not re.search(r"<link\b", page, flags=re.I)
+    assert not re.search(r"<script\b[^>]*\bsrc\s*=", page, flags=re.I)
+    assert "@import" not in page and "url(" not in page
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', page)
+    assert csp is not None and html.unescape(csp.group(1)).startswith("default-src 'none';")
+    assert page.count("<style>") == 1 and page.count("<script>") == 1
+    assert len(page.encode()) < 200_000
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_html_embeds_the_report_data(request: pytest.FixtureRequest, model: str) -> None:
+    plan = _plan(request, model)
+    page = to_html(plan, COST)
+    assert embedded_json(page) == to_dict(plan, COST)
+    meta = re.search(r'<meta name="autotp-summary" content="([^"]*)">', page)
+    assert meta is not None
+    assert json.loads(html.unescape(meta.group(1))) == to_dict(plan, COST)["summary"]
+    assert page == to_html(plan, COST), "not deterministic"
+
+
+def test_html_has_one_section_per_group_of_identical_layers(llama_plan: Plan) -> None:
+    page = to_html(llama_plan, COST)
+    groups = fold_layers(llama_plan)
+    assert len(re.findall(r'<details class="group" open data-layers=', page)) == len(groups)
+    assert "<summary>layers 0-1 ×2, identical: 2 fwd + 2 bwd all-reduces" in page
+    assert page.count('<details class="group outside" open>') == 1
+    assert page.count('class="param-row"') == expected_param_rows(llama_plan)
+    for name, param in llama_plan.params.items():
+        assert (f'data-name="{name}"' in page) == (param.layer in (0, None)), name
+    assert "collectives of layer 0" in page and "dataflow of layer 0" in page
+    for op in ("linear", "scaled_dot_product_attention"):
+        assert f'<span class="op mono">{op}</span>' in page
+    assert page.count('<li class="mark">') == sum(
+        1 for c in llama_plan.collectives if c.layer in (0, None) and c.node in llama_plan.graph)
+
+    split = split_layers(llama_plan)
+    page = to_html(split, COST)
+    assert len(re.findall(r'<details class="group" open data-layers=', page)) == 2
+    assert "<summary>layer 1: 2 fwd + 2 bwd all-reduces" in page
+    assert page.count('class="param-row"') == expected_param_rows(split) == len(split.params)
+
+
+def test_html_escapes_text(llama_plan: Plan) -> None:
+    evil = '<script>alert("x")</script>&amp;'
+    plan = dataclasses.replace(llama_plan, model=evil, fallbacks=[f"{evil} at node"])
+    page = to_html(plan, COST)
+    assert evil not in page
+    assert html.escape(evil) in page
+    assert embedded_json(page)["model"] == evil
+    assert page.count("<script") == 2  # the data and the code, nothing injected
+
+
+def test_cli_writes_html(tmp_path: Path) -> None:
+    from autotp.cli import main
+
+    out = tmp_path / "plan.html"
+    spec = f"{Path(__file__).with_name('models.py')}:llama"
+    assert main(["plan", spec, "--tp", "4", "--format", "html", "-o", str(out), "-q"]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert embedded_json(page)["tp"] == 4
+    assert "layers 0-1 ×2, identical" in page
+
+
+# ---- HTML in a headless browser -------------------------------------------------------------
+
+
+def chromium() -> Optional[str]:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def run_chromium(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    browser = chromium()
+    assert browser is not None
+    profile = tmp_path / "profile"
+    profile.mkdir(exist_ok=True)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}"]
+    env = dict(os.environ, HOME=str(tmp_path))
+    return subprocess.run([browser, *flags, *args], capture_output=True, text=True, timeout=90,
+                          env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def page_file(llama_plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("html") / "plan.html"
+    path.write_text(to_html(llama_plan, COST), encoding="utf-8")
+    return path
+
+
+needs_chromium = pytest.mark.skipif(chromium() is None or sys.platform == "win32",
+                                    reason="chromium is not installed")
+
+
+@needs_chromium
+def test_browser_runs_the_page_script(llama_plan: Plan, page_file: Path,
+                                      tmp_path: Path) -> None:
+    done = run_chromium(["--dump-dom", page_file.as_uri()], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    body = re.search(r"<body[^>]*>", dom)
+    assert body is not None
+    assert 'data-ready="1"' in body.group(0), "the page's script did not run"
+    assert f'data-collectives="{len(llama_plan.collectives)}"' in body.group(0)
+    count = re.search(r'<span id="param-count">(\d+)</span>', dom)
+    assert count is not None
+    assert int(count.group(1)) == expected_param_rows(llama_plan)
+
+
+@needs_chromium
+def test_browser_filters_parameter_rows(llama_plan: Plan, page_file: Path,
+                                        tmp_path: Path) -> None:
+    """``#filter=TEXT`` fills the filter box: only the matching rows stay visible."""
+    done = run_chromium(["--dump-dom", page_file.as_uri() + "#filter=MLP"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert 'data-ready="1"' in dom
+    expected = sum(1 for n, p in llama_plan.params.items()
+                   if p.layer in (0, None) and "mlp" in n)
+    assert 0 < expected < expected_param_rows(llama_plan)
+    count = re.search(r'<span id="param-count">(\d+)</span>', dom)
+    assert count is not None and int(count.group(1)) == expected
+    rows = re.findall(r'<tr class="param-row" data-name="([^"]*)"[^>]*?( hidden="")?>', dom)
+    assert len(rows) == expected_param_rows(llama_plan)
+    assert sorted(name for name, hidden in rows if not hidden) == sorted(
+        n for n, p in llama_plan.params.items() if p.layer in (0, None) and "mlp" in n)
+
+
+@needs_chromium
+def test_browser_renders_a_screenshot(page_file: Path, tmp_path: Path) -> None:
+    png = tmp_path / "plan.png"
+    done = run_chromium([f"--screenshot={png}", "--window-size=1280,2000", page_file.as_uri()],
+                        tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
