@@ -37,3 +37,22 @@ def nanogpt() -> nn.Module:
     model = nano.GPT(nano.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128,
                                     block_size=64))
     return model, (torch.randint(0, 128, (2, 16)),)
+
+
+class DropoutMLP(nn.Module):
+    """Dropout in training mode draws different masks on different shards: verify must see
+    the mismatch and point at the dropout."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.relu(self.up(x))))
+
+
+def dropout_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return DropoutMLP().train(), (torch.randn(2, 8, 32),)

@@ -151,3 +151,11 @@ def test_python_m_and_console_script_agree() -> None:
                         "-q"], capture_output=True, text=True, timeout=120).stdout
     b = autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json").stdout
     assert a == b and a
+
+
+def test_verify_reports_a_mismatch_and_the_first_diverging_node() -> None:
+    result = autotp("verify", f"{FACTORIES}:dropout_mlp", "--tp", "2", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "MISMATCH" in result.stdout
+    assert "first diverging value: dropout = aten.dropout.default" in result.stdout
+    assert "cli_factories.py" in result.stdout  # the user's source line

@@ -142,3 +142,21 @@ def test_output_structure_is_kept() -> None:
     assert type(out) is type(expected)
     assert list(out.keys()) == list(expected.keys())
     assert float((out.pooler_output - expected.pooler_output).abs().max()) <= ATOL
+
+
+def test_first_divergence_names_the_node_reading_a_corrupted_shard() -> None:
+    from autotp.verify import first_divergence
+
+    model, sim = _simulate("llama", 2)
+    ids = batch()
+    assert first_divergence(sim, (ids,)) is None
+    with torch.no_grad():  # corrupt rank 1's piece of one weight
+        sim.ranks[1].local_parameters()["model.layers.1.mlp.up_proj.weight"].add_(0.5)
+    found = first_divergence(sim, (ids,))
+    assert found is not None  # the reassembled parameter is the first value that differs
+    assert found.op == "model.layers.1.mlp.up_proj.weight" and found.layout == "S(0)"
+    with torch.no_grad():  # restore it and corrupt an activation path instead: a buffer
+        sim.ranks[1].local_parameters()["model.layers.1.mlp.up_proj.weight"].sub_(0.5)
+        sim.ranks[0].program.model.rotary_emb.inv_freq.mul_(1.5)
+    found = first_divergence(sim, (ids,))
+    assert found is not None and found.node.startswith("model_rotary_emb_inv_freq")
