@@ -7,6 +7,7 @@ parameters replaced by their local shards.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class ShardedModule(nn.Module):
     """One rank's part of a tensor-parallel model. Call it like the original model."""
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
-                 comm: Communicator, bucket: GradBucket):
+                 comm: Communicator, bucket: GradBucket, check_plan: bool = True):
         super().__init__()
         self.program = program
         self.__dict__["plan"] = plan
@@ -81,13 +82,34 @@ class ShardedModule(nn.Module):
         self.__dict__["_bucket"] = bucket
         self.__dict__["_signature"] = captured.signature
         self.__dict__["_example"] = captured.example_kwargs
+        self.__dict__["_plan_checked"] = not check_plan
 
     @property
     def rank(self) -> int:
         return self.comm.rank
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.program(**self._bind(args, kwargs))
+        call = self._bind(args, kwargs)
+        if not self._plan_checked:
+            self.check_plan()
+        return self.program(**call)
+
+    def check_plan(self) -> None:
+        """Collective: every rank must hold the same plan (a hash exchanged over the group).
+        Different models, degrees or examples on different ranks would otherwise run
+        mismatched collectives: a hang or a silently wrong result."""
+        digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:16]
+        digests = self.comm.all_gather_object(digest)
+        if len(set(digests)) > 1:
+            groups: dict[object, list[int]] = {}
+            for rank, d in enumerate(digests):
+                groups.setdefault(d, []).append(rank)
+            text = "; ".join(f"ranks {ranks}: plan {d}" for d, ranks in groups.items())
+            raise ConfigError(
+                f"the ranks hold different tensor-parallel plans ({text}): call "
+                "autotp.parallelize with the same model, tp and example inputs on every rank"
+            )
+        self.__dict__["_plan_checked"] = True
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature: Optional[inspect.Signature] = self._signature
@@ -112,7 +134,10 @@ class ShardedModule(nn.Module):
         call = {}
         for name, example in self._example.items():
             if name in named:
-                call[name] = named[name]
+                value = named[name]
+                if isinstance(example, torch.Tensor):
+                    _check_input(name, value, example)
+                call[name] = value
             elif isinstance(example, torch.Tensor):
                 raise ConfigError(f"missing input {name!r} (the example had it)")
             else:
@@ -130,10 +155,23 @@ class ShardedModule(nn.Module):
         return out
 
 
+def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
+    """Batch and sequence sizes may change; the rank and dtype of an input may not."""
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(f"input {name!r} must be a tensor (the example was one), "
+                          f"got {type(value).__name__}")
+    if value.dim() != example.dim() or value.dtype != example.dtype:
+        raise ConfigError(
+            f"input {name!r} is {value.dtype} with {value.dim()} dims, but the model was "
+            f"traced with {example.dtype} and {example.dim()} dims: other batch and sequence "
+            "sizes work, another rank or dtype needs autotp.parallelize with such an example"
+        )
+
+
 def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
-           registry: Optional[Registry] = None) -> ShardedModule:
+           registry: Optional[Registry] = None, check_plan: bool = True) -> ShardedModule:
     program, bucket = rewrite(captured, plan, rank, comm, registry)
-    return ShardedModule(program, plan, captured, comm, bucket)
+    return ShardedModule(program, plan, captured, comm, bucket, check_plan)
 
 
 def parallelize(
@@ -145,8 +183,15 @@ def parallelize(
     group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
     cost_model: Optional[CostModel] = None,
+    timeout: Optional[float] = 300.0,
+    check_plan: bool = True,
 ) -> ShardedModule:
-    """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``)."""
+    """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
+
+    ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
+    that failed or exited makes the others fail instead of hang); None waits forever.
+    ``check_plan``: on the first call, check that every rank holds the same plan.
+    """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -165,8 +210,8 @@ def parallelize(
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model)
-    comm = ProcessGroupComm(group)
-    return _build(captured, the_plan, comm.rank, comm)
+    comm = ProcessGroupComm(group, timeout=timeout)
+    return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan)
 
 
 def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from autotp.errors import ConfigError
+from autotp.errors import AutotpError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,15 @@ class Communicator:
         raise NotImplementedError
 
 
+class CollectiveError(AutotpError, RuntimeError):
+    """A collective did not complete: another rank failed, exited, or is stuck."""
+
+
 class ProcessGroupComm(Communicator):
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None,
+                 timeout: Optional[float] = None):
         self.group = group
+        self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
@@ -91,17 +98,33 @@ class ProcessGroupComm(Communicator):
                 "group with backend='nccl' (or 'cpu:gloo,cuda:nccl')"
             )
 
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for an async collective, at most ``timeout`` seconds."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            limit = "" if self.timeout is None else f" within {self.timeout:g} s"
+            raise CollectiveError(
+                f"rank {self.rank}: {what} did not complete{limit}: another rank of the "
+                f"tensor-parallel group failed, exited or is stuck ({first})"
+            ) from exc
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check_device(tensor)
         out = tensor.contiguous().clone()
-        dist.all_reduce(out, group=self.group)
+        self._wait(dist.all_reduce(out, group=self.group, async_op=True), "all_reduce")
         return out
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
-        _all_gather_single(out, moved, group=self.group)
+        self._wait(_all_gather_single(out, moved, group=self.group, async_op=True),
+                   "all_gather")
         return out.movedim(0, dim).contiguous()  # views of it must work as in the original
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -109,9 +132,10 @@ class ProcessGroupComm(Communicator):
         moved = tensor.movedim(dim, 0).contiguous()
         if self.backend == "nccl":
             out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
-            _reduce_scatter_single(out, moved, group=self.group)
+            self._wait(_reduce_scatter_single(out, moved, group=self.group, async_op=True),
+                       "reduce_scatter")
         else:  # gloo has no reduce-scatter of tensors: all-reduce and keep the slice
-            dist.all_reduce(moved, group=self.group)
+            self._wait(dist.all_reduce(moved, group=self.group, async_op=True), "reduce_scatter")
             out = moved.chunk(self.world_size, dim=0)[self.rank]
         return out.movedim(0, dim).contiguous()
 

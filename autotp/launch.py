@@ -43,10 +43,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
 
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                  timeout: float = 300.0) -> list[Any]:
+                  timeout: float = 300.0, allow_failures: bool = False) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; results in rank order.
 
-    ``fn`` must be importable by a fresh interpreter (a module-level function).
+    ``fn`` must be importable by a fresh interpreter (a module-level function). With
+    ``allow_failures`` every rank's outcome is returned as ``(ok, value_or_traceback)``
+    instead of raising on the first failure.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -67,10 +69,10 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, backend: 
                 failure = f"no result from ranks {sorted(set(range(world_size)) - set(got))} " \
                           f"within {timeout:.0f} s"
                 break
-            if not ok:
+            if not ok and not allow_failures:
                 failure = f"rank {rank} failed:\n{value}"
                 break
-            got[rank] = value
+            got[rank] = (ok, value) if allow_failures else value
     finally:
         for proc in procs:
             proc.join(timeout=10 if failure is None else 1)

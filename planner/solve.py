@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -90,11 +91,16 @@ def plan_graph(
     registry = registry or Registry.default()
     cost_model = cost_model or CostModel()
     gm = captured.gm
-    check_heads(gm, tp, options.strict)
+    fallbacks = check_heads(gm, tp, options.strict)
     blocks = block_counts(gm)
     pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
     decisions, total = solve(pnodes, tp, cost_model, options)
-    return assemble(captured, pnodes, decisions, total, tp, cost_model, options, model_name)
+    plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, model_name)
+    plan.fallbacks = fallbacks + plan.fallbacks
+    check_divisibility(plan, tp, options.strict)
+    for text in plan.fallbacks:
+        warnings.warn(f"autotp: {text}", stacklevel=3)
+    return plan
 
 
 # ---- problem -------------------------------------------------------------------------------
@@ -113,21 +119,48 @@ def block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> None:
-    """tp must divide the attention heads (the query heads; k/v heads may be replicated)."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> list[str]:
+    """tp must divide the attention heads (the query heads; k/v heads may be replicated).
+    Returns the fallbacks taken with ``strict=False``."""
+    fallbacks: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == aten.scaled_dot_product_attention.default:
             q = node.args[0].meta["val"]
             if q.dim() != 4 or not isinstance(q.shape[1], int):
                 continue
             heads = int(q.shape[1])
-            if heads % tp and strict:
-                valid = [d for d in range(1, heads + 1) if heads % d == 0]
+            if heads % tp == 0:
+                continue
+            valid = ", ".join(map(str, _divisors(heads)))
+            if strict:
                 raise PlanError(
                     f"tp={tp} does not divide the {heads} attention heads; use tp in "
-                    f"{{{', '.join(map(str, valid))}}} (or strict=False to replicate "
-                    f"the attention){where(node)}"
+                    f"{{{valid}}} (or strict=False to replicate the attention){where(node)}"
                 )
+            fallbacks.append(f"attention {node.name}: {heads} heads not divisible by tp={tp}, "
+                             f"computed replicated ({source_of(node) or 'unknown source'})")
+    return fallbacks
+
+
+def check_divisibility(plan: Plan, tp: int, strict: bool) -> None:
+    """A matrix that tp divides along no dimension is replicated on every rank: an error
+    naming the parameter and the valid tp values (strict), or a recorded fallback."""
+    for target, param in plan.params.items():
+        shape = param.global_shape
+        if len(shape) < 2 or not param.layout.startswith("R"):
+            continue
+        if any(size % tp == 0 and size > 1 for size in shape):
+            continue  # shardable, replicated by the plan's choice (e.g. k/v heads < tp)
+        valid = sorted({d for size in shape for d in _divisors(size)})
+        text = (f"tp={tp} divides no dimension of {target} {list(shape)}: it would be "
+                f"replicated on every rank; use tp in {{{', '.join(map(str, valid))}}}")
+        if strict:
+            raise PlanError(text + ", or strict=False to replicate it")
+        plan.fallbacks.append(text)
 
 
 def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:

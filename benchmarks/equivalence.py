@@ -1,0 +1,69 @@
+"""Measure sharded-vs-unsharded differences and collectives per layer for the test models.
+
+    python benchmarks/equivalence.py            # simulation at tp 2, 4, 8 and gloo at tp 2, 4
+
+Prints one row per (model, tp, mode): max |logits diff|, |loss diff|, max |grad diff| (and
+relative), collectives executed per layer (forward, backward).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def simulation_row(name: str, tp: int) -> dict:
+    import autotp
+    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from models import BUILDERS, batch, example, loss_of, main_output
+
+    model = BUILDERS[name]()
+    args, kwargs = example(name)
+    sim = autotp.simulate(model, tp, example_args=args, example_kwargs=kwargs)
+    ids = batch()
+    call = lambda m: m(ids)  # noqa: E731
+    loss = lambda out: loss_of(out, ids)  # noqa: E731
+    reference = reference_step(model, call, loss, main_output)
+    results = sim.run(lambda m: sharded_step(m, call, loss, main_output))
+    cmps = [compare(reference, r) for r in results]
+    counts = layer_counts(sim.ranks[0].comm.log)
+    return _row(cmps, counts)
+
+
+def _row(cmps: list, counts: dict) -> dict:
+    per_layer = sorted({(v["forward"], v["backward"]) for k, v in counts.items()
+                        if k is not None and k != -1})
+    return {"logits": max(c.output_diff for c in cmps), "loss": max(c.loss_diff for c in cmps),
+            "grad": max(c.grad_diff for c in cmps), "grad_rel": max(c.grad_rel for c in cmps),
+            "per_layer": per_layer}
+
+
+def main() -> None:
+    from autotp.launch import run_processes
+    from dist_cases import equivalence_case
+
+    print(f"{'model':<8}{'tp':>3} {'mode':<11}{'logits':>10}{'loss':>10}{'grad':>10}"
+          f"{'grad rel':>10}  per layer (fwd, bwd)")
+    for name in ["gpt2", "llama", "bert", "nanogpt"]:
+        for tp in (2, 4, 8):
+            r = simulation_row(name, tp)
+            print(f"{name:<8}{tp:>3} {'simulation':<11}{r['logits']:>10.1e}{r['loss']:>10.1e}"
+                  f"{r['grad']:>10.1e}{r['grad_rel']:>10.1e}  {r['per_layer']}", flush=True)
+        for tp in (2, 4):
+            results = run_processes(equivalence_case, tp, name)
+            logits = max(x["output_diff"] for x in results)
+            loss = max(x["loss_diff"] for x in results)
+            grad = max(x["grad_diff"] for x in results)
+            rel = max(x["grad_rel"] for x in results)
+            per_layer = sorted({(v["forward"], v["backward"]) for k, v in
+                                results[0]["counts"].items() if k != -1})
+            print(f"{name:<8}{tp:>3} {'gloo':<11}{logits:>10.1e}{loss:>10.1e}{grad:>10.1e}"
+                  f"{rel:>10.1e}  {per_layer}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

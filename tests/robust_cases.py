@@ -1,0 +1,48 @@
+"""Worker functions for the robustness tests (run in real gloo processes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def different_models(rank: int, world_size: int) -> str:
+    """Rank 1 builds a model with another hidden size: the plan check must catch it."""
+    import autotp
+    from models import VOCAB
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    width = 64 if rank == 0 else 128
+    config = transformers.GPT2Config(n_layer=1, n_embd=width, n_head=4, vocab_size=VOCAB,
+                                     n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    sharded = autotp.parallelize(model, tp=world_size)
+    try:
+        sharded(torch.randint(0, VOCAB, (2, 8)))
+    except autotp.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def one_rank_fails(rank: int, world_size: int, timeout: float) -> Any:
+    """Rank 1 raises after the first step; rank 0 must fail fast instead of hanging."""
+    import autotp
+    from models import BUILDERS, batch
+
+    model = BUILDERS["gpt2"]()
+    sharded = autotp.parallelize(model, tp=world_size, timeout=timeout)
+    ids = batch()
+    sharded(ids).logits.sum().backward()
+    if rank == 1:
+        raise RuntimeError("rank 1 crashes on purpose")
+    start = time.perf_counter()
+    try:
+        sharded(ids).logits.sum().backward()
+    except autotp.AutotpError as exc:
+        return {"error": str(exc), "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}

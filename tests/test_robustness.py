@@ -1,0 +1,114 @@
+"""autotp is exact or refuses with a clear reason: bad input, mismatched ranks, failed ranks."""
+
+from __future__ import annotations
+
+import ast
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.launch import run_processes
+from models import BUILDERS, batch, example
+from robust_cases import different_models, one_rank_fails
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Narrow(nn.Module):
+    """An MLP whose widths 30 and 10 no tp = 4 divides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(10, 30)
+        self.down = nn.Linear(30, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_undivisible_matrix_is_an_error_naming_valid_tp() -> None:
+    expected = (r"tp=4 divides no dimension of up\.weight \[30, 10\].*"
+                r"use tp in \{1, 2, 3, 5, 6, 10, 15, 30\}")
+    with pytest.raises(autotp.PlanError, match=expected):
+        autotp.plan(Narrow(), 4, example_args=(torch.randn(2, 3, 10),))
+
+
+def test_undivisible_matrix_is_a_recorded_fallback_when_not_strict() -> None:
+    model, x = Narrow(), torch.randn(2, 3, 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sim = autotp.simulate(model, 4, example_args=(x,), strict=False)
+    assert any("divides no dimension of up.weight" in str(w.message) for w in caught)
+    assert any("up.weight" in f for f in sim.plan.fallbacks)
+    assert sim.plan.params["up.weight"].layout == "R"
+    for out in sim.run(lambda m: m(x).detach()):
+        assert torch.allclose(out, model(x), atol=1e-6)
+
+
+def test_heads_not_divisible_are_replicated_when_not_strict() -> None:
+    model = BUILDERS["gpt2"]()  # 8 heads
+    args, kwargs = example("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = autotp.simulate(model, 3, example_args=args, example_kwargs=kwargs, strict=False)
+    assert any("8 heads not divisible by tp=3" in f for f in sim.plan.fallbacks)
+    ids = batch()
+    for out in sim.run(lambda m: m(ids).logits.detach()):
+        assert float((out - model(ids).logits).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda ids: ids.float(), "is torch.float32 with 2 dims, but the model was traced with "
+                              "torch.int64 and 2 dims"),
+    (lambda ids: ids[None], "is torch.int64 with 3 dims"),
+    (lambda ids: ids.tolist(), "must be a tensor"),
+])
+def test_inputs_of_another_rank_or_dtype_are_refused(bad, message) -> None:
+    model = BUILDERS["llama"]()
+    args, kwargs = example("llama")
+    sim = autotp.simulate(model, 2, example_args=args, example_kwargs=kwargs)
+    with pytest.raises(autotp.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        sim.ranks[0](bad(batch()))
+
+
+def test_example_of_the_wrong_dtype_is_a_trace_error() -> None:
+    with pytest.raises(autotp.TraceError, match="could not trace GPT2LMHeadModel"):
+        autotp.plan(BUILDERS["gpt2"](), 2, example_kwargs={"input_ids": torch.randn(2, 8)})
+
+
+def test_ranks_with_different_models_fail_with_the_plan_check() -> None:
+    messages = run_processes(different_models, 2, timeout=180)
+    for text in messages:
+        assert "the ranks hold different tensor-parallel plans" in text, text
+
+
+def test_a_failing_rank_makes_the_others_fail_fast() -> None:
+    outcomes = run_processes(one_rank_fails, 2, 20.0, timeout=180, allow_failures=True)
+    ok0, rank0 = outcomes[0]
+    ok1, rank1 = outcomes[1]
+    assert not ok1 and "rank 1 crashes on purpose" in rank1
+    assert ok0 and rank0["error"] is not None, rank0
+    assert "another rank of the tensor-parallel group failed" in rank0["error"]
+    assert rank0["seconds"] < 25
+
+
+def test_plans_load_from_json_only() -> None:
+    """Plans round-trip through JSON; no module of autotp unpickles or torch.loads data."""
+    plan = autotp.plan(BUILDERS["gpt2"](), 2)
+    assert autotp.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    for folder in ("autotp", "rules", "planner"):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if not name.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(ROOT, folder, name), encoding="utf-8").read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in ("load", "loads"):
+                    owner = getattr(node.value, "id", "")
+                    assert owner not in ("pickle", "torch", "dill", "marshal"), (name, owner)
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                    assert "pickle" not in names, name
