@@ -99,7 +99,15 @@ class ShardedModule(nn.Module):
         Different models, degrees or examples on different ranks would otherwise run
         mismatched collectives: a hang or a silently wrong result."""
         digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:16]
-        digests = self.comm.all_gather_object(digest)
+        gathered = self.comm.all_gather_object((digest, self.seed))
+        seeds = [seed for _, seed in gathered]  # type: ignore[misc]
+        digests = [d for d, _ in gathered]  # type: ignore[misc]
+        if len(set(seeds)) > 1:
+            raise ConfigError(
+                f"the ranks were seeded differently ({seeds}): seed every rank the same "
+                "(torch.manual_seed) before building the model, so that weights and the "
+                "dropout masks of replicated values agree"
+            )
         if len(set(digests)) > 1:
             groups: dict[object, list[int]] = {}
             for rank, d in enumerate(digests):
@@ -169,9 +177,13 @@ def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
 
 
 def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
-           registry: Optional[Registry] = None, check_plan: bool = True) -> ShardedModule:
-    program, bucket = rewrite(captured, plan, rank, comm, registry)
-    return ShardedModule(program, plan, captured, comm, bucket, check_plan)
+           registry: Optional[Registry] = None, check_plan: bool = True,
+           seed: Optional[int] = None) -> ShardedModule:
+    seed = torch.initial_seed() if seed is None else seed
+    program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed)
+    module = ShardedModule(program, plan, captured, comm, bucket, check_plan)
+    module.__dict__["seed"] = seed
+    return module
 
 
 def parallelize(

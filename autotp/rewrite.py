@@ -3,6 +3,7 @@
     shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
     insert_collectives   one Redistribute per (value, target layout) the plan asks for
     lower_ops            per-op lowerings: local size arguments, masked vocab lookups
+    track_randomness     dropout: one shared stream for replicated values, one per rank for shards
 
 Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a layout.
 """
@@ -20,8 +21,9 @@ from autotp.capture import Captured, layer_of
 from autotp.collectives import DeferredGradReduce, GradBucket, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
-from autotp.layout import Replicate, parse_layout, shard_tensor
+from autotp.layout import Replicate, Shard, parse_layout, shard_tensor
 from autotp.planner.plan import Plan
+from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.rules.registry import Registry, Strategy
 
 
@@ -191,14 +193,46 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> dic
     return {node.name: new.name for node, new in ctx.lowered.items()}
 
 
+def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngTracker) -> int:
+    """Dropout draws from the replicated stream on replicated values and from this rank's
+    own stream on sharded ones; returns the number of dropouts rewritten."""
+    count = 0
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.dropout.default,
+                                                              sdpa):
+            continue
+        layout = parse_output(plan.values[node.name])
+        stream = Stream.SHARDED if isinstance(layout, Shard) else Stream.REPLICATED
+        name = f"autotp_random_{node.name}"
+        if node.target == sdpa:
+            dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            if not dropout_p:
+                continue
+            root.add_module(name, TrackedAttention(tracker, stream))
+            args, kwargs = node.args, node.kwargs
+        else:
+            root.add_module(name, TrackedDropout(tracker, stream))
+            args, kwargs = tuple((list(node.args) + [0.5, True])[:3]), {}
+        with graph.inserting_before(node):
+            new = graph.call_module(name, args, kwargs)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
-            registry: Optional[Registry] = None) -> tuple[fx.GraphModule, GradBucket]:
+            registry: Optional[Registry] = None, seed: int = 0
+            ) -> tuple[fx.GraphModule, GradBucket]:
     registry = registry or Registry.default()
     graph = copy_graph(captured.gm)
     root = shard_parameters(captured, plan, graph, rank)
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket)
     lowered = lower_ops(graph, plan, registry, rank)
+    track_randomness(graph, plan, root, RngTracker(seed, rank))
     graph.lint()
     gm = fx.GraphModule(root, graph)
     gm.meta["autotp_values"] = lowered

@@ -46,3 +46,18 @@ def one_rank_fails(rank: int, world_size: int, timeout: float) -> Any:
     except autotp.AutotpError as exc:
         return {"error": str(exc), "seconds": time.perf_counter() - start}
     return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def different_seeds(rank: int, world_size: int) -> str:
+    """Ranks seeded differently hold different weights and would draw different dropout
+    masks for replicated values: refused on the first call."""
+    import autotp
+    from models import BUILDERS, batch
+
+    model = BUILDERS["gpt2"](seed=rank)
+    sharded = autotp.parallelize(model, tp=world_size)
+    try:
+        sharded(batch())
+    except autotp.ConfigError as exc:
+        return str(exc)
+    return "no error"

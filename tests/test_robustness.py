@@ -13,7 +13,7 @@ from torch import nn
 import autotp
 from autotp.launch import run_processes
 from models import BUILDERS, batch, example
-from robust_cases import different_models, one_rank_fails
+from robust_cases import different_models, different_seeds, one_rank_fails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +84,11 @@ def test_ranks_with_different_models_fail_with_the_plan_check() -> None:
     messages = run_processes(different_models, 2, timeout=180)
     for text in messages:
         assert "the ranks hold different tensor-parallel plans" in text, text
+
+
+def test_ranks_seeded_differently_are_refused() -> None:
+    for text in run_processes(different_seeds, 2, timeout=180):
+        assert "the ranks were seeded differently ([0, 1])" in text, text
 
 
 def test_a_failing_rank_makes_the_others_fail_fast() -> None:
