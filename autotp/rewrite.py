@@ -193,10 +193,11 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> dic
     return {node.name: new.name for node, new in ctx.lowered.items()}
 
 
-def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngTracker) -> int:
+def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
+                     tracker: RngTracker) -> dict[str, str]:
     """Dropout draws from the replicated stream on replicated values and from this rank's
-    own stream on sharded ones; returns the number of dropouts rewritten."""
-    count = 0
+    own stream on sharded ones; returns original node -> the node now holding its value."""
+    renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (torch.ops.aten.dropout.default,
@@ -219,8 +220,8 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngT
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        count += 1
-    return count
+        renamed[node.name] = new.name
+    return renamed
 
 
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
@@ -232,7 +233,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket)
     lowered = lower_ops(graph, plan, registry, rank)
-    track_randomness(graph, plan, root, RngTracker(seed, rank))
+    lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     graph.lint()
     gm = fx.GraphModule(root, graph)
     gm.meta["autotp_values"] = lowered
