@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -73,16 +73,22 @@ def plan(
 class ShardedModule(nn.Module):
     """One rank's part of a tensor-parallel model. Call it like the original model."""
 
+    plan: Plan
+    comm: Communicator
+    seed: int
+
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
-                 comm: Communicator, bucket: GradBucket, check_plan: bool = True):
+                 comm: Communicator, bucket: GradBucket, check_plan: bool = True,
+                 seed: int = 0):
         super().__init__()
         self.program = program
-        self.__dict__["plan"] = plan
-        self.__dict__["comm"] = comm
-        self.__dict__["_bucket"] = bucket
-        self.__dict__["_signature"] = captured.signature
-        self.__dict__["_example"] = captured.example_kwargs
-        self.__dict__["_plan_checked"] = not check_plan
+        self.plan = plan
+        self.comm = comm
+        self.seed = seed
+        self._bucket = bucket
+        self._signature: Optional[inspect.Signature] = captured.signature
+        self._example: dict[str, Any] = captured.example_kwargs
+        self._plan_checked = not check_plan
 
     @property
     def rank(self) -> int:
@@ -99,9 +105,10 @@ class ShardedModule(nn.Module):
         Different models, degrees or examples on different ranks would otherwise run
         mismatched collectives: a hang or a silently wrong result."""
         digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:16]
-        gathered = self.comm.all_gather_object((digest, self.seed))
-        seeds = [seed for _, seed in gathered]  # type: ignore[misc]
-        digests = [d for d, _ in gathered]  # type: ignore[misc]
+        gathered = cast(list[tuple[str, int]],
+                        self.comm.all_gather_object((digest, self.seed)))
+        seeds = [seed for _, seed in gathered]
+        digests = [d for d, _ in gathered]
         if len(set(seeds)) > 1:
             raise ConfigError(
                 f"the ranks were seeded differently ({seeds}): seed every rank the same "
@@ -117,7 +124,7 @@ class ShardedModule(nn.Module):
                 f"the ranks hold different tensor-parallel plans ({text}): call "
                 "autotp.parallelize with the same model, tp and example inputs on every rank"
             )
-        self.__dict__["_plan_checked"] = True
+        self._plan_checked = True
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature: Optional[inspect.Signature] = self._signature
@@ -181,9 +188,7 @@ def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            seed: Optional[int] = None) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed)
-    module = ShardedModule(program, plan, captured, comm, bucket, check_plan)
-    module.__dict__["seed"] = seed
-    return module
+    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed)
 
 
 def parallelize(

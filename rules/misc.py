@@ -11,7 +11,7 @@ that is registered nowhere is an error (or, with ``strict=False``, a recorded fa
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -21,7 +21,7 @@ from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shar
 aten = torch.ops.aten
 rules = RuleSet()
 
-REPLICATED_ONLY = [
+REPLICATED_ONLY: list[Any] = [
     aten.arange.default,
     aten.arange.start,
     aten.arange.start_step,
