@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, capture
-from autotp.collectives import GradBucket, gather
+from autotp.collectives import GradBucket, GradSync, gather
 from autotp.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
 from autotp.layout import Shard
@@ -183,11 +183,20 @@ def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
         )
 
 
+def _grad_sync(value: Any) -> GradSync:
+    try:
+        return GradSync(value)
+    except ValueError:
+        raise ConfigError(f"grad_sync must be one of {[g.value for g in GradSync]}, "
+                          f"got {value!r}") from None
+
+
 def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            registry: Optional[Registry] = None, check_plan: bool = True,
-           seed: Optional[int] = None) -> ShardedModule:
+           seed: Optional[int] = None, grad_sync: str = "bucket") -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
-    program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed)
+    program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
+                              grad_sync=_grad_sync(grad_sync))
     return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed)
 
 
@@ -202,12 +211,17 @@ def parallelize(
     cost_model: Optional[CostModel] = None,
     timeout: Optional[float] = 300.0,
     check_plan: bool = True,
+    grad_sync: str = "bucket",
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
 
     ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
     that failed or exited makes the others fail instead of hang); None waits forever.
     ``check_plan``: on the first call, check that every rank holds the same plan.
+    ``grad_sync``: "bucket" sums the partial gradients of replicated parameters (k/v
+    projections when tp exceeds the k/v heads) in one all-reduce after backward, into
+    ``.grad``; "per_use" all-reduces them inside autograd, for ``torch.autograd.grad`` and
+    for DDP/FSDP wrapped around the sharded module.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
@@ -228,7 +242,8 @@ def parallelize(
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model)
     comm = ProcessGroupComm(group, timeout=timeout)
-    return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan)
+    return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
+                  grad_sync=grad_sync)
 
 
 def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -269,6 +284,9 @@ class Simulation:
         """Call ``fn(module)`` on every rank concurrently; returns the results in rank order."""
         results: list[Any] = [None] * self.tp
         errors: list[Optional[BaseException]] = [None] * self.tp
+        comm = self.ranks[0].comm
+        if isinstance(comm, ThreadComm):
+            comm.hub.barrier.reset()  # a failed earlier run may have broken it
 
         def target(rank: int) -> None:
             try:
@@ -305,6 +323,7 @@ def simulate(
     strict: bool = True,
     cost_model: Optional[CostModel] = None,
     timeout: float = 120.0,
+    grad_sync: str = "bucket",
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives."""
@@ -312,7 +331,8 @@ def simulate(
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model)
     hub = ThreadHub(tp, timeout)
-    ranks = [_build(captured, the_plan, comm.rank, comm) for comm in hub.comms()]
+    ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync)
+             for comm in hub.comms()]
     return Simulation(the_plan, ranks, captured)
 
 

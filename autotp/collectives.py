@@ -14,6 +14,7 @@ backward (as Megatron does for sequence-parallel norm weights) instead of once p
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Optional
 
 import torch
@@ -158,8 +159,25 @@ class _RedistributeFn(torch.autograd.Function):
 # ---- deferred gradient reduction of replicated parameters ----------------------------------
 
 
+class GradSync(enum.Enum):
+    """How replicated parameters with partial gradients get their gradients summed.
+
+    BUCKET: one all-reduce of all of them after backward, written into ``.grad`` (the fewest
+    collectives; Megatron's choice for sequence-parallel norms). Not seen by autograd: use
+    PER_USE with ``torch.autograd.grad`` or with DDP/FSDP wrapped around the sharded module.
+    PER_USE: an all-reduce in backward at each use, inside autograd (Megatron's ``f`` on the
+    parameter).
+    """
+
+    BUCKET = "bucket"
+    PER_USE = "per_use"
+
+
 class GradBucket:
-    """Sums, across ranks, the partial gradients of replicated parameters after backward."""
+    """Sums, across ranks, the partial gradients of replicated parameters after backward.
+
+    Invariant: after each backward, ``param.grad`` of every registered parameter holds the
+    sum over ranks of that backward's contributions (added to what it held before)."""
 
     def __init__(self, comm: Communicator):
         self.comm = comm

@@ -170,12 +170,14 @@ class ThreadComm(Communicator):
         self.world_size = hub.world_size
         self.log = CollectiveLog()
 
-    def _exchange(self, obj: object) -> list[object]:
+    def _exchange(self, obj: object, combine: Any = list) -> Any:
+        """Publish ``obj``; ``combine`` reads every rank's object while all ranks wait, so no
+        rank can change its tensor before the others have used it."""
         hub = self.hub
         hub.slots[self.rank] = obj
         try:
             hub.barrier.wait(hub.timeout)
-            got = list(hub.slots)
+            got = combine(list(hub.slots))
             hub.barrier.wait(hub.timeout)
         except threading.BrokenBarrierError:
             raise RuntimeError(
@@ -185,15 +187,16 @@ class ThreadComm(Communicator):
         return got
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(tensor)
-        out = parts[0].clone()  # type: ignore[union-attr]
-        for part in parts[1:]:
-            out += part  # type: ignore[operator]
-        return out
+        def total(parts: list) -> torch.Tensor:
+            out = parts[0].clone()
+            for part in parts[1:]:
+                out += part
+            return out
+
+        return self._exchange(tensor, total)
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        parts = self._exchange(tensor)
-        return torch.cat(parts, dim=dim)  # type: ignore[arg-type]
+        return self._exchange(tensor, lambda parts: torch.cat(parts, dim=dim))
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         total = self.all_reduce(tensor)

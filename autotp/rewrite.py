@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.capture import Captured, layer_of
-from autotp.collectives import DeferredGradReduce, GradBucket, Redistribute
+from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
 from autotp.layout import Replicate, Shard, parse_layout, shard_tensor
@@ -131,7 +131,7 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int)
 
 
 def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
-                       bucket: GradBucket) -> int:
+                       bucket: GradBucket, grad_sync: GradSync = GradSync.BUCKET) -> int:
     """Redistribute each value once per target layout; returns the modules inserted."""
     nodes = {n.name: n for n in graph.nodes}
     made: dict[tuple[str, str], fx.Node] = {}
@@ -143,7 +143,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             src, dst = parse_layout(edge.src), parse_layout(edge.dst)
             name = f"autotp_{edge.value}_to_{_slug(edge.dst)}"
             if value.op == "get_attr" and isinstance(src, Replicate) and \
-                    isinstance(dst, Replicate) and dst.grad_partial:
+                    isinstance(dst, Replicate) and dst.grad_partial and \
+                    grad_sync is GradSync.BUCKET:
                 param = _get(root, value.target)
                 bucket.params[value.target] = param
                 module: nn.Module = DeferredGradReduce(bucket, value.target)
@@ -225,13 +226,13 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
 
 
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
-            registry: Optional[Registry] = None, seed: int = 0
-            ) -> tuple[fx.GraphModule, GradBucket]:
+            registry: Optional[Registry] = None, seed: int = 0,
+            grad_sync: GradSync = GradSync.BUCKET) -> tuple[fx.GraphModule, GradBucket]:
     registry = registry or Registry.default()
     graph = copy_graph(captured.gm)
     root = shard_parameters(captured, plan, graph, rank)
     bucket = GradBucket(comm)
-    insert_collectives(graph, plan, comm, root, bucket)
+    insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     lowered = lower_ops(graph, plan, registry, rank)
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     graph.lint()

@@ -37,6 +37,8 @@ class CostModel:
     # reduced before each norm, or reduced right after each row-parallel product, as Megatron
     # does) are broken toward reducing partial sums early: a tiny charge per op with P output.
     partial_output: float = 1e-7
+    # a redistribution outside Megatron's pattern: dearer than replicating any model
+    last_resort: float = 1e10
 
     def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
         return self.latency + kind.ring_factor(tp) * nbytes / self.bandwidth

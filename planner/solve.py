@@ -98,6 +98,7 @@ def plan_graph(
     plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, model_name)
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
+    note_replicated_products(plan, gm)
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan
@@ -144,6 +145,30 @@ def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> list[str]:
             fallbacks.append(f"attention {node.name}: {heads} heads not divisible by tp={tp}, "
                              f"computed replicated ({source_of(node) or 'unknown source'})")
     return fallbacks
+
+
+MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
+           aten.addmm.default)
+
+
+def note_replicated_products(plan: Plan, gm: fx.GraphModule) -> None:
+    """A matrix that tp could divide but that the plan keeps replicated *and computes
+    replicated* (its gradient is not partial) means no exact sharding of its use was found,
+    e.g. a fused projection split into unequal parts: said in the plan, not silent."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in plan.params:
+            continue
+        param = plan.params[node.target]
+        if len(param.global_shape) < 2 or param.layout != "R" or param.grad_sync:
+            continue
+        if not any(size % plan.tp == 0 for size in param.global_shape):
+            continue  # reported by check_divisibility
+        products = [u for u in node.users if u.op == "call_function" and u.target in MATMULS]
+        if products:
+            plan.fallbacks.append(
+                f"{node.target} {list(param.global_shape)} stays replicated and its product "
+                f"runs on every rank: no exact sharding of {products[0].name} was found "
+                f"({source_of(products[0]) or 'unknown source'})")
 
 
 def check_divisibility(plan: Plan, tp: int, strict: bool) -> None:
@@ -309,8 +334,8 @@ def solve(
 
     candidates = _leaf_candidates(pnodes, by_name)
     for name, layout in options.force:
-        if name in candidates:
-            candidates[name] = [layout]
+        if name in candidates and (by_name[name].is_param or layout == R):
+            candidates[name] = [layout]  # buffers are never stored sharded
     solver = FrontierSolver(pnodes, by_name, last_use, candidates,
                             leaf_memory_cost(tp, cost_model), transition, options.max_states,
                             reuse_layers=options.reuse_layers)
@@ -322,7 +347,9 @@ def _leaf_candidates(pnodes: list[PNode], by_name: dict[str, PNode]) -> dict[str
     for pn in pnodes:
         for strategy in pn.strategies:
             for name, layout in zip(pn.inputs, strategy.inputs):
-                if by_name[name].kind == "leaf" and isinstance(layout, Shard):
+                leaf = by_name[name]
+                # only parameters are stored sharded; buffers stay whole on every rank
+                if leaf.kind == "leaf" and leaf.is_param and isinstance(layout, Shard):
                     wanted.setdefault(name, set()).add(layout)
     out: dict[str, list[Layout]] = {}
     for pn in pnodes:
@@ -416,6 +443,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
         for kind in (step.forward, step.backward):
             if kind is not None:
                 cost += cost_model.collective_time(kind, src_pn.nbytes, tp)
+        if step.last_resort:
+            cost += cost_model.last_resort
         if src_pn.kind != "input":
             new_entries[name] = (have, materialized | {want})
     if sliced and not anchored:
@@ -499,6 +528,10 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if is_param_sync:
                 grad_sync.add(src.node.target)
                 continue
+            if step.last_resort and (name, str(want)) not in seen:
+                plan.fallbacks.append(
+                    f"{name} ({have}) is gathered for {pn.node.target} at {pn.node.name}, "
+                    f"which only runs replicated ({source_of(pn.node) or 'unknown source'})")
             if (name, str(want)) in seen:
                 continue
             seen.add((name, str(want)))

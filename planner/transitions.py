@@ -13,7 +13,8 @@
 
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
-(the graph outputs). Every other pair (S(a) -> S(b), anything -> P) is not offered.
+(the graph outputs). A gather anywhere else is a last resort, priced above any other choice
+and reported in the plan. Every other pair (S(a) -> S(b), anything -> P) is not offered.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Transition:
     dst: Layout
     forward: Optional[Collective]
     backward: Optional[Collective]
+    # outside Megatron's pattern: used only where no plan without it exists (an op that
+    # only runs replicated reads a sharded value), and reported in the plan
+    last_resort: bool = False
 
 
 @lru_cache(maxsize=4096)
@@ -65,8 +69,9 @@ def transition(
         return Transition(src, dst, None, None)
     grad = requires_grad
 
-    def make(fwd: Optional[Collective], bwd: Optional[Collective]) -> Transition:
-        return Transition(src, dst, fwd, bwd if grad else None)
+    def make(fwd: Optional[Collective], bwd: Optional[Collective],
+             last_resort: bool = False) -> Transition:
+        return Transition(src, dst, fwd, bwd if grad else None, last_resort)
 
     gather_ok = to_output or sequence_parallel
     if isinstance(src, Replicate):
@@ -84,8 +89,9 @@ def transition(
             return make(Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
         return None
     if isinstance(src, Shard):
-        if isinstance(dst, Replicate) and gather_ok:
+        if isinstance(dst, Replicate):
             return make(Collective.ALL_GATHER,
-                        Collective.REDUCE_SCATTER if dst.grad_partial else None)
+                        Collective.REDUCE_SCATTER if dst.grad_partial else None,
+                        last_resort=not gather_ok)
         return None
     raise TypeError(f"not a layout: {src!r}")

@@ -27,7 +27,9 @@ def embedding_rule(call: OpCall) -> Iterator[Strategy]:
     weight, indices = call.inputs[:2]
     if weight.shardable(1, call.tp):
         yield Strategy((Shard(1), R), Shard(indices.ndim), name="column")
-    if weight.shardable(0, call.tp):
+    # With scale_grad_by_freq the masked-out lookups (remapped to local row 0) would count
+    # toward that row's frequency: no vocab parallelism then.
+    if weight.shardable(0, call.tp) and not call.arg(3, "scale_grad_by_freq", False):
         yield Strategy((Shard(0), R), P, name="vocab parallel")
 
 

@@ -114,3 +114,24 @@ def matmul_rule(call: OpCall) -> Iterator[Strategy]:
         for i, ch in enumerate(b_batch)
     )
     yield from einsum_strategies(f"{a_spec}xy,{b_spec}yz->{batch}xz", call)
+
+
+@rules.register(aten.einsum.default)
+def einsum_rule(call: OpCall) -> Iterator[Strategy]:
+    equation = call.args[0].replace(" ", "")
+    if "..." in equation:
+        return  # broadcast ellipses: computed replicated
+    if "->" not in equation:  # implicit output: the letters used once, sorted
+        letters = equation.replace(",", "")
+        equation += "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if len(equation.split("->")[0].split(",")) != len(call.inputs):
+        return
+    yield from einsum_strategies(equation, call)
+
+
+@rules.register(aten.baddbmm.default)
+def baddbmm_rule(call: OpCall) -> Iterator[Strategy]:
+    """beta * input + alpha * (b1 @ b2): the batch dim may be sharded in all three."""
+    bias, b1, b2 = call.inputs
+    if b1.shardable(0, call.tp) and bias.ndim == 3 and bias.shape[0] == b1.shape[0]:
+        yield Strategy((Shard(0), Shard(0), Shard(0)), Shard(0), name="batch")

@@ -40,6 +40,8 @@ REPLICATED_ONLY: list[Any] = [
     aten.triu.default,
     aten.tril.default,
     aten.repeat.default,
+    aten.repeat_interleave.self_int,
+    aten.repeat_interleave.self_Tensor,
     aten.index_select.default,
     aten.sort.default,
     aten.topk.default,

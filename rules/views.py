@@ -135,7 +135,7 @@ def transpose_rule(call: OpCall) -> Iterator[Strategy]:
     yield from _permutation_strategies(call, perm)
 
 
-@rules.register(aten.t.default)
+@rules.register(aten.t.default, aten.numpy_T.default)
 def t_rule(call: OpCall) -> Iterator[Strategy]:
     yield from _permutation_strategies(call, list(reversed(range(call.inputs[0].ndim))))
 
@@ -293,3 +293,16 @@ def pad_rule(call: OpCall) -> Iterator[Strategy]:
     mode = call.arg(2, "mode", "constant") if call.op == aten.pad.default else "constant"
     if mode == "constant" and not value and call.out.floating:
         yield Strategy((P,), P, name="linear")
+
+
+@rules.register(aten.stack.default)
+def stack_rule(call: OpCall) -> Iterator[Strategy]:
+    """stack = cat along a new dim: every input's shard moves past the new dim."""
+    n = len(call.inputs)
+    out = call.out
+    new = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    yield Strategy((P,) * n, P, name="linear")
+    first = call.inputs[0]
+    for d, blocks in shardable_dims(first, call):
+        if all(m.shape == first.shape for m in call.inputs):
+            yield Strategy((Shard(d, blocks),) * n, Shard(d + (d >= new), blocks), name="view")

@@ -160,3 +160,59 @@ def test_first_divergence_names_the_node_reading_a_corrupted_shard() -> None:
         sim.ranks[0].program.model.rotary_emb.inv_freq.mul_(1.5)
     found = first_divergence(sim, (ids,))
     assert found is not None and found.node.startswith("model_rotary_emb_inv_freq")
+
+
+def test_per_use_grad_sync_is_seen_by_autograd_grad() -> None:
+    """k/v projections are replicated at tp=4 (2 k/v heads): with grad_sync="per_use" their
+    gradients come out of torch.autograd.grad already summed over ranks."""
+    model = BUILDERS["llama"]()
+    args, kwargs = example("llama")
+    sim = autotp.simulate(model, 4, example_args=args, example_kwargs=kwargs,
+                          grad_sync="per_use")
+    assert sim.plan.params["model.layers.0.self_attn.k_proj.weight"].grad_sync
+    ids = batch()
+    loss_of(model(ids), ids).backward()
+    expected = model.model.layers[0].self_attn.k_proj.weight.grad
+
+    def grad_of_k(module):
+        k = module.local_parameters()["model.layers.0.self_attn.k_proj.weight"]
+        (g,) = torch.autograd.grad(loss_of(module(ids), ids), [k])
+        return g
+
+    for g in sim.run(grad_of_k):
+        assert float((g - expected).abs().max()) <= 1e-6
+
+
+def test_simulation_runs_again_after_a_failed_run() -> None:
+    model, sim = _simulate("gpt2", 2)
+    ids = batch()
+
+    def fail_on_rank0(module):
+        if module.rank == 0:
+            raise ValueError("boom")
+        return module(ids).logits
+
+    with pytest.raises(ValueError, match="boom"):
+        sim.run(fail_on_rank0)
+    outs = sim.run(lambda m: m(ids).logits.detach())
+    assert float((outs[1] - model(ids).logits).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_narrow_beam_still_gives_an_exact_plan(beam: int) -> None:
+    """With few DP states a replicated-only op may meet a value kept sharded: the planner
+    then gathers it (a reported last resort) instead of failing with "no plan"."""
+    from autotp.api import _build
+    from autotp.capture import capture
+    from autotp.comm import ThreadHub
+    from autotp.planner.solve import PlanOptions, plan_graph
+
+    model = BUILDERS["llama"]()
+    args, kwargs = example("llama")
+    captured = capture(model, args, kwargs)
+    plan = plan_graph(captured, 2, options=PlanOptions(max_states=beam))
+    sim = autotp.Simulation(plan, [_build(captured, plan, c.rank, c)
+                                   for c in ThreadHub(2).comms()], captured)
+    ids = batch()
+    for out in sim.run(lambda m: m(ids).logits.detach()):
+        assert float((out - model(ids).logits).abs().max()) <= ATOL

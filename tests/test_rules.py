@@ -251,6 +251,17 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.new_empty.default: [s(XI, [4, 8])],
     aten.index.Tensor: [s(X, [randint(8, 5)]), s(X, [None, randint(12, 2, 3)])],
     aten.gather.default: [s(X, 1, randint(12, 8, 3))],
+    aten.numpy_T.default: [s(randn(8, 12))],
+    aten.max.other: [s(randn(8, 12), randn(8, 12))],
+    aten.min.other: [s(randn(8, 12), randn(12))],
+    aten.where.ScalarOther: [s(bools(8, 12), randn(8, 12), 0.5)],
+    aten.where.ScalarSelf: [s(bools(8, 12), 0.5, randn(8, 12))],
+    aten.stack.default: [s([randn(8, 12), randn(8, 12)], 1), s([randn(8, 12), randn(8, 12)])],
+    aten.einsum.default: [s("bij,bjk->bik", [randn(4, 8, 12), randn(4, 12, 8)]),
+                          s("ij,jk", [randn(8, 12), randn(12, 8)]),
+                          s("bhtd,bhsd->bhts", [randn(2, 4, 8, 4), randn(2, 4, 8, 4)])],
+    aten.baddbmm.default: [s(randn(4, 8, 8), randn(4, 8, 12), randn(4, 12, 8))],
+    aten.repeat_interleave.self_int: [s(randn(8, 12), 2, 1)],
     aten.pad.default: [s(randn(8, 12, 4), [0, 2]), s(randn(8, 12, 4), [1, 1, 0, 4]),
                        s(randint(12, 8, 4), [0, 1], "constant", -100.0)],
     aten.constant_pad_nd.default: [s(randn(8, 12, 4), [0, 2]), s(randn(8, 12), [0, 4], 1.5)],
@@ -282,6 +293,8 @@ NOT_SAMPLED: dict[Any, str] = {
     wrap_with_set_grad_enabled: _HIGHER_ORDER,
     wrap_with_autocast: _HIGHER_ORDER,
     aten.item.default: "data-dependent Python scalar: check_op's FakeTensorMode cannot run it",
+    aten.repeat_interleave.self_Tensor: "data-dependent output shape: FakeTensorMode cannot "
+                                        "run it (replicated-only by design)",
 }
 
 # Ops that only ever get the replicated strategies, by design.
