@@ -106,8 +106,9 @@ def map_shard_through_view(
 
 
 @rules.register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                aten.view_copy.default)
+                aten.view_copy.default, aten.flatten.using_ints)
 def view_rule(call: OpCall) -> Iterator[Strategy]:
+    """Any reshape, by the view algebra (flatten takes dims, not sizes: nothing to localize)."""
     src, dst = call.inputs[0], call.out
     yield Strategy((P,), P, name="linear")
     for dim, blocks in shardable_dims(src, call):

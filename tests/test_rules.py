@@ -252,6 +252,7 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.index.Tensor: [s(X, [randint(8, 5)]), s(X, [None, randint(12, 2, 3)])],
     aten.gather.default: [s(X, 1, randint(12, 8, 3))],
     aten.numpy_T.default: [s(randn(8, 12))],
+    aten.flatten.using_ints: [s(randn(8, 4, 12), 1, 2), s(randn(8, 12, 4), 0, 1)],
     aten.max.other: [s(randn(8, 12), randn(8, 12))],
     aten.min.other: [s(randn(8, 12), randn(12))],
     aten.where.ScalarOther: [s(bools(8, 12), randn(8, 12), 0.5)],
