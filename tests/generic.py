@@ -1,0 +1,537 @@
+"""A generic small transformer in plain single-device PyTorch, hypothesis strategies that draw
+random configurations of it and of transformers' own models, and the equivalence property
+checked on them (``check_equivalence``), for tests/test_random_models.py and
+benchmarks/random_models.py.
+
+The model is written the way people write one by hand (nanoGPT-like): token embeddings, learned
+positions or rotary embeddings, a stack of blocks (attention with separate or fused q/k/v
+projections and grouped key/value heads, then an MLP), a final norm and a language-model head
+that may share its weight with the embedding. ``causal=False`` makes it an encoder (no mask).
+
+Shape legend used in the comments:
+    B  = batch size           T  = sequence length       C  = d_model
+    nh = n_head               nkv = n_kv_head            hs = head_dim (C // nh)
+    F  = d_ff                 V  = vocab
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---- the model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenericConfig:
+    n_layer: int = 2  # 1 to 3
+    d_model: int = 32
+    n_head: int = 4
+    n_kv_head: int = 4  # divides n_head; < n_head is grouped-query attention
+    d_ff: int = 128
+    mlp: str = "gelu"  # "gelu" | "swiglu" | "relu"
+    norm: str = "layer"  # "layer" | "rms"
+    prenorm: bool = True  # x + f(norm(x)); else norm(x + f(x)) (post-norm, BERT-style)
+    bias: bool = True  # biases of the Linears and of LayerNorm
+    tied: bool = True  # lm_head.weight is the token embedding's weight
+    fused_qkv: bool = False  # one Linear for q, k and v, split with unequal sizes under GQA
+    vocab: int = 64
+    causal: bool = True  # decoder; False: bidirectional encoder
+    use_sdpa: bool = True  # F.scaled_dot_product_attention; else softmax(q k^T / sqrt(hs)) v
+    rope: bool = False  # rotary embeddings on q and k; else learned absolute positions
+    kv_repeat: str = "expand"  # GQA: "expand" (expand + reshape) | "interleave" (repeat_interleave)
+    block_size: int = 32  # longest sequence
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.n_layer
+        assert self.d_model % self.n_head == 0, "d_model must be n_head * head_dim"
+        assert self.n_head % self.n_kv_head == 0, "n_kv_head must divide n_head"
+        assert self.mlp in ("gelu", "swiglu", "relu"), self.mlp
+        assert self.norm in ("layer", "rms"), self.norm
+        assert self.kv_repeat in ("expand", "interleave"), self.kv_repeat
+        assert not self.rope or self.head_dim % 2 == 0, "rotary embeddings need an even head_dim"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm whose bias can be switched off."""
+
+    def __init__(self, ndim: int, bias: bool, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * w, written out."""
+
+    def __init__(self, ndim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(ndim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (B, T, 1)
+        return x * rms * self.weight  # (B, T, C)
+
+
+def make_norm(config: GenericConfig) -> nn.Module:
+    if config.norm == "rms":
+        return RMSNorm(config.d_model)
+    return LayerNorm(config.d_model, bias=config.bias)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, n, T, hs/2)
+    return torch.cat((-x2, x1), dim=-1)  # (B, n, T, hs)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GenericConfig):
+        super().__init__()
+        self.config = config
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        self.d_model = config.d_model
+        q_size = config.n_head * config.head_dim
+        kv_size = config.n_kv_head * config.head_dim
+        self.sizes = [q_size, kv_size, kv_size]
+        if config.fused_qkv:
+            # one matmul for query, key and value of every head: (nh + 2 nkv) * hs outputs
+            self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=config.bias)
+        else:
+            self.q_proj = nn.Linear(config.d_model, q_size, bias=config.bias)
+            self.k_proj = nn.Linear(config.d_model, kv_size, bias=config.bias)
+            self.v_proj = nn.Linear(config.d_model, kv_size, bias=config.bias)
+        self.o_proj = nn.Linear(q_size, config.d_model, bias=config.bias)
+        if config.causal and not config.use_sdpa:
+            # lower-triangular mask: position t may attend to positions <= t
+            mask = torch.tril(torch.ones(config.block_size, config.block_size))
+            self.register_buffer("mask", mask.view(1, 1, config.block_size, config.block_size),
+                                 persistent=False)
+
+    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, nkv, T, hs) -> (B, nh, T, hs): each key/value head serves n_head / n_kv_head
+        consecutive query heads."""
+        if self.n_kv_head == self.n_head:
+            return x
+        B, _, T, hs = x.size()
+        n_rep = self.n_head // self.n_kv_head
+        if self.config.kv_repeat == "interleave":
+            return x.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hs)
+        x = x[:, :, None, :, :].expand(B, self.n_kv_head, n_rep, T, hs)  # (B, nkv, rep, T, hs)
+        return x.reshape(B, self.n_head, T, hs)  # (B, nh, T, hs)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:
+        B, T, C = x.size()  # (B, T, C)
+        if self.config.fused_qkv:
+            q, k, v = self.qkv(x).split(self.sizes, dim=2)  # (B, T, nh*hs), 2 x (B, T, nkv*hs)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if cos is not None and sin is not None:
+            q = q * cos + rotate_half(q) * sin  # (B, nh, T, hs)
+            k = k * cos + rotate_half(k) * sin  # (B, nkv, T, hs)
+        k = self.repeat_kv(k)  # (B, nh, T, hs)
+        v = self.repeat_kv(v)  # (B, nh, T, hs)
+
+        if self.config.use_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
+            if self.config.causal:
+                att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)  # (B, nh, T, T)
+            y = att @ v  # (B, nh, T, T) @ (B, nh, T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)  # heads joined
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GenericConfig):
+        super().__init__()
+        self.kind = config.mlp
+        if config.mlp == "swiglu":
+            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, F)
+        elif self.kind == "relu":
+            h = F.relu(self.up_proj(x))  # (B, T, F)
+        else:
+            h = F.gelu(self.up_proj(x))  # (B, T, F)
+        return self.down_proj(h)  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GenericConfig):
+        super().__init__()
+        self.prenorm = config.prenorm
+        self.norm_1 = make_norm(config)
+        self.attn = Attention(config)
+        self.norm_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:
+        if self.prenorm:
+            x = x + self.attn(self.norm_1(x), cos, sin)  # (B, T, C)
+            x = x + self.mlp(self.norm_2(x))  # (B, T, C)
+        else:
+            x = self.norm_1(x + self.attn(x, cos, sin))  # (B, T, C)
+            x = self.norm_2(x + self.mlp(x))  # (B, T, C)
+        return x
+
+
+class GenericTransformer(nn.Module):
+    def __init__(self, config: GenericConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab, config.d_model)
+        if config.rope:
+            hs = config.head_dim
+            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hs, 2, dtype=torch.float32) / hs))
+            self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hs/2,)
+        else:
+            self.wpe = nn.Embedding(config.block_size, config.d_model)
+        # post-norm models normalize the embeddings (BERT); pre-norm ones the last block's output
+        self.norm_in = None if config.prenorm else make_norm(config)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm_f = make_norm(config) if config.prenorm else None
+        self.lm_head = nn.Linear(config.d_model, config.vocab, bias=False)
+        if config.tied:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.size()  # (B, T)
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.wte(idx)  # (B, T, C)
+        cos = sin = None
+        if self.config.rope:
+            freqs = pos[:, None].float() * self.inv_freq[None, :]  # (T, hs/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+            cos, sin = emb.cos(), emb.sin()  # (T, hs), broadcast over (B, n, T, hs)
+        else:
+            x = x + self.wpe(pos)  # (B, T, C)
+        if self.norm_in is not None:
+            x = self.norm_in(x)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, C)
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+        return self.lm_head(x)  # (B, T, V)
+
+
+def build(config: GenericConfig, seed: int = 0) -> tuple[GenericTransformer, torch.Tensor]:
+    """The model with random weights from ``seed`` and an example input of shape (2, 8).
+
+    Every parameter is random, biases and norm weights included (zeros and ones would hide a
+    bias added on every rank or a norm weight sliced the wrong way)."""
+    torch.manual_seed(seed)
+    model = GenericTransformer(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name.startswith(("wte", "wpe")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            elif name.endswith("weight"):  # norm weights
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    idx = torch.randint(0, config.vocab, (2, 8), generator=torch.Generator().manual_seed(seed + 1))
+    return model, idx
+
+
+# ---- transformers' models ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """A transformers model: its family and the config fields (all JSON-like, so a failing
+    example prints as something one can paste)."""
+
+    family: str  # "gpt2" | "llama" | "bert"
+    fields: tuple[tuple[str, Any], ...]
+    attn: str = "sdpa"  # "sdpa" | "eager"
+
+    @property
+    def vocab(self) -> int:
+        return dict(self.fields)["vocab_size"]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.fields)
+        return f"HFConfig({self.family!r}, {self.attn!r}, {inner})"
+
+
+def build_hf(config: HFConfig, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    kwargs = dict(config.fields)
+    torch.manual_seed(seed)
+    if config.family == "gpt2":
+        hf_config = tf.GPT2Config(**kwargs)
+        cls = tf.GPT2LMHeadModel
+    elif config.family == "llama":
+        hf_config = tf.LlamaConfig(**kwargs)
+        cls = tf.LlamaForCausalLM
+    elif config.family == "bert":
+        hf_config = tf.BertConfig(**kwargs)
+        cls = tf.BertForMaskedLM
+    else:
+        raise ValueError(config.family)
+    hf_config._attn_implementation = config.attn
+    model = cls(hf_config)
+    # Weights of the scale of build()'s: transformers' init (std 0.02, zero biases, unit norm
+    # weights) gives logits of ~1e-2, under which an absolute tolerance of 1e-4 is lax.
+    gen = torch.Generator().manual_seed(seed)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden = hf_config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in embeddings:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(hidden))
+            elif name.endswith("weight"):  # norm weights
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.eval()  # no dropout anywhere (the probabilities are 0 too)
+    idx = torch.randint(0, config.vocab, (2, 8), generator=torch.Generator().manual_seed(seed + 1))
+    return model, idx
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits
+
+
+def loss_of(out: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every position's logits against ``ids`` (a scalar touching every
+    output; for decoders the same token, which is as good a target as any)."""
+    logits = logits_of(out)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids.reshape(-1))
+
+
+def describe(config: Any) -> str:
+    if isinstance(config, GenericConfig):
+        return "GenericConfig(" + ", ".join(f"{k}={v!r}" for k, v in asdict(config).items()) + ")"
+    return repr(config)
+
+
+# ---- hypothesis strategies --------------------------------------------------------------------
+
+VOCABS = [64, 96, 100, 90]  # 100 is not a multiple of 8, 90 not of 4
+
+
+def generic_configs() -> Any:
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(draw: Any) -> GenericConfig:
+        n_head = draw(st.sampled_from([2, 4, 8]))
+        n_kv_head = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_head % d == 0]))
+        head_dim = draw(st.sampled_from([4, 8]))
+        d_model = n_head * head_dim
+        # 3 * d_model + 2 is not a multiple of 4
+        d_ff = draw(st.sampled_from([2 * d_model, 4 * d_model, 3 * d_model, 3 * d_model + 2]))
+        return GenericConfig(
+            n_layer=draw(st.integers(1, 3)),
+            d_model=d_model,
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            d_ff=d_ff,
+            mlp=draw(st.sampled_from(["gelu", "swiglu", "relu"])),
+            norm=draw(st.sampled_from(["layer", "rms"])),
+            prenorm=draw(st.booleans()),
+            bias=draw(st.booleans()),
+            tied=draw(st.booleans()),
+            fused_qkv=draw(st.booleans()),
+            vocab=draw(st.sampled_from(VOCABS)),
+            causal=draw(st.booleans()),
+            use_sdpa=draw(st.booleans()),
+            rope=draw(st.booleans()),
+            kv_repeat=draw(st.sampled_from(["expand", "interleave"])),
+        )
+
+    return draw()
+
+
+def hf_configs() -> Any:
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(draw: Any) -> HFConfig:
+        family = draw(st.sampled_from(["gpt2", "llama", "bert"]))
+        n_head = draw(st.sampled_from([2, 4, 8]))
+        head_dim = draw(st.sampled_from([4, 8]))
+        hidden = n_head * head_dim
+        n_layer = draw(st.integers(1, 3))
+        vocab = draw(st.sampled_from(VOCABS))
+        tied = draw(st.booleans())
+        # transformers' default is sdpa; eager (a float mask built with aten.where, softmax
+        # written out) a quarter of the time
+        attn = draw(st.sampled_from(["sdpa", "sdpa", "sdpa", "eager"]))
+        if family == "gpt2":
+            inner = draw(st.sampled_from([None, 2 * hidden, 3 * hidden + 2]))
+            fields = dict(n_layer=n_layer, n_embd=hidden, n_head=n_head, n_inner=inner,
+                          vocab_size=vocab, n_positions=32, tie_word_embeddings=tied,
+                          activation_function=draw(st.sampled_from(["gelu_new", "gelu", "relu"])),
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          bos_token_id=0, eos_token_id=0)
+        elif family == "llama":
+            n_kv = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_head % d == 0]))
+            fields = dict(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head,
+                          num_key_value_heads=n_kv,
+                          intermediate_size=draw(st.sampled_from([2 * hidden, 3 * hidden,
+                                                                  3 * hidden + 2])),
+                          vocab_size=vocab, max_position_embeddings=32, tie_word_embeddings=tied,
+                          attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
+                          hidden_act=draw(st.sampled_from(["silu", "gelu"])),
+                          attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        else:
+            fields = dict(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head,
+                          intermediate_size=draw(st.sampled_from([2 * hidden, 4 * hidden,
+                                                                  3 * hidden + 2])),
+                          vocab_size=vocab, max_position_embeddings=32, tie_word_embeddings=tied,
+                          hidden_act=draw(st.sampled_from(["gelu", "relu"])),
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          pad_token_id=0)
+        return HFConfig(family, tuple(fields.items()), attn)
+
+    return draw()
+
+
+# ---- the property -----------------------------------------------------------------------------
+
+ATOL = 1e-4  # logits, loss and gradients: max abs diff
+RTOL = 1e-4  # gradients: relative to the parameter's largest gradient entry (see grad_errors)
+SEED = 0
+
+
+@dataclass
+class Outcome:
+    """One example: ``refused`` (autotp raised an AutotpError before running) or ``ran`` with
+    the largest differences over all ranks; ``ok`` says whether they are within tolerance."""
+
+    refused: str | None = None  # the AutotpError's message
+    output_diff: float = 0.0
+    loss_diff: float = 0.0
+    grad_diff: float = 0.0  # max over parameters of max |g - g_ref|
+    grad_rel: float = 0.0  # max over parameters of the relative error of grad_errors
+    worst_param: str = ""
+    compare_rel: float = 0.0  # autotp.verify.compare's grad_rel, for the record
+    dropped: tuple[str, ...] = ()  # parameters the forward never uses, absent when sharded
+    sharded: float = 0.0  # fraction of the parameters' elements that the plan shards
+
+    @property
+    def ok(self) -> bool:
+        return self.refused is not None or (
+            self.output_diff <= ATOL and self.loss_diff <= ATOL
+            and self.grad_diff <= ATOL and self.grad_rel <= RTOL)
+
+
+def grad_errors(reference: Any, got: Any) -> tuple[str, float, float]:
+    """(worst parameter, max abs diff, max relative diff) of the gradients.
+
+    The relative diff of a parameter is its max |g - g_ref| over max(max |g_ref| of the
+    parameter, 1e-2 * the largest gradient entry of the whole model). ``compare``'s grad_rel
+    divides by max |g_ref| + 1e-6 only, which turns the rounding noise of a gradient that is
+    exactly zero in exact arithmetic (a separate key-projection bias: softmax is invariant to
+    it) into errors of several percent; the floor keeps such parameters at the model's scale.
+    """
+    scale = max(float(g.abs().max()) for g in reference.grads.values() if g.numel())
+    worst, worst_diff, worst_rel = "", 0.0, 0.0
+    for name, ref in reference.grads.items():
+        if name not in got.grads:
+            raise AssertionError(f"the sharded model has no gradient for {name}")
+        diff = float((ref - got.grads[name]).abs().max())
+        rel = diff / max(float(ref.abs().max()), 1e-2 * scale, 1e-12)
+        worst_diff = max(worst_diff, diff)
+        if rel >= worst_rel:
+            worst, worst_rel = name, rel
+    return worst, worst_diff, worst_rel
+
+
+def unused_parameters(model: nn.Module, call: Any) -> set[str]:
+    """Names of the parameters that get no gradient from one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    logits_of(call(model)).sum().backward()
+    unused = {name for name, p in model.named_parameters(remove_duplicate=False)
+              if p.grad is None}
+    model.zero_grad(set_to_none=True)
+    return unused
+
+
+def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = True) -> Outcome:
+    """Build the model, shard it in simulation at ``tp`` and run one forward and backward on an
+    input of another batch size and sequence length (3, 7) than the traced example (2, 8), on
+    every rank and on the unsharded model. Exceptions other than AutotpError propagate."""
+    import autotp
+    from autotp.verify import compare, reference_step, sharded_step
+
+    hf = isinstance(config, HFConfig)
+    model, example = build_hf(config, seed) if hf else build(config, seed)
+    try:
+        if hf:
+            sim = autotp.simulate(model, tp, example_kwargs={"input_ids": example},
+                                  strict=strict)
+        else:
+            sim = autotp.simulate(model, tp, example_args=(example,), strict=strict)
+    except autotp.AutotpError as e:
+        return Outcome(refused=str(e))
+
+    ids = torch.randint(0, config.vocab, (3, 7), generator=torch.Generator().manual_seed(seed + 2))
+
+    def call(m: nn.Module) -> Any:
+        return m(input_ids=ids) if hf else m(ids)
+
+    def loss(out: Any) -> torch.Tensor:
+        return loss_of(out, ids)
+
+    unused = unused_parameters(model, call)
+    reference = reference_step(model, call, loss, logits_of)
+    results = sim.run(lambda module: sharded_step(module, call, loss, logits_of))
+    params = sim.plan.params.values()
+    outcome = Outcome(sharded=sum(math.prod(p.global_shape) for p in params
+                                  if p.layout.startswith("S"))
+                      / max(sum(math.prod(p.global_shape) for p in params), 1))
+    for result in results:
+        # A parameter the forward never reads (BertForMaskedLM's cls.predictions.bias when the
+        # head is untied) has no gradient on either side; the sharded module leaves it out.
+        dropped = sorted(name for name in unused if name not in result.grads)
+        outcome.dropped = tuple(dropped)
+        for name in dropped:
+            reference.grads.pop(name, None)
+        cmp = compare(reference, result)
+        worst, grad_diff, grad_rel = grad_errors(reference, result)
+        outcome.output_diff = max(outcome.output_diff, cmp.output_diff)
+        outcome.loss_diff = max(outcome.loss_diff, cmp.loss_diff)
+        outcome.grad_diff = max(outcome.grad_diff, grad_diff)
+        outcome.compare_rel = max(outcome.compare_rel, cmp.grad_rel)
+        if grad_rel >= outcome.grad_rel:
+            outcome.grad_rel, outcome.worst_param = grad_rel, worst
+    return outcome
