@@ -137,13 +137,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cost_model = _cost_model(args)
     is_param = target in plan.params
     if is_param:
-        from autotp.planner.solve import _leaf_candidates, build_problem, block_counts
+        from autotp.planner.problem import block_counts, build_problem, leaf_candidates
         from autotp.rules.registry import Registry
 
         pnodes = build_problem(captured, args.tp, block_counts(captured.gm), Registry.default(),
                                cost_model, PlanOptions(strict=args.strict))
         by_name = {pn.node.name: pn for pn in pnodes}
-        candidates: list[Any] = _leaf_candidates(pnodes, by_name)[node_name]
+        candidates: list[Any] = leaf_candidates(pnodes, by_name)[node_name]
         chosen = plan.params[target].layout
         print(f"{target} {list(plan.params[target].global_shape)}: stored {chosen}")
     else:
@@ -151,7 +151,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if choice is None:
             raise ConfigError(f"{node_name} is not an op with a layout choice")
         from autotp.capture import make_call
-        from autotp.planner.solve import block_counts
+        from autotp.planner.problem import block_counts
         from autotp.rules.registry import Registry
 
         node = next(n for n in captured.gm.graph.nodes if n.name == node_name)

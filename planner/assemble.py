@@ -1,0 +1,147 @@
+"""From the DP's decisions to a Plan: layouts of every value, the redistributions each
+consumer needs, and the collectives they execute (forward and backward), with layers and
+source lines."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from autotp.capture import Captured, layer_of, size_expr, source_of
+from autotp.layout import R, Replicate, local_shape
+from autotp.planner.cost import CostModel, readable
+from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
+from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial
+from autotp.planner.transitions import Collective, transition
+from autotp.rules.registry import format_output
+
+
+def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
+             tp: int, cost_model: CostModel, options: PlanOptions, model_name: str) -> Plan:
+    dims = captured.dim_names
+    by_name = {pn.node.name: pn for pn in pnodes}
+    layers = {layer_of(pn.node) for pn in pnodes}
+    plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
+    plan.cost = total
+    plan.dims = {str(k): v for k, v in dims.items()}
+    values: dict[str, Any] = {}
+    for pn in pnodes:
+        name = pn.node.name
+        if pn.kind == "input":
+            values[name] = R
+        elif pn.kind == "leaf":
+            values[name] = decisions.get(name, R)
+        elif pn.kind == "op":
+            strategy = pn.strategies[decisions[name]]
+            out = strategy.output if pn.requires_grad else drop_grad_partial(strategy.output)
+            values[name] = out
+            if pn.fallback:
+                plan.fallbacks.append(f"{pn.node.target} at {name}: replicated "
+                                      f"({source_of(pn.node) or 'unknown source'})")
+            plan.choices[name] = Choice(
+                op=str(pn.node.target), strategy=str(strategy),
+                inputs=tuple(str(x) for x in strategy.inputs),
+                output=format_output(out), layer=layer_of(pn.node),
+                source=source_of(pn.node), candidates=len(pn.strategies))
+        elif pn.kind == "getitem":
+            parent = values[pn.inputs[0]]
+            values[name] = parent[pn.node.args[1]] if isinstance(parent, tuple) else parent
+    plan.values = {k: format_output(v) for k, v in values.items()}
+    for pn in pnodes:
+        if pn.kind in ("input", "leaf", "op", "getitem", "output"):
+            name = pn.node.name
+            plan.graph[name] = list(pn.inputs)
+            plan.ops[name] = (str(pn.node.target) if pn.kind in ("op", "leaf") else pn.kind)
+            plan.node_layers[name] = layer_of(pn.node)
+
+    params = dict(captured.gm.named_parameters(remove_duplicate=False))
+    grad_sync: set[str] = set()
+    seen: set[tuple[str, str]] = set()
+    for pn in pnodes:
+        if pn.kind not in ("op", "output"):
+            continue
+        if pn.kind == "op":
+            wants = list(pn.strategies[decisions[pn.node.name]].inputs)
+        else:
+            wants = [R] * len(pn.inputs)
+        for name, want in zip(pn.inputs, wants):
+            src = by_name[name]
+            have = values[name]
+            if have == want:
+                continue
+            if not src.requires_grad and isinstance(have, Replicate) and \
+                    isinstance(want, Replicate):
+                continue
+            step = transition(have, want, requires_grad=src.requires_grad,
+                              to_output=pn.kind == "output" or src.is_output,
+                              sequence_parallel=options.sequence_parallel)
+            assert step is not None, (name, have, want)
+            fwd_layer = layer_of(src.node) if src.kind == "op" else layer_of(pn.node)
+            bwd_layer = layer_of(pn.node) if pn.kind == "op" else layer_of(src.node)
+            is_param_sync = (src.kind == "leaf" and src.is_param and isinstance(have, Replicate)
+                             and isinstance(want, Replicate) and want.grad_partial)
+            plan.edges.append(Edge(
+                value=name, consumer=pn.node.name, src=str(have), dst=str(want),
+                forward=step.forward.value if step.forward else None,
+                backward=None if is_param_sync else (step.backward.value if step.backward
+                                                     else None),
+                layer=fwd_layer if step.forward else bwd_layer))
+            if is_param_sync:
+                grad_sync.add(src.node.target)
+                continue
+            if step.last_resort and (name, str(want)) not in seen:
+                plan.fallbacks.append(
+                    f"{name} ({have}) is gathered for {pn.node.target} at {pn.node.name}, "
+                    f"which only runs replicated ({source_of(pn.node) or 'unknown source'})")
+            if (name, str(want)) in seen:
+                continue
+            seen.add((name, str(want)))
+            nbytes = _bytes_expr(src.node, dims)
+            for kind, phase, layer in ((step.forward, "forward", fwd_layer),
+                                       (step.backward, "backward", bwd_layer)):
+                if kind is not None:
+                    plan.collectives.append(CollectiveRecord(
+                        kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
+                        node=name, source=source_of(pn.node if phase == "backward" else src.node),
+                        src=str(have), dst=str(want)))
+    for pn in pnodes:
+        if pn.kind == "leaf" and pn.is_param:
+            target = pn.node.target
+            layout = values[pn.node.name]
+            global_shape = tuple(int(s) for s in params[target].shape)
+            plan.params[target] = ParamPlan(
+                layout=str(layout), global_shape=global_shape,
+                local_shape=local_shape(global_shape, layout, tp),
+                names=tuple(captured.aliases.get(target, [target])),
+                grad_sync=target in grad_sync,
+                layer=_first_use_layer(pn.node))
+    if grad_sync:
+        numel = sum(math.prod(params[t].shape) * params[t].element_size() for t in grad_sync)
+        plan.collectives.append(CollectiveRecord(
+            kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
+            bytes_expr=str(numel), node="grad sync: " + ", ".join(sorted(grad_sync)),
+            source=None, src="R*", dst="R"))
+    return plan
+
+
+def _first_use_layer(node: fx.Node) -> Optional[int]:
+    for user in node.users:
+        layer = layer_of(user)
+        if layer is not None:
+            return layer
+    return None
+
+
+def _bytes_expr(node: fx.Node, dims: dict) -> str:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return "0"
+    expr: Any = val.element_size()
+    for size in val.shape:
+        expr = expr * size_expr(size)
+    return readable(expr, dims)
+
+

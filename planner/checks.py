@@ -1,0 +1,87 @@
+"""Checks around the plan: divisibility by tp, and parts the plan leaves replicated.
+
+With ``strict=True`` a dimension tp must divide but does not is an error naming the valid tp
+values; otherwise it becomes a recorded fallback. Matrices computed replicated although tp
+divides them are always recorded: the plan never leaves anything replicated silently.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autotp.capture import source_of
+from autotp.errors import PlanError, where
+from autotp.planner.plan import Plan
+
+aten = torch.ops.aten
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> list[str]:
+    """tp must divide the attention heads (the query heads; k/v heads may be replicated).
+    Returns the fallbacks taken with ``strict=False``."""
+    fallbacks: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == aten.scaled_dot_product_attention.default:
+            q = node.args[0].meta["val"]
+            if q.dim() != 4 or not isinstance(q.shape[1], int):
+                continue
+            heads = int(q.shape[1])
+            if heads % tp == 0:
+                continue
+            valid = ", ".join(map(str, _divisors(heads)))
+            if strict:
+                raise PlanError(
+                    f"tp={tp} does not divide the {heads} attention heads; use tp in "
+                    f"{{{valid}}} (or strict=False to replicate the attention){where(node)}"
+                )
+            fallbacks.append(f"attention {node.name}: {heads} heads not divisible by tp={tp}, "
+                             f"computed replicated ({source_of(node) or 'unknown source'})")
+    return fallbacks
+
+
+MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
+           aten.addmm.default)
+
+
+def note_replicated_products(plan: Plan, gm: fx.GraphModule) -> None:
+    """A matrix that tp could divide but that the plan keeps replicated *and computes
+    replicated* (its gradient is not partial) means no exact sharding of its use was found,
+    e.g. a fused projection split into unequal parts: said in the plan, not silent."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in plan.params:
+            continue
+        param = plan.params[node.target]
+        if len(param.global_shape) < 2 or param.layout != "R" or param.grad_sync:
+            continue
+        if not any(size % plan.tp == 0 for size in param.global_shape):
+            continue  # reported by check_divisibility
+        products = [u for u in node.users if u.op == "call_function" and u.target in MATMULS]
+        if products:
+            plan.fallbacks.append(
+                f"{node.target} {list(param.global_shape)} stays replicated and its product "
+                f"runs on every rank: no exact sharding of {products[0].name} was found "
+                f"({source_of(products[0]) or 'unknown source'})")
+
+
+def check_divisibility(plan: Plan, tp: int, strict: bool) -> None:
+    """A matrix that tp divides along no dimension is replicated on every rank: an error
+    naming the parameter and the valid tp values (strict), or a recorded fallback."""
+    for target, param in plan.params.items():
+        shape = param.global_shape
+        if len(shape) < 2 or not param.layout.startswith("R"):
+            continue
+        if any(size % tp == 0 and size > 1 for size in shape):
+            continue  # shardable, replicated by the plan's choice (e.g. k/v heads < tp)
+        valid = sorted({d for size in shape for d in _divisors(size)})
+        text = (f"tp={tp} divides no dimension of {target} {list(shape)}: it would be "
+                f"replicated on every rank; use tp in {{{', '.join(map(str, valid))}}}")
+        if strict:
+            raise PlanError(text + ", or strict=False to replicate it")
+        plan.fallbacks.append(text)
+
+

@@ -1,0 +1,211 @@
+"""The planning problem: one PNode per graph node, with its candidate strategies.
+
+Values are named by their node. Each op node carries the strategies its rule offers (with
+gradient semantics applied by the registry); parameters (leaves) carry the layouts they may be
+stored in. Nothing here chooses: ``solve`` does.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from autotp.capture import Captured, make_call, size_expr, tensor_inputs
+from autotp.errors import NoRuleError, where
+from autotp.layout import R, R_STAR, Layout, Replicate, Shard
+from autotp.planner.cost import CostModel
+from autotp.rules.registry import Registry, Strategy
+
+aten = torch.ops.aten
+
+
+@dataclass
+class PNode:
+    node: fx.Node
+    kind: str  # "input" | "leaf" | "op" | "getitem" | "output" | "skip"
+    inputs: list[str] = field(default_factory=list)
+    strategies: list[Strategy] = field(default_factory=list)
+    requires_grad: bool = False
+    nbytes: float = 0.0
+    flops: float = 0.0
+    is_param: bool = False
+    ndim: int = 0
+    fallback: bool = False
+    is_output: bool = False  # the user receives it: gathering it is needed anyway
+    live: bool = False  # some later node reads it
+    split: Optional[list[bool]] = None  # per strategy: is the work divided among ranks
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    strict: bool = True
+    sequence_parallel: bool = False
+    max_states: int = 64
+    reuse_layers: bool = True
+    # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
+    force: tuple[tuple[str, Any], ...] = ()
+
+
+Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
+
+
+def block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Segment counts worth considering for blocked shards: the arity of equal splits (a fused
+    q|k|v or gate|up projection is split into its parts)."""
+    counts = {1}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (
+                aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            val = node.meta.get("val")
+            if isinstance(val, (list, tuple)) and len(val) > 1:
+                counts.add(len(val))
+    return tuple(sorted(counts))
+
+
+def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    numel = 1.0
+    for size in val.shape:
+        numel *= cost_model.evaluate(size_expr(size), dims)
+    if node.target in (aten.mm.default, aten.bmm.default, aten.linear.default,
+                       aten.matmul.default):
+        k = node.args[0].meta["val"].shape[-1]
+        return 2.0 * numel * cost_model.evaluate(size_expr(k), dims)
+    return numel
+
+
+def _nbytes(val: Any, cost_model: CostModel, dims: dict) -> float:
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    total = float(val.element_size())
+    for size in val.shape:
+        total *= cost_model.evaluate(size_expr(size), dims)
+    return total
+
+
+def build_problem(
+    captured: Captured,
+    tp: int,
+    blocks: tuple[int, ...],
+    registry: Registry,
+    cost_model: CostModel,
+    options: PlanOptions,
+) -> list[PNode]:
+    gm = captured.gm
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    dims = captured.dim_names
+    pnodes: list[PNode] = []
+    grad: dict[str, bool] = {}
+    strategy_memo: dict[Any, list[Strategy]] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        pn = PNode(node=node, kind="skip")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                pn.kind = "input"
+                pn.requires_grad = bool(val.requires_grad)
+        elif node.op == "get_attr":
+            if isinstance(val, torch.Tensor):
+                pn.kind = "leaf"
+                pn.is_param = node.target in params
+                pn.requires_grad = pn.is_param and params[node.target].requires_grad
+                pn.ndim = val.dim()
+        elif node.op == "output":
+            pn.kind = "output"
+            pn.inputs = [n.name for n in tensor_inputs(node)]
+            for pred in pnodes:
+                if pred.node.name in pn.inputs:
+                    pred.is_output = True
+        elif node.op == "call_function":
+            ins = tensor_inputs(node)
+            if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+                    isinstance(node.args[0].meta.get("val"), (tuple, list)):
+                pn.kind = "getitem" if isinstance(val, torch.Tensor) else "skip"
+                pn.inputs = [node.args[0].name]
+            elif node.target in registry:
+                pn.kind = "op"
+                pn.inputs = [n.name for n in ins]
+                call = make_call(node, tp, blocks)
+                memo_key = _call_key(call)
+                if memo_key not in strategy_memo:  # repeated layers repeat their calls
+                    strategy_memo[memo_key] = registry.strategies(call)
+                pn.strategies = strategy_memo[memo_key]
+                forced = dict(options.force).get(node.name)
+                if forced is not None:
+                    pn.strategies = [pn.strategies[forced]]
+            elif ins or isinstance(val, (torch.Tensor, tuple, list)):
+                if options.strict:
+                    raise NoRuleError(
+                        f"autotp has no layout rule for {node.target}{where(node)}\n  pass "
+                        "strict=False to compute it replicated (recorded in the plan), or "
+                        "register a rule for it"
+                    )
+                pn.kind = "op"
+                pn.fallback = True
+                pn.inputs = [n.name for n in ins]
+                call = make_call(node, tp, blocks)
+                out = (tuple(None if o is None else R for o in call.output)
+                       if isinstance(call.output, tuple) else
+                       (R if call.output is not None else None))
+                pn.strategies = [Strategy((R,) * len(ins), out, name="fallback"),
+                                 Strategy((R_STAR,) * len(ins),
+                                          _map_out(out, R_STAR), name="fallback")]
+            pn.requires_grad = any(grad.get(n, False) for n in pn.inputs) and _floating(val)
+        grad[node.name] = pn.requires_grad
+        pn.nbytes = _nbytes(val, cost_model, dims)
+        if pn.kind == "op":
+            pn.flops = _flops(node, cost_model, dims)
+        pnodes.append(pn)
+    return pnodes
+
+
+def _call_key(call: Any) -> Any:
+    try:
+        return (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs,
+                call.output)
+    except TypeError:  # unhashable argument: no memo
+        return object()
+
+
+def _map_out(out: Any, layout: Layout) -> Any:
+    if isinstance(out, tuple):
+        return tuple(None if o is None else layout for o in out)
+    return None if out is None else layout
+
+
+def _floating(val: Any) -> bool:
+    if isinstance(val, torch.Tensor):
+        return val.dtype.is_floating_point
+    if isinstance(val, (tuple, list)):
+        return any(_floating(v) for v in val)
+    return False
+
+
+def leaf_candidates(pnodes: list[PNode], by_name: dict[str, PNode]) -> dict[str, list[Layout]]:
+    wanted: dict[str, set[Layout]] = {}
+    for pn in pnodes:
+        for strategy in pn.strategies:
+            for name, layout in zip(pn.inputs, strategy.inputs):
+                leaf = by_name[name]
+                # only parameters are stored sharded; buffers stay whole on every rank
+                if leaf.kind == "leaf" and leaf.is_param and isinstance(layout, Shard):
+                    wanted.setdefault(name, set()).add(layout)
+    out: dict[str, list[Layout]] = {}
+    for pn in pnodes:
+        if pn.kind == "leaf":
+            out[pn.node.name] = [R] + sorted(wanted.get(pn.node.name, ()))
+    return out
+
+
+def drop_grad_partial(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(R if isinstance(o, Replicate) else o for o in out)
+    return R if isinstance(out, Replicate) else out
+
+
