@@ -117,3 +117,26 @@ def test_plans_load_from_json_only() -> None:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
                     assert "pickle" not in names, name
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 8, 3)])
+def test_example_of_the_wrong_rank_is_a_trace_error(shape: tuple) -> None:
+    with pytest.raises(autotp.TraceError, match="could not trace LlamaForCausalLM"):
+        autotp.plan(BUILDERS["llama"](), 2,
+                    example_kwargs={"input_ids": torch.zeros(shape, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("backend, device, message", [
+    ("nccl", "cpu", "uses NCCL but the model runs on cpu"),
+    ("gloo", "cuda", "uses gloo but the model runs on CUDA"),
+])
+def test_device_and_backend_mismatch_is_refused(backend: str, device: str,
+                                                message: str) -> None:
+    """The check itself (no GPU here): NCCL with CPU tensors, gloo with CUDA tensors."""
+    from autotp.comm import ProcessGroupComm
+
+    comm = object.__new__(ProcessGroupComm)
+    comm.backend = backend
+    tensor = type("T", (), {"device": torch.device(device)})()  # a tensor's device, no GPU
+    with pytest.raises(autotp.ConfigError, match=message):
+        comm._check_device(tensor)  # type: ignore[arg-type]
