@@ -86,6 +86,7 @@ class ShardedModule(nn.Module):
         self.comm = comm
         self.seed = seed
         self._bucket = bucket
+        self._unused = list(captured.unused)
         self._signature: Optional[inspect.Signature] = captured.signature
         self._example: dict[str, Any] = captured.example_kwargs
         self._plan_checked = not check_plan
@@ -265,6 +266,12 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
             tensor = gather(sharded.comm, tensor.contiguous(), layout)
         for name in plan.params[target].names:
             out[name] = tensor.detach().clone()
+    for name in sharded._unused:  # parameters the forward never reads (replicated)
+        module: Any = sharded.program
+        for part in name.split("."):
+            module = getattr(module, part)
+        tensor = module.grad if grads else module.detach()
+        out[name] = (tensor if tensor is not None else torch.zeros_like(module)).detach().clone()
     return out
 
 

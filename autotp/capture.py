@@ -40,6 +40,8 @@ class Captured:
     dim_names: dict[sympy.Symbol, str] = field(default_factory=dict)
     # graph parameter target -> every name the original model has for it (tied weights)
     aliases: dict[str, list[str]] = field(default_factory=dict)
+    # parameters the traced forward never reads: kept, replicated, so that state dicts match
+    unused: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
@@ -153,6 +155,9 @@ def capture(
     captured = Captured(gm=gm, example_kwargs=named, signature=signature)
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
+    used = {id(_fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
+                       if id(p) not in used}
     return captured
 
 

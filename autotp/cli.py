@@ -12,6 +12,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -166,10 +167,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for candidate in candidates:
         label = str(candidate) if is_param else str(strategies[candidate])
         try:
-            alt = plan_graph(captured, args.tp, cost_model=cost_model,
-                             options=PlanOptions(strict=args.strict,
-                                                 force=((node_name, candidate),)),
-                             model_name=args.model)
+            # a forced alternative may replicate what strict mode refuses: show its cost
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                alt = plan_graph(captured, args.tp, cost_model=cost_model,
+                                 options=PlanOptions(strict=False,
+                                                     force=((node_name, candidate),)),
+                                 model_name=args.model)
         except PlanError as exc:
             reason = str(exc).splitlines()[0]
             print(f"  {label:<48} infeasible: {reason}")

@@ -237,6 +237,8 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     graph.lint()
     gm = fx.GraphModule(root, graph)
+    for name, param in captured.unused.items():  # never read by the forward: replicated
+        _set(gm, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
     gm.meta["autotp_values"] = lowered
     gm.recompile()
     return gm, bucket

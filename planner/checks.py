@@ -48,24 +48,35 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
            aten.addmm.default)
 
 
-def note_replicated_products(plan: Plan, gm: fx.GraphModule) -> None:
-    """A matrix that tp could divide but that the plan keeps replicated *and computes
-    replicated* (its gradient is not partial) means no exact sharding of its use was found,
-    e.g. a fused projection split into unequal parts: said in the plan, not silent."""
+def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> None:
+    """A matrix multiplied replicated on every rank although tp divides one of its sizes:
+    tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
+    of its use exists (a fused projection split into unequal parts). The first is an error
+    with ``strict``; both are recorded in the plan with a warning otherwise: never silent."""
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in plan.params:
             continue
         param = plan.params[node.target]
-        if len(param.global_shape) < 2 or param.layout != "R" or param.grad_sync:
+        if len(param.global_shape) < 2 or param.layout != "R":
             continue
         if not any(size % plan.tp == 0 for size in param.global_shape):
             continue  # reported by check_divisibility
         products = [u for u in node.users if u.op == "call_function" and u.target in MATMULS]
-        if products:
-            plan.fallbacks.append(
-                f"{node.target} {list(param.global_shape)} stays replicated and its product "
-                f"runs on every rank: no exact sharding of {products[0].name} was found "
-                f"({source_of(products[0]) or 'unknown source'})")
+        odd = [size for size in param.global_shape if size % plan.tp]
+        # Replicated with partial gradients and every size divisible: the k/v projections
+        # when tp exceeds the k/v heads, replicated by design (their gradients are summed).
+        if not products or (param.grad_sync and not odd):
+            continue
+        why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
+               f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else
+               "no exact sharding of its use exists (e.g. a fused projection split into "
+               "unequal parts)")
+        text = (f"{node.target} {list(param.global_shape)} stays replicated and its product "
+                f"{products[0].name} runs on every rank: {why}")
+        if strict and odd:  # a size tp must divide; the other case is a plan's choice
+            raise PlanError(text + ", or pass strict=False to replicate it"
+                            + where(products[0]))
+        plan.fallbacks.append(f"{text} ({source_of(products[0]) or 'unknown source'})")
 
 
 def check_divisibility(plan: Plan, tp: int, strict: bool) -> None:

@@ -140,3 +140,46 @@ def test_device_and_backend_mismatch_is_refused(backend: str, device: str,
     tensor = type("T", (), {"device": torch.device(device)})()  # a tensor's device, no GPU
     with pytest.raises(autotp.ConfigError, match=message):
         comm._check_device(tensor)  # type: ignore[arg-type]
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.unused = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_unused_parameters_are_kept_for_state_dicts() -> None:
+    model, x = WithUnused(), torch.randn(2, 8)
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    state = sim.run(lambda m: autotp.full_state_dict(m))[0]
+    assert set(state) == set(model.state_dict())
+    fresh = WithUnused()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.unused, model.unused)
+
+
+class OddIntermediate(nn.Module):
+    """d_ff = 98: tp = 4 divides the hidden size 32 but not the intermediate size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 98), nn.Linear(98, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_intermediate_not_divisible_is_refused_when_strict() -> None:
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(autotp.PlanError, match=r"tp=4 does not divide 98 \(use tp dividing "
+                                               r"98: \{1, 2, 7, 14, 49, 98\}\)"):
+        autotp.plan(OddIntermediate(), 4, example_args=(x,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autotp.plan(OddIntermediate(), 4, example_args=(x,), strict=False)
+    assert any("up.weight" in f and "stays replicated" in f for f in plan.fallbacks)
+    assert caught
