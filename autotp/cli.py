@@ -204,6 +204,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with progress.step(f"building {args.model} with random weights"):
         loaded = load_model(args.model, overrides, meta=False)
     model = loaded.model.float()
+    sim = None
     if args.procs:
         from autotp.launch import run_processes
 
@@ -240,8 +241,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0
     print(f"MISMATCH (tolerance {args.atol:g})")
     # Localize in simulation: the same rewritten programs as the processes run.
-    sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
-                          example_kwargs=loaded.example_kwargs, strict=args.strict)
+    if sim is None:
+        sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
+                              example_kwargs=loaded.example_kwargs, strict=args.strict)
     call_args, call_kwargs = _example(loaded, sim)
     found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
     print(found if found else "no forward value diverges: the difference is in the backward "

@@ -26,24 +26,22 @@ from autotp.layout import Layout, Partial, Replicate, Shard
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
 
 
+def _swap_groups(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """View ``dim`` as [outer, inner, piece] and swap outer and inner."""
+    shape = list(x.shape)
+    piece = shape[dim] // (outer * inner)
+    y = x.reshape(*shape[:dim], outer, inner, piece, *shape[dim + 1:]).transpose(dim, dim + 1)
+    return y.reshape(shape)
+
+
 def _rank_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
     """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...]."""
-    if blocks == 1:
-        return x
-    shape = list(x.shape)
-    piece = shape[dim] // (blocks * tp)
-    y = x.reshape(*shape[:dim], blocks, tp, piece, *shape[dim + 1:]).transpose(dim, dim + 1)
-    return y.reshape(shape)
+    return x if blocks == 1 else _swap_groups(x, dim, blocks, tp)
 
 
 def _segment_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
     """Inverse of ``_rank_major``."""
-    if blocks == 1:
-        return x
-    shape = list(x.shape)
-    piece = shape[dim] // (blocks * tp)
-    y = x.reshape(*shape[:dim], tp, blocks, piece, *shape[dim + 1:]).transpose(dim, dim + 1)
-    return y.reshape(shape)
+    return x if blocks == 1 else _swap_groups(x, dim, tp, blocks)
 
 
 def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:

@@ -43,8 +43,8 @@ class RngTracker:
         return self._generators[key]
 
 
-class TrackedDropout(nn.Module):
-    """``aten.dropout(x, p, train)`` drawing its mask from one stream of the tracker."""
+class _Tracked(nn.Module):
+    """A random op of the traced program, drawing from one stream of the tracker."""
 
     def __init__(self, tracker: RngTracker, stream: Stream):
         super().__init__()
@@ -53,6 +53,10 @@ class TrackedDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stream={self.stream.value}"
+
+
+class TrackedDropout(_Tracked):
+    """``aten.dropout(x, p, train)`` drawing its mask from the stream."""
 
     def forward(self, x: torch.Tensor, p: float, train: Any) -> torch.Tensor:
         if not train or p == 0.0:
@@ -64,20 +68,12 @@ class TrackedDropout(nn.Module):
         return x * keep * (1.0 / (1.0 - p))
 
 
-class TrackedAttention(nn.Module):
+class TrackedAttention(_Tracked):
     """``scaled_dot_product_attention`` with ``dropout_p > 0``: the kernel draws from the
     global generator, so the call runs on a forked global state seeded from the tracker's
     stream (a lock keeps simulated ranks, which share the global state, apart)."""
 
     _lock = threading.Lock()
-
-    def __init__(self, tracker: RngTracker, stream: Stream):
-        super().__init__()
-        self.tracker = tracker
-        self.stream = stream
-
-    def extra_repr(self) -> str:
-        return f"stream={self.stream.value}"
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         q = args[0]

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from autotp.capture import make_call
 from autotp.layout import Layout, Partial, Replicate, Shard, shard_tensor, unshard_tensor
 from autotp.rewrite import LowerContext
-from autotp.rules.registry import Registry, Strategy, output_layouts
+from autotp.rules.registry import Registry, Strategy
 
 
 @dataclass
@@ -142,4 +142,4 @@ def _diff(a: torch.Tensor, b: Optional[torch.Tensor]) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-__all__ = ["StrategyCheck", "check_op", "output_layouts"]
+__all__ = ["StrategyCheck", "check_op"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from autotp.capture import layer_of
 from autotp.errors import PlanError, where
@@ -298,4 +298,4 @@ def leaf_memory_cost(tp: int, cost_model: Any) -> Callable[[Any, Any], float]:
     return cost
 
 
-__all__ = ["FrontierSolver", "Segment", "leaf_memory_cost", "Optional"]
+__all__ = ["FrontierSolver", "Segment", "leaf_memory_cost"]

@@ -27,7 +27,6 @@ insertion order (a stable sort), so plans are deterministic. Repeated layers are
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Optional
 
@@ -55,7 +54,6 @@ from autotp.planner.transitions import transition
 from autotp.rules.registry import Registry, Strategy, output_layouts
 
 aten = torch.ops.aten
-INF = math.inf
 
 
 def plan_graph(
@@ -117,11 +115,6 @@ def solve(
                             leaf_memory_cost(tp, cost_model), transition, options.max_states,
                             reuse_layers=options.reuse_layers)
     return solver.run()
-
-
-def _key(entries: dict[str, Entry]) -> frozenset:
-    """Order-free and hashable; never iterated, so hash randomization cannot reorder plans."""
-    return frozenset(entries.items())
 
 
 def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dict[str, PNode],
