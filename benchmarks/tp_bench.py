@@ -1,0 +1,463 @@
+"""Tensor-parallel training steps: autotp against hand-written Megatron and torch DTensor.
+
+    python benchmarks/tp_bench.py                                 # CPU/gloo: gpt2, llama at tp 2, 4
+    python benchmarks/tp_bench.py --models llama --tp 2 --reps 30 --size medium
+    python benchmarks/tp_bench.py --device cuda --tp 1 --size base --dtype bfloat16
+
+For each model and tp, ``tp`` processes build every implementation from the same weights and
+feed them the same batch:
+
+    unsharded         the reference model on every rank (no communication)
+    megatron          benchmarks/megatron_ref.py (f/g operators, vocabulary-parallel loss)
+    dtensor           torch's parallelize_module with the per-linear recipe
+    dtensor-prepare   the same plus PrepareModuleInput on attention/MLP (one input all-reduce
+                      per module in backward)
+    autotp            autotp.parallelize(model, example_args=(idx, targets))
+
+and measures, per implementation: the loss and full gradients of one step against the
+unsharded model; one instrumented step (collectives executed, by phase and kind, and their
+bytes; memory allocated during the step); then ``--warmup`` and ``--reps`` timed steps
+(forward, backward, optimizer step, zero_grad), round-robin across the implementations so
+that drifts of the machine hit all of them alike. A rep's time is the slowest rank's.
+
+Writes one JSON line per (model, tp, implementation) to ``--out`` and prints a summary.
+On CPU, tp processes share this machine's cores (one thread each): with more ranks than
+cores the unsharded rows time the oversubscribed machine, not one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import bench_models as bm  # noqa: E402
+from step_probe import StepProbe  # noqa: E402
+
+IMPLS = ("unsharded", "megatron", "dtensor", "dtensor-prepare", "autotp")
+
+
+@dataclass
+class Impl:
+    name: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    context: Callable[[], ContextManager[Any]]  # forward and backward run inside it
+    full_grads: Callable[[], dict[str, torch.Tensor]]  # collective
+    local_params: Callable[[], dict[str, torch.Tensor]]  # reference name -> local tensor
+
+
+def _optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
+               spec: dict[str, Any]) -> Impl:
+    """Implementation ``name`` of this rank, built from the unsharded ``ref``'s weights."""
+    from contextlib import nullcontext
+
+    opt = lambda m: _optimizer(spec["optim"], list(m.parameters()), spec["lr"])  # noqa: E731
+    if name == "unsharded":
+        model = copy.deepcopy(ref)
+        return Impl(name, model, opt(model), nullcontext,
+                    lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                    lambda: dict(model.named_parameters()))
+    if name == "megatron":
+        import megatron_ref
+
+        meg = megatron_ref.from_reference(ref, rank, tp, None)
+        return Impl(name, meg, opt(meg), nullcontext,
+                    lambda: megatron_ref.full_grads(ref, meg),
+                    lambda: megatron_ref.local_params(ref, meg))
+    if name in ("dtensor", "dtensor-prepare"):
+        import dtensor_ref
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(spec["device"], (tp,))
+        dmod = dtensor_ref.parallelize(ref, mesh, prepare_inputs=name == "dtensor-prepare")
+        return Impl(name, dmod, opt(dmod), dtensor_ref.loss_context,
+                    lambda: dtensor_ref.full_grads(dmod),
+                    lambda: dtensor_ref.local_params(dmod))
+    if name == "autotp":
+        import autotp
+
+        sharded = autotp.parallelize(copy.deepcopy(ref), tp=tp, example_args=example)
+
+        def autotp_local() -> dict[str, torch.Tensor]:
+            out = {}
+            for target, tensor in sharded.local_parameters().items():
+                for ref_name in sharded.plan.params[target].names:
+                    out[ref_name] = tensor
+            return out
+
+        return Impl(name, sharded, opt(sharded), nullcontext,
+                    lambda: autotp.full_state_dict(sharded, grads=True), autotp_local)
+    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+
+
+def _value(loss: torch.Tensor) -> float:
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+
+def train_step(impl: Impl, idx: torch.Tensor, targets: torch.Tensor,
+               probe: Optional[StepProbe] = None) -> torch.Tensor:
+    """Forward, backward, optimizer step, zero_grad; ``probe.phase`` follows along."""
+    with impl.context():
+        if probe is not None:
+            probe.phase = "forward"
+        loss = impl.module(idx, targets)
+        if probe is not None:
+            probe.phase = "backward"
+        loss.backward()
+    if probe is not None:
+        probe.phase = "optimizer"
+    impl.optimizer.step()
+    impl.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def check_step(impl: Impl, idx: torch.Tensor, targets: torch.Tensor,
+               ref_grads: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Forward and backward only: the loss and the diffs of every full gradient."""
+    with impl.context():
+        loss = impl.module(idx, targets)
+        loss.backward()
+    grads = impl.full_grads()
+    impl.optimizer.zero_grad(set_to_none=True)
+    missing = sorted(set(ref_grads) - set(grads))
+    if missing:
+        raise RuntimeError(f"{impl.name}: no gradient for {missing}")
+    return _value(loss), grads
+
+
+def param_bytes(ref: nn.Module, local: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
+    """This rank's parameter bytes, and the bound sharded/tp + replicated from the unsharded
+    sizes and this implementation's split (a parameter is sharded if its local piece is
+    smaller than the full one)."""
+    seen, local_bytes, bound, full_bytes, replicated = set(), 0, 0.0, 0, []
+    for name, param in ref.named_parameters():
+        piece = local[name]
+        nbytes = param.numel() * param.element_size()
+        full_bytes += nbytes
+        if piece.numel() < param.numel():
+            bound += nbytes / tp
+        else:
+            bound += nbytes
+            if param.dim() >= 2:
+                replicated.append(name)
+        if piece.data_ptr() not in seen:
+            seen.add(piece.data_ptr())
+            local_bytes += piece.numel() * piece.element_size()
+    return {"param_bytes": local_bytes, "param_bytes_bound": int(bound),
+            "param_bytes_full": full_bytes, "replicated_matrices": replicated}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _barrier(device: str) -> None:
+    flag = torch.ones(1, device=device)
+    dist.all_reduce(flag)
+    _sync(device)
+
+
+def bench_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank: build, check, instrument and time every implementation."""
+    torch.set_num_threads(1)
+    device = spec["device"]
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dtype = getattr(torch, spec["dtype"])
+    cfg = bm.make_config(spec["model"], spec["size"], **spec["overrides"])
+    ref = bm.build_model(cfg, seed=spec["seed"]).to(device=device, dtype=dtype)
+    idx, targets = bm.make_batch(cfg, spec["batch"], seed=spec["seed"] + 1, device=device)
+    ref_loss = ref(idx, targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    ref.zero_grad(set_to_none=True)
+    grad_scale = max(g.abs().max().item() for g in ref_grads.values())
+
+    impls: dict[str, Impl] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name in spec["impls"]:
+        row: dict[str, Any] = {"impl": name}
+        rows[name] = row
+        try:
+            impl = build_impl(name, ref, rank, world_size, (idx, targets), spec)
+            loss, grads = check_step(impl, idx, targets, ref_grads)
+            row["loss"] = loss
+            row["loss_diff"] = abs(loss - float(ref_loss))
+            diffs = {n: (grads[n].float() - g.float()).abs().max().item()
+                     for n, g in ref_grads.items()}
+            worst = max(diffs, key=diffs.__getitem__)
+            row["grad_diff"] = diffs[worst]
+            row["grad_diff_param"] = worst
+            row["grad_rel"] = diffs[worst] / grad_scale
+            row.update(param_bytes(ref, impl.local_params(), world_size))
+            del grads
+            train_step(impl, idx, targets)  # creates the optimizer state
+            impls[name] = impl
+        except Exception as exc:  # noqa: BLE001 - reported in the results, not hidden
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["traceback"] = traceback.format_exc(limit=6)
+        # every rank must run the same implementations, or the collectives mismatch
+        oks: list[Any] = [None] * world_size
+        dist.all_gather_object(oks, "error" not in row)
+        if not all(oks) and name in impls:
+            del impls[name]
+            row.setdefault("error", "failed on another rank")
+
+    for name, impl in impls.items():  # one instrumented step each
+        _barrier(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        own_log = getattr(getattr(impl.module, "comm", None), "log", None)
+        if name == "autotp" and own_log is not None:
+            own_log.clear()  # autotp's own record of the collectives it ran, to cross-check
+        probe = StepProbe()
+        with probe:
+            train_step(impl, idx, targets, probe)
+        _sync(device)
+        row = rows[name]
+        row["collectives"] = probe.counts()
+        row["collective_bytes"] = probe.bytes()
+        row["peak_step_bytes"] = probe.peak_bytes
+        if name == "autotp" and own_log is not None:
+            row["autotp_log_collectives"] = _log_counts(own_log.events)
+        if device == "cuda":
+            row["cuda_peak_step_bytes"] = torch.cuda.max_memory_allocated() - before
+
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for rep in range(spec["warmup"] + spec["reps"]):
+        for name, impl in impls.items():  # round-robin: every rep runs every implementation
+            _barrier(device)
+            start = time.perf_counter()
+            train_step(impl, idx, targets)
+            _sync(device)
+            if rep >= spec["warmup"]:
+                times[name].append(time.perf_counter() - start)
+    for name in impls:
+        rows[name]["times"] = times[name]
+    _barrier(device)
+    return {"rows": [rows[n] for n in spec["impls"]], "flops": bm.train_flops(
+        cfg, ref, spec["batch"], cfg.seq_len), "config": cfg.__dict__.copy()}
+
+
+def _log_counts(events: list[Any]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for event in events:
+        kinds = out.setdefault(event.phase, {})
+        kinds[event.kind] = kinds.get(event.kind, 0) + 1
+    return {phase: dict(sorted(k.items())) for phase, k in sorted(out.items())}
+
+
+# ---- aggregation and report ----------------------------------------------------------------
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    qs = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+            "iqr_ms": 1e3 * (qs[2] - qs[0])}
+
+
+def combine(results: list[dict[str, Any]], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per implementation: the ranks' rows merged (times: slowest rank per rep; diffs and
+    memory: the largest over ranks)."""
+    out = []
+    for i in range(len(spec["impls"])):
+        per_rank = [r["rows"][i] for r in results]
+        row = dict(per_rank[0])
+        row.pop("times", None)
+        row.update(model=spec["model"], tp=spec["tp"], device=spec["device"],
+                   dtype=spec["dtype"], batch=spec["batch"], config=results[0]["config"],
+                   optim=spec["optim"])
+        errors = [r.get("error") for r in per_rank if r.get("error")]
+        if errors:
+            row["error"] = errors[0]
+            out.append(row)
+            continue
+        for key in ("loss_diff", "grad_diff", "grad_rel", "peak_step_bytes",
+                    "cuda_peak_step_bytes", "param_bytes"):
+            if key in row:
+                row[key] = max(r[key] for r in per_rank)
+        reps = [max(ts) for ts in zip(*(r["times"] for r in per_rank))]
+        row["step_ms"] = [1e3 * t for t in reps]
+        row.update(_stats(reps))
+        seconds = row["median_ms"] / 1e3
+        row["tflops_per_device"] = results[0]["flops"] / seconds / spec["tp"] / 1e12
+        out.append(row)
+    base = {r["impl"]: r for r in out if "error" not in r}
+    for row in out:
+        if "error" in row:
+            continue
+        for other in ("megatron", "unsharded"):
+            if other in base:
+                row[f"time_vs_{other}"] = row["median_ms"] / base[other]["median_ms"]
+        if "megatron" in base and row["impl"] != "unsharded":
+            meg = base["megatron"]
+            row["collectives_equal_megatron"] = row["collectives"] == meg["collectives"]
+            row["bytes_equal_megatron"] = row["collective_bytes"] == meg["collective_bytes"]
+    return out
+
+
+def _count_text(counts: dict[str, dict[str, int]], phase: str) -> str:
+    short = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs"}
+    kinds = counts.get(phase, {})
+    return " ".join(f"{n}{short.get(k, k)}" for k, n in kinds.items()) or "0"
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def print_table(rows: list[dict[str, Any]], device: str) -> None:
+    head = (f"{'model':<6}{'tp':>3} {'impl':<16}{'median ms':>10}{'min':>9}{'IQR':>8}"
+            f"{'/megatron':>10}{'/unshard':>9}  {'fwd colls':<12}{'bwd colls':<11}"
+            f"{'coll MB':>8} {'=meg':>5}{'=bytes':>7}{'param MB':>9}{'bound':>7}"
+            f"{'peak MB':>8}{'loss diff':>10}{'grad diff':>10}")
+    if device == "cuda":
+        head += f"{'TFLOP/s':>9}"
+    print(head)
+    for r in rows:
+        lead = f"{r['model']:<6}{r['tp']:>3} {r['impl']:<16}"
+        if "error" in r:
+            print(lead + f"ERROR {r['error'].splitlines()[0][:150]}")
+            continue
+        coll_bytes = sum(sum(k.values()) for k in r["collective_bytes"].values())
+        line = (lead + f"{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['iqr_ms']:>8.1f}"
+                f"{r.get('time_vs_megatron', float('nan')):>10.2f}"
+                f"{r.get('time_vs_unsharded', float('nan')):>9.2f}  "
+                f"{_count_text(r['collectives'], 'forward'):<12}"
+                f"{_count_text(r['collectives'], 'backward'):<11}"
+                f"{_mb(coll_bytes):>8} {_yes(r.get('collectives_equal_megatron')):>5}"
+                f"{_yes(r.get('bytes_equal_megatron')):>7}{_mb(r['param_bytes']):>9}"
+                f"{_mb(r['param_bytes_bound']):>7}"
+                f"{_mb(r.get('cuda_peak_step_bytes', r['peak_step_bytes'])):>8}"
+                f"{r['loss_diff']:>10.1e}{r['grad_diff']:>10.1e}")
+        if device == "cuda":
+            line += f"{r['tflops_per_device']:>9.2f}"
+        print(line)
+
+
+def _yes(value: Optional[bool]) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Checks worth a line under the table."""
+    out = []
+    megatron = {(r["model"], r["tp"]): r for r in rows
+                if r["impl"] == "megatron" and "error" not in r}
+    for r in rows:
+        if "error" in r or r["tp"] < 2 or r["impl"] == "unsharded":
+            continue
+        meg = megatron.get((r["model"], r["tp"]), {})
+        for phase in ("forward", "backward"):
+            if not r["collectives"].get(phase):
+                out.append(f"{r['model']} tp={r['tp']} {r['impl']}: no collective seen in "
+                           f"{phase}")
+        if r["replicated_matrices"] != meg.get("replicated_matrices", []):
+            out.append(f"{r['model']} tp={r['tp']} {r['impl']}: replicated matrices "
+                       f"{r['replicated_matrices']} (megatron: "
+                       f"{meg.get('replicated_matrices')})")
+        own = r.get("autotp_log_collectives")
+        if own is not None and own != {k: v for k, v in r["collectives"].items()
+                                       if k != "optimizer"}:
+            out.append(f"{r['model']} tp={r['tp']} autotp: its own log {own} differs from "
+                       f"the counted collectives {r['collectives']}")
+        if r.get("collectives") and r["collectives"].get("optimizer"):
+            out.append(f"{r['model']} tp={r['tp']} {r['impl']}: optimizer collectives "
+                       f"{r['collectives']['optimizer']}")
+    return out
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    p.add_argument("--tp", default=None, help="comma-separated degrees (CPU: 2,4; cuda: 1)")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--size", default=None, choices=sorted(bm.SIZES),
+                   help="named size (default: small on CPU, base on cuda)")
+    for flag in ("vocab-size", "seq-len", "n-layer", "n-head", "n-kv-head", "d-model"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="default: 4 on CPU, 8 on cuda")
+    p.add_argument("--optim", default="adamw", choices=["adamw", "sgd"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="tp_bench.jsonl")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from autotp.launch import run_processes
+
+    args = parse_args(argv)
+    cuda = args.device == "cuda"
+    degrees = [int(t) for t in (args.tp or ("1" if cuda else "2,4")).split(",")]
+    overrides = {k: getattr(args, k) for k in ("vocab_size", "seq_len", "n_layer", "n_head",
+                                               "n_kv_head", "d_model")}
+    if cuda and max(degrees) > torch.cuda.device_count():
+        raise SystemExit(f"tp={max(degrees)} needs {max(degrees)} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
+    all_rows: list[dict[str, Any]] = []
+    with open(args.out, "w") as out:
+        for model in args.models.split(","):
+            for tp in degrees:
+                spec = dict(model=model, tp=tp, impls=args.impls.split(","), reps=args.reps,
+                            warmup=args.warmup, device=args.device, dtype=args.dtype,
+                            size=args.size or ("base" if cuda else "small"),
+                            overrides=overrides, batch=args.batch or (8 if cuda else 4),
+                            optim=args.optim, lr=args.lr, seed=args.seed)
+                started = time.perf_counter()
+                results = run_processes(bench_worker, tp, spec,
+                                        backend="nccl" if cuda else "gloo", timeout=1800)
+                rows = combine(results, spec)
+                for row in rows:
+                    out.write(json.dumps(row, sort_keys=True) + "\n")
+                out.flush()
+                all_rows.extend(rows)
+                print(f"# {model} tp={tp}: {time.perf_counter() - started:.0f} s, "
+                      f"config {results[0]['config']}, batch {spec['batch']}", flush=True)
+    print()
+    print_table(all_rows, args.device)
+    for line in notes(all_rows):
+        print("note:", line)
+    peak = ("cuda max_memory_allocated during the step, over the memory before it" if cuda else
+            "bytes of tensors allocated during one step and alive at once (activations, grads,"
+            " temporaries, comm buffers; parameters and optimizer state excluded)")
+    print(f"peak MB: {peak}. coll MB: payload of every collective in one step. "
+          f"bound: sharded/tp + replicated parameter bytes. Results: {args.out}")
+    return 1 if any("error" in r for r in all_rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
