@@ -350,8 +350,8 @@ def print_table(rows: list[dict[str, Any]], device: str) -> None:
             continue
         coll_bytes = sum(sum(k.values()) for k in r["collective_bytes"].values())
         line = (lead + f"{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['iqr_ms']:>8.1f}"
-                f"{r.get('time_vs_megatron', float('nan')):>10.2f}"
-                f"{r.get('time_vs_unsharded', float('nan')):>9.2f}  "
+                f"{_ratio(r.get('time_vs_megatron')):>10}"
+                f"{_ratio(r.get('time_vs_unsharded')):>9}  "
                 f"{_count_text(r['collectives'], 'forward'):<12}"
                 f"{_count_text(r['collectives'], 'backward'):<11}"
                 f"{_mb(coll_bytes):>8} {_yes(r.get('collectives_equal_megatron')):>5}"
@@ -362,6 +362,10 @@ def print_table(rows: list[dict[str, Any]], device: str) -> None:
         if device == "cuda":
             line += f"{r['tflops_per_device']:>9.2f}"
         print(line)
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _yes(value: Optional[bool]) -> str:
@@ -381,10 +385,14 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
             if not r["collectives"].get(phase):
                 out.append(f"{r['model']} tp={r['tp']} {r['impl']}: no collective seen in "
                            f"{phase}")
-        if r["replicated_matrices"] != meg.get("replicated_matrices", []):
-            out.append(f"{r['model']} tp={r['tp']} {r['impl']}: replicated matrices "
-                       f"{r['replicated_matrices']} (megatron: "
-                       f"{meg.get('replicated_matrices')})")
+        if meg:
+            mine, theirs = set(r["replicated_matrices"]), set(meg["replicated_matrices"])
+            if theirs - mine:
+                out.append(f"{r['model']} tp={r['tp']} {r['impl']}: shards "
+                           f"{sorted(theirs - mine)}, which megatron replicates")
+            if mine - theirs:
+                out.append(f"{r['model']} tp={r['tp']} {r['impl']}: replicates "
+                           f"{sorted(mine - theirs)}, which megatron shards")
         own = r.get("autotp_log_collectives")
         if own is not None and own != {k: v for k, v in r["collectives"].items()
                                        if k != "optimizer"}:
@@ -401,8 +409,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
     p.add_argument("--tp", default=None, help="comma-separated degrees (CPU: 2,4; cuda: 1)")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--size", default=None, choices=sorted(bm.SIZES),
