@@ -15,7 +15,7 @@ does; an implementation that runs the module on local heads sets those counts it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -84,10 +84,6 @@ def build_model(cfg: Config, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model: nn.Module = GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
     return model
-
-
-def untied(cfg: GPTConfig) -> GPTConfig:
-    return replace(cfg, tied=False)
 
 
 # ---- GPT-2-like ----------------------------------------------------------------------------
