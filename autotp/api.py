@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import Captured, capture
+from autotp.capture import Captured, capture, sequence_symbols, size_expr
 from autotp.collectives import GradBucket, GradSync, gather
 from autotp.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
@@ -48,11 +48,15 @@ def prepare(
     strict: bool = True,
     cost_model: Optional[CostModel] = None,
     registry: Optional[Registry] = None,
+    sequence_parallel: bool = False,
+    gather_outputs: bool = True,
 ) -> tuple[Captured, Plan]:
     tp = _check_tp(tp)
     captured = capture(model, example_args, example_kwargs)
+    options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
+                          gather_outputs=bool(gather_outputs))
     plan = plan_graph(captured, tp, registry=registry, cost_model=cost_model,
-                      options=PlanOptions(strict=strict), model_name=_model_name(model))
+                      options=options, model_name=_model_name(model))
     return captured, plan
 
 
@@ -64,10 +68,13 @@ def plan(
     example_kwargs: Optional[dict[str, Any]] = None,
     strict: bool = True,
     cost_model: Optional[CostModel] = None,
+    sequence_parallel: bool = False,
+    gather_outputs: bool = True,
 ) -> Plan:
     """The tensor-parallel plan of ``model`` at degree ``tp``; needs no process group."""
     return prepare(model, tp, example_args=example_args, example_kwargs=example_kwargs,
-                   strict=strict, cost_model=cost_model)[1]
+                   strict=strict, cost_model=cost_model, sequence_parallel=sequence_parallel,
+                   gather_outputs=gather_outputs)[1]
 
 
 class ShardedModule(nn.Module):
@@ -90,6 +97,16 @@ class ShardedModule(nn.Module):
         self._signature: Optional[inspect.Signature] = captured.signature
         self._example: dict[str, Any] = captured.example_kwargs
         self._plan_checked = not check_plan
+        # input -> its sequence dims, whose sizes tp must divide (sequence parallelism)
+        self._seq_dims: dict[str, list[int]] = {}
+        if plan.sequence_parallel:
+            symbols = sequence_symbols(captured.dim_names)
+            for node in captured.gm.graph.nodes:
+                val = node.meta.get("val")
+                if node.op == "placeholder" and isinstance(val, torch.Tensor):
+                    dims = [d for d, size in enumerate(val.shape) if size_expr(size) in symbols]
+                    if dims:
+                        self._seq_dims[str(node.target)] = dims
 
     @property
     def rank(self) -> int:
@@ -153,6 +170,13 @@ class ShardedModule(nn.Module):
                 value = named[name]
                 if isinstance(example, torch.Tensor):
                     _check_input(name, value, example)
+                    for dim in self._seq_dims.get(name, ()):
+                        if value.shape[dim] % self.plan.tp:
+                            raise ConfigError(
+                                f"sequence parallelism needs the sequence length divisible by "
+                                f"tp={self.plan.tp}, but {name!r} has {value.shape[dim]} "
+                                f"along dim {dim}: pad the sequence to a multiple of "
+                                f"{self.plan.tp}")
                 call[name] = value
             elif isinstance(example, torch.Tensor):
                 raise ConfigError(f"missing input {name!r} (the example had it)")
@@ -213,8 +237,19 @@ def parallelize(
     timeout: Optional[float] = 300.0,
     check_plan: bool = True,
     grad_sync: str = "bucket",
+    sequence_parallel: bool = False,
+    gather_outputs: bool = True,
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
+
+    ``sequence_parallel``: between the blocks, activations are sharded along the sequence
+    (norms, dropout and residual adds run on sequence shards; all-gather before and
+    reduce-scatter after the sharded matmuls instead of all-reduces). The sequence length of
+    every call must then be divisible by tp.
+    ``gather_outputs``: False returns outputs that the plan holds sharded (logits, sharded
+    over the vocabulary) as this rank's shard; ``module.plan.outputs`` gives their layouts.
+    With ``labels=`` the loss never needs the gathered logits: training loops that only read
+    the loss should pass False and save the all-gather of batch x sequence x vocabulary.
 
     ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
     that failed or exited makes the others fail instead of hang); None waits forever.
@@ -241,7 +276,8 @@ def parallelize(
         )
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
-                                 cost_model=cost_model)
+                                 cost_model=cost_model, sequence_parallel=sequence_parallel,
+                                 gather_outputs=gather_outputs)
     comm = ProcessGroupComm(group, timeout=timeout)
     return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
                   grad_sync=grad_sync)
@@ -331,12 +367,15 @@ def simulate(
     cost_model: Optional[CostModel] = None,
     timeout: float = 120.0,
     grad_sync: str = "bucket",
+    sequence_parallel: bool = False,
+    gather_outputs: bool = True,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives."""
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
-                                 cost_model=cost_model)
+                                 cost_model=cost_model, sequence_parallel=sequence_parallel,
+                                 gather_outputs=gather_outputs)
     hub = ThreadHub(tp, timeout)
     ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync)
              for comm in hub.comms()]

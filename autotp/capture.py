@@ -13,6 +13,8 @@ Two normalizations follow, both exact:
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 import re
 import traceback
@@ -152,6 +154,8 @@ def capture(
     gm = ep.module()
     merge_tied_parameters(gm)
     split_biases(gm)
+    sink_bias_adds(gm)
+    decompose_cross_entropy(gm)
     captured = Captured(gm=gm, example_kwargs=named, signature=signature)
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
@@ -233,12 +237,100 @@ def split_biases(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def sink_bias_adds(gm: fx.GraphModule) -> None:
+    """view(mm(x, W) + b, shape) -> view(mm(x, W), shape) + b, when the view keeps the last
+    dim (exact: b broadcasts over it). Conv1D-style layers flatten [B, T, C] to [B*T, C]
+    around the product; with the bias added after the view, a partial product can be
+    reduce-scattered along the sequence before the bias (sequence parallelism)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target != aten.add.Tensor or len(node.users) != 1:
+            continue
+        product, bias = node.args[:2]
+        view = next(iter(node.users))
+        if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
+                and product.target in (aten.mm.default, aten.linear.default)
+                and bias.op == "get_attr" and view.target in _VIEWS and view.args[0] is node):
+            continue
+        bval, vval = bias.meta["val"], view.meta["val"]
+        if bval.ndim != 1 or vval.ndim < 1 or vval.shape[-1] != bval.shape[0] \
+                or node.meta["val"].shape[-1] != bval.shape[0]:
+            continue
+        with graph.inserting_before(view):
+            moved = graph.call_function(view.target, (product, *view.args[1:]), view.kwargs)
+            added = graph.call_function(aten.add.Tensor, (moved, bias))
+        for new in (moved, added):
+            new.meta.update({k: v for k, v in view.meta.items() if k != "val"})
+        moved.meta["val"] = _fake_run(view.target, (product, *view.args[1:]))
+        added.meta["val"] = vval
+        view.replace_all_uses_with(added)
+        graph.erase_node(view)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def decompose_cross_entropy(gm: fx.GraphModule) -> None:
+    """cross_entropy(x, t) -> logsumexp(x) - x[t], masked and reduced (exact).
+
+    With the loss written as a reduction and a lookup, the planner can keep the logits
+    sharded over the classes: ``logsumexp`` over a sharded dim leaves a partial logsumexp
+    and the lookup a partial sum, so only per-row numbers are communicated. Class weights,
+    label smoothing and probability targets keep the fused op (computed replicated).
+    """
+    graph = gm.graph
+    reductions = {0: "none", 1: "mean", 2: "sum"}
+    for node in list(graph.nodes):
+        if node.target != aten.cross_entropy_loss.default:
+            continue
+        x, target = node.args[:2]
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing",
+                                                                             0.0)
+        xv, tv = x.meta["val"], target.meta["val"]
+        if (weight is not None or smoothing or reduction not in reductions or xv.ndim != 2
+                or tv.ndim != 1 or tv.dtype.is_floating_point):
+            continue
+        call = functools.partial(_emit, graph, node)
+        with graph.inserting_before(node):
+            lse = call(aten.logsumexp.default, x, [1], False)
+            ignored = call(aten.eq.Scalar, target, ignore)
+            safe = call(aten.masked_fill.Scalar, target, ignored, 0)
+            column = call(aten.unsqueeze.default, safe, 1)
+            picked = call(aten.squeeze.dim, call(aten.gather.default, x, 1, column), 1)
+            loss = call(aten.masked_fill.Scalar, call(aten.sub.Tensor, lse, picked), ignored,
+                        0.0)
+            if reductions[reduction] != "none":
+                loss = call(aten.sum.default, loss)
+            if reductions[reduction] == "mean":
+                kept = call(aten.logical_not.default, ignored)
+                loss = call(aten.div.Tensor, loss, call(aten.sum.default, kept))
+        node.replace_all_uses_with(loss)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:
+    """A new call of ``op`` with ``template``'s stack/source metadata and a fake value."""
+    new = graph.call_function(op, args)
+    new.meta.update({k: v for k, v in template.meta.items() if k != "val"})
+    new.meta["val"] = _fake_run(op, args)
+    return new
+
+
 def _fake_run(target: Any, args: tuple[Any, ...]) -> Any:
     from torch._guards import detect_fake_mode
 
-    vals = [a.meta["val"] for a in args if isinstance(a, fx.Node)]
-    fake_mode = detect_fake_mode(vals)
-    real_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    flat, _ = pytree.tree_flatten(list(args))
+    fake_mode = detect_fake_mode([a.meta["val"] for a in flat if isinstance(a, fx.Node)])
+    real_args = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
+                                list(args))
     with fake_mode:
         return target(*real_args)
 
@@ -260,6 +352,11 @@ def _name_dims(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
                     name = base if base not in names.values() else f"{base}{len(names)}"
                     names[expr] = name
     return names
+
+
+def sequence_symbols(dim_names: dict[sympy.Symbol, str]) -> frozenset:
+    """The symbols of the sequence dims (dim 1 of the inputs)."""
+    return frozenset(sym for sym, name in dim_names.items() if name.startswith("T"))
 
 
 def _aliases(model: torch.nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
@@ -285,9 +382,10 @@ def size_expr(size: Any) -> Any:
     return int(size)
 
 
-def tensor_meta(val: Any) -> Optional[TensorMeta]:
+def tensor_meta(val: Any, split: frozenset = frozenset()) -> Optional[TensorMeta]:
     if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(size_expr(s) for s in val.shape), val.dtype)
+        shape = tuple(size_expr(s) for s in val.shape)
+        return TensorMeta(shape, val.dtype, split & frozenset(shape) if split else frozenset())
     return None
 
 
@@ -301,21 +399,23 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in flat if is_tensor_node(a)]
 
 
-def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...]) -> OpCall:
+def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],
+              split: frozenset = frozenset()) -> OpCall:
+    """The op call as the rules see it; ``split``: symbolic sizes that may be sharded."""
     def convert(arg: Any) -> Any:
         if is_tensor_node(arg):
-            return tensor_meta(arg.meta["val"])
+            return tensor_meta(arg.meta["val"], split)
         return arg
 
     args = tuple(pytree.tree_map(convert, list(node.args)))
     kwargs = {k: pytree.tree_map(convert, v) for k, v in node.kwargs.items()}
-    inputs = tuple(tensor_meta(n.meta["val"]) for n in tensor_inputs(node))
+    inputs = tuple(tensor_meta(n.meta["val"], split) for n in tensor_inputs(node))
     val = node.meta.get("val")
     output: Any
     if isinstance(val, torch.Tensor):
-        output = tensor_meta(val)
+        output = tensor_meta(val, split)
     elif isinstance(val, (tuple, list)):
-        output = tuple(tensor_meta(v) for v in val)
+        output = tuple(tensor_meta(v, split) for v in val)
     else:
         output = None
     return OpCall(node.target, args, kwargs, inputs, output, tp, blocks)  # type: ignore[arg-type]

@@ -46,6 +46,13 @@ def _cost_model(args: argparse.Namespace) -> Any:
                      batch=args.batch, seq=args.seq)
 
 
+def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
+    from autotp.planner.solve import PlanOptions
+
+    return PlanOptions(sequence_parallel=args.sequence_parallel,
+                       gather_outputs=not getattr(args, "sharded_outputs", False), **kwargs)
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="hf:<model_type>, a directory with config.json, or "
                                       "file.py:factory / package.module:factory")
@@ -58,12 +65,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", type=float, default=10.0, help="collective latency, us")
     parser.add_argument("--non-strict", dest="strict", action="store_false",
                         help="replicate ops without a rule (recorded) instead of failing")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard the activations between blocks along the sequence")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
     from autotp.capture import capture
-    from autotp.planner.solve import PlanOptions, plan_graph
+    from autotp.planner.solve import plan_graph
     from autotp.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
@@ -75,7 +84,7 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
         captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
     with progress.step("planning"):
         plan = plan_graph(captured, args.tp, cost_model=_cost_model(args),
-                          options=PlanOptions(strict=args.strict, force=force),
+                          options=_options(args, strict=args.strict, force=force),
                           model_name=args.model)
     return loaded, captured, plan
 
@@ -118,7 +127,7 @@ def _param_bytes(plan: Any) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from autotp.errors import PlanError
-    from autotp.planner.solve import PlanOptions, plan_graph
+    from autotp.planner.solve import plan_graph
 
     loaded, captured, plan = _prepare(args, meta=True)
     target = args.target
@@ -142,7 +151,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         from autotp.rules.registry import Registry
 
         pnodes = build_problem(captured, args.tp, block_counts(captured.gm), Registry.default(),
-                               cost_model, PlanOptions(strict=args.strict))
+                               cost_model, _options(args, strict=args.strict))
         by_name = {pn.node.name: pn for pn in pnodes}
         candidates: list[Any] = leaf_candidates(pnodes, by_name)[node_name]
         chosen = plan.params[target].layout
@@ -171,8 +180,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 alt = plan_graph(captured, args.tp, cost_model=cost_model,
-                                 options=PlanOptions(strict=False,
-                                                     force=((node_name, candidate),)),
+                                 options=_options(args, strict=False,
+                                                  force=((node_name, candidate),)),
                                  model_name=args.model)
         except PlanError as exc:
             reason = str(exc).splitlines()[0]
@@ -209,12 +218,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from autotp.launch import run_processes
 
         with progress.step(f"running {args.tp} gloo processes"):
-            results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict)
+            results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict,
+                                    args.sequence_parallel)
         outcome = results[0]
     else:
         with progress.step("tracing, planning and rewriting all ranks"):
             sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
-                                  example_kwargs=loaded.example_kwargs, strict=args.strict)
+                                  example_kwargs=loaded.example_kwargs, strict=args.strict,
+                                  sequence_parallel=args.sequence_parallel)
         call_args, call_kwargs = _example(loaded, sim)
         with progress.step("running the unsharded and the sharded model"):
             reference = reference_step(model, _caller(call_args, call_kwargs), generic_loss,
@@ -243,7 +254,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # Localize in simulation: the same rewritten programs as the processes run.
     if sim is None:
         sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
-                              example_kwargs=loaded.example_kwargs, strict=args.strict)
+                              example_kwargs=loaded.example_kwargs, strict=args.strict,
+                              sequence_parallel=args.sequence_parallel)
     call_args, call_kwargs = _example(loaded, sim)
     found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
     print(found if found else "no forward value diverges: the difference is in the backward "
@@ -287,7 +299,7 @@ def first_float(out: Any) -> torch.Tensor:
 
 
 def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
-                   strict: bool) -> dict[str, Any]:
+                   strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
     import autotp
     from autotp.verify import compare, layer_counts, reference_step, sharded_step
     from autotp.zoo import load_model
@@ -296,7 +308,8 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
     loaded = load_model(spec, overrides, meta=False)
     model = loaded.model.float()
     sharded = autotp.parallelize(model, world_size, example_args=loaded.example_args,
-                                 example_kwargs=loaded.example_kwargs, strict=strict)
+                                 example_kwargs=loaded.example_kwargs, strict=strict,
+                                 sequence_parallel=sequence_parallel)
     if loaded.example_args is None and loaded.example_kwargs is None:
         args, kwargs = (), dict(sharded._example)
     else:
@@ -316,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.add_argument("--sharded-outputs", action="store_true",
+                   help="return sharded outputs (e.g. vocabulary-sharded logits) ungathered")
     p.set_defaults(func=cmd_plan)
     e = sub.add_parser("explain", help="why a parameter or node got its layout")
     _add_model_args(e)

@@ -4,6 +4,7 @@
     P  -> R    all-reduce      | identity        (Megatron's g)
     S  -> R    all-gather      | slice
     P  -> S    reduce-scatter  | all-gather      (sequence parallelism)
+    P(lse) -> R  all-gather, logsumexp over ranks | g * exp(x_r - y), local
     ...        (the full table is ``autotp.planner.transitions``)
 
 The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
@@ -88,6 +89,8 @@ class Redistribute(nn.Module):
         return f"{self.src} -> {self.dst}, {self.label}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.src, Partial) and self.src.reduce == "logsumexp":
+            return _LogSumExpFn.apply(x, self)
         return _RedistributeFn.apply(x, self)
 
     # forward and backward programs, by (src, dst) kind
@@ -95,6 +98,10 @@ class Redistribute(nn.Module):
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
         src, dst, comm = self.src, self.dst, self.comm
         tp, rank = comm.world_size, comm.rank
+        if isinstance(src, Partial) and src.reduce == "logsumexp":
+            pieces = comm.all_gather(x.unsqueeze(0).contiguous(), 0)
+            self._log("all_gather", "forward", pieces, pieces)
+            return torch.logsumexp(pieces, dim=0)
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             return x.view_as(x)
         if isinstance(src, Replicate) and isinstance(dst, Shard):
@@ -141,6 +148,25 @@ class Redistribute(nn.Module):
         nbytes = sized.numel() * sized.element_size()
         self.comm.log.record(kind, phase, layer, nbytes, self.label)
         return result
+
+
+class _LogSumExpFn(torch.autograd.Function):
+    """y = log sum_r exp(x_r): dy/dx_r = exp(x_r - y), known locally once y is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: Redistribute) -> torch.Tensor:
+        y = module.run_forward(x)
+        ctx.module = module
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        module = ctx.module
+        x, y = ctx.saved_tensors
+        if module.dst.grad_partial:
+            g = module._log("all_reduce", "backward", g, module.comm.all_reduce(g))
+        return g * torch.exp(x - y), None
 
 
 class _RedistributeFn(torch.autograd.Function):

@@ -9,6 +9,8 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
     S(d)x3 blocked: dim ``d`` is ``k = 3`` equal segments (fused q|k|v, gate|up), each
            sliced across the ranks; rank r holds slice r of every segment, concatenated
     P      every rank holds a tensor of the global shape; the global value is their sum
+    P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
+           over a sharded dim leaves one partial logsumexp per rank)
 
 The gradient of a value with layout S(d) has layout S(d); that of P is replicated; that of R*
 is partial. Keeping R-gradients identical on every rank is the invariant that lets the
@@ -48,8 +50,20 @@ class Shard:
 
 @dataclass(frozen=True, order=True)
 class Partial:
+    """The global value is ``reduce`` over the ranks' tensors: "sum" or "logsumexp"."""
+
+    reduce: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in PARTIAL_REDUCTIONS:
+            raise ValueError(f"Partial.reduce must be one of {sorted(PARTIAL_REDUCTIONS)}, "
+                             f"got {self.reduce!r}")
+
     def __str__(self) -> str:
-        return "P"
+        return "P" if self.reduce == "sum" else f"P({PARTIAL_REDUCTIONS[self.reduce]})"
+
+
+PARTIAL_REDUCTIONS = {"sum": "sum", "logsumexp": "lse"}
 
 
 Layout = Union[Replicate, Shard, Partial]
@@ -57,6 +71,7 @@ Layout = Union[Replicate, Shard, Partial]
 R = Replicate()
 R_STAR = Replicate(grad_partial=True)
 P = Partial()
+P_LSE = Partial("logsumexp")
 
 
 def is_replicated(layout: Layout) -> bool:
@@ -72,6 +87,9 @@ def parse_layout(text: str) -> Layout:
         return R_STAR
     if text == "P":
         return P
+    for reduce, short in PARTIAL_REDUCTIONS.items():
+        if text == f"P({short})":
+            return Partial(reduce)
     if text.startswith("S(") and ")" in text:
         dim_text, _, rest = text[2:].partition(")")
         blocks = int(rest[1:]) if rest.startswith("x") else 1
@@ -100,12 +118,16 @@ def local_shape(global_shape: Sequence[int], layout: Layout, tp: int) -> tuple[i
 def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torch.Tensor:
     """The piece of ``full`` that ``rank`` holds under ``layout`` (a copy for shards).
 
-    For ``P`` rank 0 holds the value and the others hold zeros, so the sum is ``full``.
+    For ``P`` rank 0 holds the value and the others hold zeros, so the sum is ``full``
+    (``-inf`` for ``P(lse)``, so the logsumexp is ``full``).
     """
     if isinstance(layout, Replicate):
         return full
     if isinstance(layout, Partial):
-        return full if rank == 0 else torch.zeros_like(full)
+        if rank == 0:
+            return full
+        return torch.full_like(full, -torch.inf) if layout.reduce == "logsumexp" \
+            else torch.zeros_like(full)
     segments = full.chunk(layout.blocks, dim=layout.dim)
     pieces = [seg.chunk(tp, dim=layout.dim)[rank] for seg in segments]
     return torch.cat(pieces, dim=layout.dim).contiguous()
@@ -116,6 +138,8 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tens
     if isinstance(layout, Replicate):
         return pieces[0]
     if isinstance(layout, Partial):
+        if layout.reduce == "logsumexp":
+            return torch.logsumexp(torch.stack(list(pieces)), dim=0)
         total = pieces[0].clone()
         for piece in pieces[1:]:
             total = total + piece

@@ -5,6 +5,7 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
 
     {"schema": "autotp.plan/1", "model": str, "tp": int, "layers": int,
      "batch": int, "seq": int, "bandwidth_GBps": float, "latency_us": float,
+     "sequence_parallel": bool, "outputs": ["R" | "S(2)" ...],  # as returned to the user
      "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
                        "local_shape": [int], "layer": int | null, "aliases": [str],
                        "grad_sync": bool}},
@@ -36,6 +37,8 @@ from autotp.planner.plan import CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
 MEGATRON_BOUND = {"forward": 2, "backward": 2}
+# sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
+SEQUENCE_PARALLEL_BOUND = {"forward": 4, "backward": 4}
 SCHEMA = "autotp.plan/1"
 
 
@@ -162,22 +165,24 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
                         "aliases": list(p.names), "grad_sync": p.grad_sync}
     groups = []
     meets = True
+    bound = SEQUENCE_PARALLEL_BOUND if plan.sequence_parallel else MEGATRON_BOUND
     for group in fold_layers(plan):
         fwd = sum(1 for c in group.collectives if c.phase == "forward")
         bwd = sum(1 for c in group.collectives if c.phase == "backward")
-        meets &= fwd <= MEGATRON_BOUND["forward"] and bwd <= MEGATRON_BOUND["backward"]
+        meets &= fwd <= bound["forward"] and bwd <= bound["backward"]
         groups.append({"layers": group.layers, "forward": fwd, "backward": bwd})
     return {
         "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
         "batch": batch, "seq": seq, "bandwidth_GBps": cost_model.bandwidth / 1e9,
         "latency_us": cost_model.latency * 1e6,
         "params": params, "collectives": collectives,
+        "sequence_parallel": plan.sequence_parallel, "outputs": list(plan.outputs),
         "summary": {
             "forward_collectives": totals["forward"][0],
             "backward_collectives": totals["backward"][0],
             "forward_bytes": totals["forward"][1], "backward_bytes": totals["backward"][1],
             "time_ms": round(time_s * 1e3, 3), "groups": groups,
-            "megatron_bound": dict(MEGATRON_BOUND), "meets_bound": meets,
+            "megatron_bound": dict(bound), "meets_bound": meets,
             "param_bytes_per_rank": per_rank, "param_bytes": total,
             "fallbacks": list(plan.fallbacks),
         },
@@ -228,7 +233,11 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
         f"total: {s['forward_collectives']} forward collectives "
         f"({human_bytes(s['forward_bytes'])}), {s['backward_collectives']} backward "
         f"({human_bytes(s['backward_bytes'])}); estimated {s['time_ms']:.2f} ms per step")
-    lines.append(f"per layer (forward, backward): {per_layer}; Megatron bound (2, 2): {verdict}")
+    b = s["megatron_bound"]
+    lines.append(f"per layer (forward, backward): {per_layer}; Megatron bound "
+                 f"({b['forward']}, {b['backward']}): {verdict}")
+    if any(x.startswith("S") for x in plan.outputs):
+        lines.append(f"outputs returned sharded (not gathered): {', '.join(plan.outputs)}")
     lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "
                  f"{human_bytes(s['param_bytes'])} (fp32)")
     if s["fallbacks"]:

@@ -150,9 +150,10 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
                 module: nn.Module = DeferredGradReduce(bucket, value.target)
             else:
                 fwd_layer = layer_of(value) if value.op == "call_function" else layer_of(consumer)
-                module = Redistribute(comm, src, dst, layer=fwd_layer,
-                                      bwd_layer=layer_of(consumer) if consumer.op != "output"
-                                      else layer_of(value),
+                # as in the plan: a reduction's conjugate is counted where the reduction is
+                bwd_layer = fwd_layer if edge.forward else \
+                    (layer_of(consumer) if consumer.op != "output" else layer_of(value))
+                module = Redistribute(comm, src, dst, layer=fwd_layer, bwd_layer=bwd_layer,
                                       label=f"{edge.value} {edge.src}->{edge.dst}")
             root.add_module(name, module)
             anchor = value if value.op != "placeholder" else _last_placeholder(graph)

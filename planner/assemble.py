@@ -8,13 +8,14 @@ import math
 from typing import Any, Optional
 
 import torch
+import sympy
 import torch.fx as fx
 
 from autotp.capture import Captured, layer_of, size_expr, source_of
-from autotp.layout import R, Replicate, local_shape
+from autotp.layout import R, Partial, Replicate, local_shape
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
-from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial
+from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial, output_layout
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output
 
@@ -26,6 +27,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     layers = {layer_of(pn.node) for pn in pnodes}
     plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
     plan.cost = total
+    plan.sequence_parallel = options.sequence_parallel
     plan.dims = {str(k): v for k, v in dims.items()}
     values: dict[str, Any] = {}
     for pn in pnodes:
@@ -66,7 +68,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
         if pn.kind == "op":
             wants = list(pn.strategies[decisions[pn.node.name]].inputs)
         else:
-            wants = [R] * len(pn.inputs)
+            wants = [output_layout(values[name], options) for name in pn.inputs]
+            plan.outputs = [format_output(w) for w in wants]
         for name, want in zip(pn.inputs, wants):
             src = by_name[name]
             have = values[name]
@@ -76,11 +79,14 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                     isinstance(want, Replicate):
                 continue
             step = transition(have, want, requires_grad=src.requires_grad,
-                              to_output=pn.kind == "output" or src.is_output,
-                              sequence_parallel=options.sequence_parallel)
+                              to_output=pn.kind == "output",
+                              sequence_parallel=src.sequence_step(have, want, options))
             assert step is not None, (name, have, want)
             fwd_layer = layer_of(src.node) if src.kind == "op" else layer_of(pn.node)
-            bwd_layer = layer_of(pn.node) if pn.kind == "op" else layer_of(src.node)
+            # a reduction's conjugate belongs where the reduction is (the producer's side);
+            # a gradient-only collective (Megatron's f) to the consumer
+            bwd_layer = fwd_layer if step.forward else \
+                (layer_of(pn.node) if pn.kind == "op" else layer_of(src.node))
             is_param_sync = (src.kind == "leaf" and src.is_param and isinstance(have, Replicate)
                              and isinstance(want, Replicate) and want.grad_partial)
             plan.edges.append(Edge(
@@ -100,6 +106,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 continue
             seen.add((name, str(want)))
             nbytes = _bytes_expr(src.node, dims)
+            if isinstance(have, Partial) and have.reduce == "logsumexp":  # one value per rank
+                nbytes = str(sympy.sympify(nbytes) * tp)
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:

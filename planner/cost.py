@@ -4,6 +4,7 @@
                + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
                + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
                + epsilon * #(ops with a partial-sum output)                tie-break
+               + a * sum_activations bytes_per_rank(v)     with sequence parallelism only
 
 ``w`` is large for matrices (ndim >= 2): a matrix is replicated only when no exact plan
 shards it within Megatron's communication pattern. Vectors (norm weights, biases) get a tiny
@@ -37,6 +38,11 @@ class CostModel:
     # reduced before each norm, or reduced right after each row-parallel product, as Megatron
     # does) are broken toward reducing partial sums early: a tiny charge per op with P output.
     partial_output: float = 1e-7
+    # Sequence parallelism: cost per byte per rank of an activation that autograd keeps
+    # (the output of an op that requires grad). Large enough that sharding the norms,
+    # residuals and dropouts between blocks beats the extra latency of reduce-scatter +
+    # all-gather over one all-reduce; far below any parameter byte.
+    activation_weight: float = 1e-9
     # a redistribution outside Megatron's pattern: dearer than replicating any model
     last_resort: float = 1e10
 

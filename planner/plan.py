@@ -77,6 +77,8 @@ class Plan:
     graph: dict[str, list[str]] = field(default_factory=dict)
     ops: dict[str, str] = field(default_factory=dict)
     node_layers: dict[str, Optional[int]] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)  # the layout each output is returned in
+    sequence_parallel: bool = False
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -117,6 +119,9 @@ class Plan:
                               for (phase, kind), v in sorted(counts.items()))
             label = f"layer {key}" if key is not None else "outside layers"
             lines.append(f"  {label}: {fwd} forward, {bwd} backward collectives ({kinds})")
+        sharded_out = [x for x in self.outputs if x.startswith("S")]
+        if sharded_out:
+            lines.append(f"  outputs returned sharded (not gathered): {', '.join(self.outputs)}")
         if self.fallbacks:
             lines.append(f"  fallbacks (replicated): {len(self.fallbacks)}")
             lines += [f"    {f}" for f in self.fallbacks]
@@ -148,4 +153,6 @@ class Plan:
         plan.graph = {k: list(v) for k, v in data.get("graph", {}).items()}
         plan.ops = dict(data.get("ops", {}))
         plan.node_layers = dict(data.get("node_layers", {}))
+        plan.outputs = list(data.get("outputs", []))
+        plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         return plan

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture import Captured, make_call, size_expr, tensor_inputs
+from autotp.capture import Captured, make_call, sequence_symbols, size_expr, tensor_inputs
 from autotp.errors import NoRuleError, where
 from autotp.layout import R, R_STAR, Layout, Replicate, Shard
 from autotp.planner.cost import CostModel
@@ -35,19 +35,38 @@ class PNode:
     is_param: bool = False
     ndim: int = 0
     fallback: bool = False
-    is_output: bool = False  # the user receives it: gathering it is needed anyway
+    is_output: bool = False  # the user receives it (gathered there, for the user only)
     live: bool = False  # some later node reads it
     split: Optional[list[bool]] = None  # per strategy: is the work divided among ranks
+    seq_dims: frozenset = frozenset()  # dims of the sequence (sequence parallelism only)
+
+    def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
+        """Whether have -> want moves a shard of the sequence (sequence parallelism's
+        reduce-scatter and all-gather), as opposed to a shard of any other dim."""
+        if not options.sequence_parallel:
+            return False
+        shard = have if isinstance(have, Shard) else want
+        return isinstance(shard, Shard) and shard.dim in self.seq_dims
 
 
 @dataclass(frozen=True)
 class PlanOptions:
     strict: bool = True
     sequence_parallel: bool = False
+    # False: outputs the plan holds sharded are returned as each rank's shard (e.g. logits
+    # sharded over the vocabulary), not gathered
+    gather_outputs: bool = True
     max_states: int = 64
     reuse_layers: bool = True
     # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
     force: tuple[tuple[str, Any], ...] = ()
+
+
+def output_layout(have: Any, options: PlanOptions) -> Any:
+    """The layout a graph output is returned in, given the layout it is computed in."""
+    if not options.gather_outputs and isinstance(have, Shard):
+        return have
+    return R
 
 
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
@@ -103,6 +122,7 @@ def build_problem(
     pnodes: list[PNode] = []
     grad: dict[str, bool] = {}
     strategy_memo: dict[Any, list[Strategy]] = {}
+    split = sequence_symbols(dims) if options.sequence_parallel else frozenset()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         pn = PNode(node=node, kind="skip")
@@ -131,7 +151,7 @@ def build_problem(
             elif node.target in registry:
                 pn.kind = "op"
                 pn.inputs = [n.name for n in ins]
-                call = make_call(node, tp, blocks)
+                call = make_call(node, tp, blocks, split)
                 memo_key = _call_key(call)
                 if memo_key not in strategy_memo:  # repeated layers repeat their calls
                     strategy_memo[memo_key] = registry.strategies(call)
@@ -159,6 +179,9 @@ def build_problem(
             pn.requires_grad = any(grad.get(n, False) for n in pn.inputs) and _floating(val)
         grad[node.name] = pn.requires_grad
         pn.nbytes = _nbytes(val, cost_model, dims)
+        if split and isinstance(val, torch.Tensor):
+            pn.seq_dims = frozenset(d for d, size in enumerate(val.shape)
+                                    if size_expr(size) in split)
         if pn.kind == "op":
             pn.flops = _flops(node, cost_model, dims)
         pnodes.append(pn)

@@ -48,6 +48,7 @@ from autotp.planner.problem import (
     build_problem,
     drop_grad_partial,
     leaf_candidates,
+    output_layout,
 )
 from autotp.planner.plan import Plan
 from autotp.planner.transitions import transition
@@ -130,7 +131,8 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         yield None, (cost, out)
         return
     if pn.kind == "output":
-        wants = [R] * len(pn.inputs)
+        wants = [output_layout(_entry_layout(entries, by_name, name), options)
+                 for name in pn.inputs]
         result = _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options,
                               to_output=True)
         if result is not None:
@@ -149,11 +151,18 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
             continue
         new_cost, new_entries = result
         out = strategy.output
+        if options.sequence_parallel and pn.requires_grad and not isinstance(out, tuple):
+            held = pn.nbytes / (tp if isinstance(out, Shard) else 1)
+            new_cost += cost_model.activation_weight * held
         if out is not None and pn.live:
             if not pn.requires_grad:
                 out = drop_grad_partial(out)
             new_entries[pn.node.name] = (out, frozenset())
         yield index, (new_cost, new_entries)
+
+
+def _entry_layout(entries: dict[str, Entry], by_name: dict[str, PNode], name: str) -> Any:
+    return R if by_name[name].kind == "input" else entries[name][0]
 
 
 def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_output=False):
@@ -184,8 +193,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
         if isinstance(have, Replicate) and isinstance(want, Shard) and src_pn.kind != "leaf":
             sliced = True
         step = transition(have, want, requires_grad=src_pn.requires_grad,
-                          to_output=to_output or src_pn.is_output,
-                          sequence_parallel=options.sequence_parallel)
+                          to_output=to_output,
+                          sequence_parallel=src_pn.sequence_step(have, want, options))
         if step is None:
             return None
         for kind in (step.forward, step.backward):

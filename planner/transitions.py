@@ -10,6 +10,8 @@
     P  -> S       reduce-scatter   all-gather        sequence parallelism
     S  -> R       all-gather       slice
     S  -> R*      all-gather       reduce-scatter    sequence parallelism
+    P(lse) -> R   all-gather       -                 tp numbers per row, combined locally;
+    P(lse) -> R*  all-gather       all-reduce        the gradient is local: g * exp(x_r - y)
 
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
@@ -81,6 +83,11 @@ def transition(
             return make(None, Collective.ALL_REDUCE if dst.grad_partial else None)
         if isinstance(dst, Shard):
             return make(None, None if src.grad_partial else Collective.ALL_GATHER)
+        return None
+    if isinstance(src, Partial) and src.reduce == "logsumexp":
+        if isinstance(dst, Replicate):
+            return make(Collective.ALL_GATHER,
+                        Collective.ALL_REDUCE if dst.grad_partial else None)
         return None
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):

@@ -1,4 +1,4 @@
-"""Embedding lookups.
+"""Lookups: embedding rows and ``gather``.
 
 ``embedding(W, idx)`` is a row gather: out[..., :] = W[idx[...], :].
 
@@ -7,6 +7,14 @@
 * W sharded by rows, i.e. by vocabulary (S(0)): rank r holds rows [lo, hi); it looks up the
   indices that fall in its range and writes zeros elsewhere, so the ranks' outputs sum to the
   full lookup -> P. The lowering emits the masked local lookup.
+
+``gather(x, dim, index)`` reads out[i][j] = x[i][index[i][j]] (for dim = 1):
+
+* any other dim sharded in both x and index (of the same size) stays sharded;
+* index sharded (x replicated) gives the same shard of the output;
+* x sharded along ``dim`` with a replicated index: each rank reads the indices in its range
+  and writes zeros elsewhere -> P, as for the vocabulary-parallel embedding (the target
+  logit of a cross-entropy over vocabulary-sharded logits).
 """
 
 from __future__ import annotations
@@ -16,10 +24,20 @@ from typing import Any, Iterator
 import torch
 
 from autotp.layout import P, R, Shard
-from autotp.rules.registry import OpCall, RuleSet, Strategy
+from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shardable_dims
 
 aten = torch.ops.aten
 rules = RuleSet()
+
+
+def _local_indices(graph: Any, index: Any, lo: int, hi: int) -> tuple[Any, Any]:
+    """Nodes for (index - lo, 0 where outside [lo, hi)) and the outside mask."""
+    below = graph.call_function(aten.lt.Scalar, (index, lo))
+    above = graph.call_function(aten.ge.Scalar, (index, hi))
+    outside = graph.call_function(aten.logical_or.default, (below, above))
+    shifted = graph.call_function(aten.sub.Tensor, (index, lo))
+    local = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+    return local, outside
 
 
 @rules.register(aten.embedding.default)
@@ -45,16 +63,47 @@ def vocab_parallel_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     local_padding = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else -1
     graph = ctx.graph
     with graph.inserting_before(node):
-        below = graph.call_function(aten.lt.Scalar, (indices, lo))
-        above = graph.call_function(aten.ge.Scalar, (indices, hi))
-        outside = graph.call_function(aten.logical_or.default, (below, above))
-        shifted = graph.call_function(aten.sub.Tensor, (indices, lo))
-        local = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+        local, outside = _local_indices(graph, indices, lo, hi)
         outside_col = graph.call_function(aten.unsqueeze.default, (outside, -1))
     node.args = (weight, local, local_padding, *node.args[3:])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
     with graph.inserting_after(node):
         masked = graph.call_function(aten.masked_fill.Scalar, (node, outside_col, 0.0))
+    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
+    masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    ctx.mark_lowered(node, masked)
+
+
+@rules.register(aten.gather.default)
+def gather_rule(call: OpCall) -> Iterator[Strategy]:
+    x, index = call.inputs[:2]
+    dim = normalize_dim(call.args[1], x.ndim)
+    if call.arg(3, "sparse_grad", False) or x.ndim != index.ndim:
+        return
+    for d, blocks in shardable_dims(index, call):
+        if d == dim:
+            yield Strategy((R, Shard(d, blocks)), Shard(d, blocks), name="index shard")
+        elif x.static(d) == index.static(d):
+            yield Strategy((Shard(d, blocks), Shard(d, blocks)), Shard(d, blocks),
+                           name="keep shard")
+    if x.floating and x.shardable(dim, call.tp):
+        yield Strategy((Shard(dim), R), P, name="masked lookup")
+
+
+@rules.lowering(aten.gather.default)
+def masked_gather_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    if strategy.output != P:
+        return
+    x, dim, index = node.args[:3]
+    dim = normalize_dim(dim, x.meta["val"].ndim)
+    rows = x.meta["val"].shape[dim] // ctx.tp
+    lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
+    graph = ctx.graph
+    with graph.inserting_before(node):
+        local, outside = _local_indices(graph, index, lo, hi)
+    node.args = (x, dim, local, *node.args[3:])
+    with graph.inserting_after(node):
+        masked = graph.call_function(aten.masked_fill.Scalar, (node, outside, 0.0))
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
     masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
     ctx.mark_lowered(node, masked)

@@ -1,16 +1,17 @@
 """Ops that autotp computes replicated by design, and ops that carry no tensor result.
 
-Factories (arange, full, ones), index arithmetic (gather, index, diff) and the captured
+Factories (arange, full, ones), index arithmetic (index, diff) and the captured
 no-grad regions (e.g. rotary tables) read only inputs and buffers, which are replicated:
 computing them on every rank is exact and cheap. They are registered here explicitly; an op
 that is registered nowhere is an error (or, with ``strict=False``, a recorded fallback).
 
-``sym_size(x, d)`` reads a global size: ``x`` must not be sharded along ``d``.
+``sym_size(x, d)`` reads a global size: along a sharded ``d`` it is the local size times tp.
 ``_assert_tensor_metadata`` checks dtype and device only: any layout will do.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterator
 
 import torch
@@ -35,7 +36,6 @@ REPLICATED_ONLY: list[Any] = [
     aten.new_full.default,
     aten.new_empty.default,
     aten.index.Tensor,
-    aten.gather.default,
     aten.diff.default,
     aten.triu.default,
     aten.tril.default,
@@ -82,8 +82,18 @@ def sym_size_rule(call: OpCall) -> Iterator[Strategy]:
     dim = normalize_dim(call.args[1], x.ndim)
     yield Strategy((P,), None, name="global size")
     for d, blocks in shardable_dims(x, call):
-        if d != dim:
-            yield Strategy((Shard(d, blocks),), None, name="global size")
+        yield Strategy((Shard(d, blocks),), None,
+                       name="global size" if d != dim else "local size x tp")
+
+
+@rules.lowering(aten.sym_size.int)
+def global_size_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    layout = strategy.inputs[0]
+    x_ndim = node.args[0].meta["val"].ndim
+    if isinstance(layout, Shard) and layout.dim == normalize_dim(node.args[1], x_ndim):
+        with ctx.graph.inserting_after(node):
+            size = ctx.graph.call_function(operator.mul, (node, ctx.tp))
+        node.replace_all_uses_with(size, delete_user_cb=lambda user: user is not size)
 
 
 @rules.register(aten._assert_tensor_metadata.default)

@@ -3,6 +3,9 @@
 * A reduction over dims that are not sharded keeps the shard (its index shifts when the
   reduced dims are dropped). ``sum`` over a sharded dim is a partial sum:
   sum(x) = sum_r sum(x_r) -> P. Both sum and mean are linear, so P passes through.
+  ``logsumexp`` over a sharded dim leaves a partial logsumexp per rank:
+  lse(x) = log sum_r exp(lse(x_r)) -> P(lse), combined from ``tp`` numbers per row (this is
+  how a cross-entropy over vocabulary-sharded logits avoids gathering them).
 * softmax, layer_norm and rms_norm need the normalized dim whole on each rank; any other dim
   may be sharded (their affine weights are read replicated).
 * scaled_dot_product_attention is independent per (batch, head): sharding heads needs no
@@ -12,11 +15,11 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from autotp.layout import P, R, Layout, Shard
+from autotp.layout import P, P_LSE, R, Layout, Shard
 from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shardable_dims
 
 aten = torch.ops.aten
@@ -54,12 +57,35 @@ def sum_mean_rule(call: OpCall) -> Iterator[Strategy]:
                 yield Strategy((Shard(dim, blocks),), P, name="partial sum")
 
 
-@rules.register(aten.sum.default)
+@rules.register(aten.sum.default, aten.mean.default)
 def sum_all_rule(call: OpCall) -> Iterator[Strategy]:
+    """sum(x) = sum_r sum(x_r); mean(x) = sum_r mean(x_r) / tp (equal shards)."""
     if call.inputs[0].floating:
         yield Strategy((P,), P, name="linear")
+    if call.op == aten.mean.default and not call.inputs[0].floating:
+        return
     for dim, blocks in shardable_dims(call.inputs[0], call):
         yield Strategy((Shard(dim, blocks),), P, name="partial sum")
+
+
+@rules.lowering(aten.mean.default)
+def partial_mean_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    if isinstance(strategy.inputs[0], Shard):
+        with ctx.graph.inserting_after(node):
+            scaled = ctx.graph.call_function(aten.div.Scalar, (node, ctx.tp))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        scaled.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        ctx.mark_lowered(node, scaled)
+
+
+@rules.register(aten.logsumexp.default)
+def logsumexp_rule(call: OpCall) -> Iterator[Strategy]:
+    reduced = _reduced_dims(call, call.arg(1, "dim"))
+    yield from _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False)))
+    if call.inputs[0].floating:
+        for dim, blocks in shardable_dims(call.inputs[0], call):
+            if dim in reduced:
+                yield Strategy((Shard(dim, blocks),), P_LSE, name="partial logsumexp")
 
 
 @rules.register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,

@@ -33,6 +33,9 @@ class TensorMeta:
 
     shape: tuple[Size, ...]
     dtype: torch.dtype
+    # symbolic sizes that may be sharded (the sequence, under sequence parallelism); the
+    # caller guarantees at run time that tp divides them
+    split: frozenset = frozenset()
 
     @property
     def ndim(self) -> int:
@@ -47,6 +50,8 @@ class TensorMeta:
         return None
 
     def shardable(self, dim: int, tp: int, blocks: int = 1) -> bool:
+        if self.shape[dim] in self.split:
+            return blocks == 1
         size = self.static(dim)
         return size is not None and size > 1 and size % (tp * blocks) == 0
 

@@ -46,3 +46,42 @@ def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
         "local_params": local,
         "full_params": sum(p.numel() for p in model.parameters()),
     }
+
+
+def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel: bool
+                        ) -> dict[str, Any]:
+    """HF ``labels=`` loss on vocabulary-sharded logits (returned sharded), optionally with
+    sequence parallelism; compared with the unsharded model."""
+    import torch.distributed as dist
+
+    import autotp
+    from autotp.verify import compare, reference_step, sharded_step
+    from models import BUILDERS, VOCAB, batch
+
+    torch.set_num_threads(1)
+    model = BUILDERS[name]()
+    example = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    sharded = autotp.parallelize(model, tp=world_size,
+                                 example_kwargs={"input_ids": example, "labels": example},
+                                 sequence_parallel=sequence_parallel, gather_outputs=False)
+    ids = batch(t=12)
+
+    def call(m: torch.nn.Module) -> Any:
+        return m(input_ids=ids, labels=ids)
+
+    reference = reference_step(model, call, lambda out: out.loss, lambda out: out.logits)
+    got = sharded_step(sharded, call, lambda out: out.loss, lambda out: out.logits)
+    pieces = [torch.empty_like(got.output) for _ in range(world_size)]
+    dist.all_gather(pieces, got.output.contiguous())
+    got.output = torch.cat(pieces, dim=-1)  # the logits are sharded over the vocabulary
+    cmp = compare(reference, got)
+    kinds: dict[str, dict[str, dict[str, int]]] = {}
+    for e in sharded.comm.log.events:
+        phase = kinds.setdefault(str(e.layer), {}).setdefault(e.phase, {})
+        phase[e.kind] = phase.get(e.kind, 0) + 1
+    return {
+        "logits_diff": cmp.output_diff, "loss_diff": cmp.loss_diff, "grad_diff": cmp.grad_diff,
+        "grad_rel": cmp.grad_rel, "kinds": kinds,
+        "largest_collective": max(e.nbytes for e in sharded.comm.log.events),
+        "logits_bytes": ids.numel() * VOCAB * 4,
+    }

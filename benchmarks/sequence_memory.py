@@ -1,0 +1,113 @@
+"""Activation memory per rank: unsharded, tensor parallel, and with sequence parallelism.
+
+    python benchmarks/sequence_memory.py [--tp 2 4] [--layers 4] [--hidden 512] [--seq 256]
+
+Activation memory is what autograd keeps from the forward pass for the backward pass: every
+tensor saved for backward, counted once per storage (``saved_tensors_hooks``) while one
+training forward runs (HF models with ``labels=``, dropout on). Parameters are not counted.
+The sharded runs use the in-process simulation (the same per-rank programs as
+``autotp.parallelize``); each rank is measured in its own thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(kind: str, layers: int, hidden: int, vocab: int) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=8,
+                                         vocab_size=vocab, n_positions=1024)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden,
+                                      intermediate_size=hidden * 8 // 3 // 64 * 64,
+                                      num_attention_heads=8, num_key_value_heads=8,
+                                      vocab_size=vocab, max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config)
+
+
+def measure(kind: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
+    import autotp
+
+    model = build(kind, args.layers, args.hidden, args.vocab)
+    model.train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(1))
+    example = {"input_ids": ids[:2, :16], "labels": ids[:2, :16]}
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def forward(m: torch.nn.Module) -> Any:
+        return m(input_ids=ids, labels=ids).loss
+
+    def activations(m: torch.nn.Module) -> int:
+        # parameters are saved for backward too (by the matmuls): not activations
+        local = {p.data_ptr() for p in m.parameters()} | params
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in local:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward(m)
+        del loss
+        return sum(seen.values())
+
+    row: dict[str, Any] = {"model": kind, "tp": tp, "layers": args.layers,
+                           "hidden": args.hidden, "batch": args.batch, "seq": args.seq,
+                           "vocab": args.vocab}
+    row["unsharded"] = activations(model)
+    for label, sp in (("tensor_parallel", False), ("sequence_parallel", True)):
+        sim = autotp.simulate(model, tp, example_kwargs=example, sequence_parallel=sp,
+                              gather_outputs=False)
+        per_rank = sim.run(activations)
+        row[label] = max(per_rank)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["llama", "gpt2"])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--json", help="also write the rows as JSON lines to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = [measure(kind, tp, args) for kind in args.models for tp in args.tp]
+    mib = 1 << 20
+    print(f"activation memory per rank (saved for backward), B={args.batch} T={args.seq} "
+          f"hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32")
+    print(f"{'model':<6} {'tp':>2} {'unsharded':>11} {'TP':>11} {'TP+SP':>11} "
+          f"{'TP/unsh.':>9} {'SP/unsh.':>9} {'SP saves vs TP':>15}")
+    for r in rows:
+        tp_, sp = r["tensor_parallel"], r["sequence_parallel"]
+        print(f"{r['model']:<6} {r['tp']:>2} {r['unsharded'] / mib:>9.1f}Mi {tp_ / mib:>9.1f}Mi "
+              f"{sp / mib:>9.1f}Mi {tp_ / r['unsharded']:>9.3f} {sp / r['unsharded']:>9.3f} "
+              f"{(tp_ - sp) / mib:>10.1f} MiB ({1 - sp / tp_:.0%})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            for r in rows:
+                handle.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
