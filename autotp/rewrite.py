@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.capture import Captured, layer_of
+from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
@@ -155,6 +156,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
                     (layer_of(consumer) if consumer.op != "output" else layer_of(value))
                 module = Redistribute(comm, src, dst, layer=fwd_layer, bwd_layer=bwd_layer,
                                       label=f"{edge.value} {edge.src}->{edge.dst}")
+            if hasattr(root, name):
+                raise AssertionError(f"two redistributions named {name}")
             root.add_module(name, module)
             anchor = value if value.op != "placeholder" else _last_placeholder(graph)
             with graph.inserting_after(anchor):
@@ -176,6 +179,9 @@ def _last_placeholder(graph: fx.Graph) -> fx.Node:
 
 
 def _slug(text: str) -> str:
+    """A module-name form of a layout: R* -> Rstar, S(1)x3 -> S_1_x3 (distinct layouts give
+    distinct names: a value redistributed to both R and R* gets two modules)."""
+    text = text.replace("*", "star")
     return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
 
 
@@ -226,6 +232,16 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
     return renamed
 
 
+def views_to_reshapes(graph: fx.Graph) -> None:
+    """``view`` -> ``reshape``: a collective returns a contiguous tensor where the original
+    program may have had another memory layout (attention outputs are often laid out
+    [B, T, H, D] under a [B, H, T, D] shape, and the model's ``transpose(1, 2).view(B, T, C)``
+    relies on it). ``reshape`` is the same view where one exists and copies otherwise."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+
+
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET) -> tuple[fx.GraphModule, GradBucket]:
@@ -236,6 +252,9 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     lowered = lower_ops(graph, plan, registry, rank)
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
+    lowered.update(fuse_logsumexp_gather(graph))
+    views_to_reshapes(graph)
+    lowered.update(fuse_bias_adds(graph))
     graph.lint()
     gm = fx.GraphModule(root, graph)
     for name, param in captured.unused.items():  # never read by the forward: replicated

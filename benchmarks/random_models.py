@@ -55,6 +55,9 @@ class Tally:
                 self.max_diff[key] = (value, label)
 
 
+SEQUENCE_PARALLEL = [False]  # set from the command line
+
+
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "(empty message)"
 
@@ -65,7 +68,8 @@ def run_one(tally: Tally, config: Any, tp: int) -> str:
 
     def attempt(strict: bool) -> Any:
         try:
-            return check_equivalence(config, tp, strict=strict)
+            return check_equivalence(config, tp, strict=strict,
+                                     sequence_parallel=SEQUENCE_PARALLEL[0])
         except Exception as e:  # anything but an AutotpError (returned as refused) fails
             tally.failed.append((tp, describe(config), f"strict={strict}: {type(e).__name__}: "
                                  f"{e}\n{traceback.format_exc(limit=-6)}"))
@@ -163,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=500, help="examples per property")
     parser.add_argument("--only", choices=["generic", "hf"], help="one property only")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="plan with sequence parallelism (sequence length 12)")
     args = parser.parse_args(argv)
+    SEQUENCE_PARALLEL[0] = args.sequence_parallel
     # strict=False records what it replicates as a UserWarning per example: not news here
     warnings.filterwarnings("ignore", message="autotp:")
 

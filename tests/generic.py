@@ -486,10 +486,12 @@ def unused_parameters(model: nn.Module, call: Any) -> set[str]:
     return unused
 
 
-def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = True) -> Outcome:
+def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = True,
+                      sequence_parallel: bool = False) -> Outcome:
     """Build the model, shard it in simulation at ``tp`` and run one forward and backward on an
     input of another batch size and sequence length (3, 7) than the traced example (2, 8), on
-    every rank and on the unsharded model. Exceptions other than AutotpError propagate."""
+    every rank and on the unsharded model (3, 12 with sequence parallelism, which needs tp to
+    divide the sequence length). Exceptions other than AutotpError propagate."""
     import autotp
     from autotp.verify import compare, reference_step, sharded_step
 
@@ -498,13 +500,15 @@ def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = Tru
     try:
         if hf:
             sim = autotp.simulate(model, tp, example_kwargs={"input_ids": example},
-                                  strict=strict)
+                                  strict=strict, sequence_parallel=sequence_parallel)
         else:
-            sim = autotp.simulate(model, tp, example_args=(example,), strict=strict)
+            sim = autotp.simulate(model, tp, example_args=(example,), strict=strict,
+                                  sequence_parallel=sequence_parallel)
     except autotp.AutotpError as e:
         return Outcome(refused=str(e))
 
-    ids = torch.randint(0, config.vocab, (3, 7), generator=torch.Generator().manual_seed(seed + 2))
+    ids = torch.randint(0, config.vocab, (3, 12 if sequence_parallel else 7),
+                        generator=torch.Generator().manual_seed(seed + 2))
 
     def call(m: nn.Module) -> Any:
         return m(input_ids=ids) if hf else m(ids)

@@ -9,8 +9,9 @@ with an AutotpError before running, or the sharded model gives the unsharded mod
 loss and every parameter's gradient on an input of another batch and sequence size (3, 7) than
 the traced example (2, 8). Any other exception fails.
 
-CI runs 30 + 20 examples (derandomized: the same ones every run); benchmarks/random_models.py
-runs hundreds. Tolerances (fp32) and the relative gradient measure: tests/generic.py.
+The same property holds with sequence parallelism (sequence length 12). CI runs 30 + 20 + 20
+examples (derandomized: the same ones every run); benchmarks/random_models.py runs hundreds.
+Tolerances (fp32) and the relative gradient measure: tests/generic.py.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:autotp:UserWarning")
 
 GENERIC_EXAMPLES = 30
 HF_EXAMPLES = 20
+SEQUENCE_PARALLEL_EXAMPLES = 20
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -41,8 +43,8 @@ TPS = st.sampled_from([2, 4])
 
 
 def _assert_matches(config, tp: int, *, allow_refusal: bool = True,
-                    min_sharded: float = 0.0) -> None:
-    outcome = check_equivalence(config, tp)
+                    min_sharded: float = 0.0, sequence_parallel: bool = False) -> None:
+    outcome = check_equivalence(config, tp, sequence_parallel=sequence_parallel)
     if allow_refusal:  # inside a property: pytest --hypothesis-show-statistics counts them
         event("ran" if outcome.refused is None else
               "refused: " + outcome.refused.splitlines()[0][:80])
@@ -69,6 +71,13 @@ def test_generic_models_match_or_refuse(config: GenericConfig, tp: int) -> None:
 @given(config=hf_configs(), tp=TPS)
 def test_transformers_models_match_or_refuse(config: HFConfig, tp: int) -> None:
     _assert_matches(config, tp)
+
+
+@settings(max_examples=SEQUENCE_PARALLEL_EXAMPLES, **SETTINGS)
+@given(config=st.one_of(generic_configs(), hf_configs()), tp=TPS)
+def test_sequence_parallel_models_match_or_refuse(config: GenericConfig | HFConfig,
+                                                   tp: int) -> None:
+    _assert_matches(config, tp, sequence_parallel=True)
 
 
 # The properties hold vacuously if everything is refused (or replicated): these configurations

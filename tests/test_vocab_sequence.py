@@ -197,3 +197,18 @@ def test_partial_logsumexp_shards_and_reassembles() -> None:
     per_rank = [torch.logsumexp(chunk, dim=1) for chunk in x.chunk(4, dim=1)]
     assert torch.allclose(unshard_tensor(per_rank, layout), torch.logsumexp(x, dim=1),
                           atol=1e-6)
+
+
+def test_a_value_gathered_both_for_replicated_and_sharded_readers() -> None:
+    """Replicated k/v (1 k/v head at tp = 2) read the sequence-sharded norm output gathered
+    as R, the sharded q as R*: two redistributions of one value with different backward
+    collectives (once both were one module: wrong gradients upstream)."""
+    from generic import GenericConfig, check_equivalence
+
+    config = GenericConfig(n_layer=1, d_model=8, n_head=2, n_kv_head=1, d_ff=16, mlp="gelu",
+                           norm="layer", prenorm=False, bias=True, tied=False,
+                           fused_qkv=False, vocab=64, causal=False, use_sdpa=False,
+                           rope=False, kv_repeat="expand", block_size=32)
+    with pytest.warns(UserWarning):  # the replicated k/v projections are reported
+        outcome = check_equivalence(config, 2, sequence_parallel=True)
+    assert outcome.refused is None and outcome.ok, outcome
