@@ -86,9 +86,15 @@ class ShardedModule(nn.Module):
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, compile: Any = False):
         super().__init__()
         self.program = program
+        # torch.compile of the program: the compute between collectives is compiled, the
+        # collectives and tracked dropouts run eagerly (graph breaks around them)
+        self._run: Any = program
+        if compile:
+            options = dict(compile) if isinstance(compile, dict) else {}
+            self._run = torch.compile(program, **options)
         self.plan = plan
         self.comm = comm
         self.seed = seed
@@ -116,7 +122,7 @@ class ShardedModule(nn.Module):
         call = self._bind(args, kwargs)
         if not self._plan_checked:
             self.check_plan()
-        return self.program(**call)
+        return self._run(**call)
 
     def check_plan(self) -> None:
         """Collective: every rank must hold the same plan (a hash exchanged over the group).
@@ -218,11 +224,15 @@ def _grad_sync(value: Any) -> GradSync:
 
 def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            registry: Optional[Registry] = None, check_plan: bool = True,
-           seed: Optional[int] = None, grad_sync: str = "bucket") -> ShardedModule:
+           seed: Optional[int] = None, grad_sync: str = "bucket",
+           compile: Any = False) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
+    if not isinstance(compile, (bool, dict)):
+        raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
+                          f"{type(compile).__name__}")
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync))
-    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed)
+    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile)
 
 
 def parallelize(
@@ -239,6 +249,7 @@ def parallelize(
     grad_sync: str = "bucket",
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
+    compile: Any = False,
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
 
@@ -250,6 +261,8 @@ def parallelize(
     over the vocabulary) as this rank's shard; ``module.plan.outputs`` gives their layouts.
     With ``labels=`` the loss never needs the gathered logits: training loops that only read
     the loss should pass False and save the all-gather of batch x sequence x vocabulary.
+    ``compile``: True (or a dict of ``torch.compile`` options, e.g. ``{"mode":
+    "max-autotune"}``) compiles this rank's program; collectives stay eager.
 
     ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
     that failed or exited makes the others fail instead of hang); None waits forever.
@@ -280,7 +293,7 @@ def parallelize(
                                  gather_outputs=gather_outputs)
     comm = ProcessGroupComm(group, timeout=timeout)
     return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
-                  grad_sync=grad_sync)
+                  grad_sync=grad_sync, compile=compile)
 
 
 def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -369,6 +382,7 @@ def simulate(
     grad_sync: str = "bucket",
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
+    compile: Any = False,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives."""
@@ -377,7 +391,7 @@ def simulate(
                                  cost_model=cost_model, sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs)
     hub = ThreadHub(tp, timeout)
-    ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync)
+    ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync, compile=compile)
              for comm in hub.comms()]
     return Simulation(the_plan, ranks, captured)
 

@@ -88,6 +88,7 @@ class Redistribute(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}, {self.label}"
 
+    @torch.compiler.disable  # collectives run eagerly; torch.compile compiles around them
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.src, Partial) and self.src.reduce == "logsumexp":
             return _LogSumExpFn.apply(x, self)
@@ -253,6 +254,7 @@ class DeferredGradReduce(nn.Module):
     def extra_repr(self) -> str:
         return f"R -> R*, gradient summed after backward: {self.key}"
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DeferredFn.apply(x, self)
 

@@ -58,6 +58,7 @@ class _Tracked(nn.Module):
 class TrackedDropout(_Tracked):
     """``aten.dropout(x, p, train)`` drawing its mask from the stream."""
 
+    @torch.compiler.disable  # the RNG streams are forked eagerly
     def forward(self, x: torch.Tensor, p: float, train: Any) -> torch.Tensor:
         if not train or p == 0.0:
             return x
@@ -75,6 +76,7 @@ class TrackedAttention(_Tracked):
 
     _lock = threading.Lock()
 
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         q = args[0]
         generator = self.tracker.generator(self.stream, q.device)

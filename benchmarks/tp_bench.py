@@ -13,6 +13,7 @@ feed them the same batch:
     dtensor-prepare   the same plus PrepareModuleInput on attention/MLP (one input all-reduce
                       per module in backward)
     autotp            autotp.parallelize(model, example_args=(idx, targets))
+    autotp-compile    the same with compile=True (opt-in: --impls ...,autotp-compile)
 
 and measures, per implementation: the loss and full gradients of one step against the
 unsharded model; one instrumented step (collectives executed, by phase and kind, and their
@@ -50,6 +51,7 @@ import bench_models as bm  # noqa: E402
 from step_probe import StepProbe  # noqa: E402
 
 IMPLS = ("unsharded", "megatron", "dtensor", "dtensor-prepare", "autotp")
+OPTIONAL_IMPLS = ("autotp-compile",)  # torch.compile of each rank's program (inductor)
 
 
 @dataclass
@@ -97,10 +99,11 @@ def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
         return Impl(name, dmod, opt(dmod), dtensor_ref.loss_context,
                     lambda: dtensor_ref.full_grads(dmod),
                     lambda: dtensor_ref.local_params(dmod))
-    if name == "autotp":
+    if name in ("autotp", "autotp-compile"):
         import autotp
 
-        sharded = autotp.parallelize(copy.deepcopy(ref), tp=tp, example_args=example)
+        sharded = autotp.parallelize(copy.deepcopy(ref), tp=tp, example_args=example,
+                                     compile=name == "autotp-compile")
 
         def autotp_local() -> dict[str, torch.Tensor]:
             out = {}
