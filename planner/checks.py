@@ -53,6 +53,8 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> No
     tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
     of its use exists (a fused projection split into unequal parts). The first is an error
     with ``strict``; both are recorded in the plan with a warning otherwise: never silent."""
+    if plan.tp == 1:
+        return  # nothing is sharded at tp = 1
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in plan.params:
             continue
