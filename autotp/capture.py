@@ -14,7 +14,6 @@ Two normalizations follow, both exact:
 from __future__ import annotations
 
 import functools
-
 import inspect
 import re
 import traceback
@@ -237,7 +236,12 @@ def split_biases(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` of a call, passed positionally or as ``name``."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def sink_bias_adds(gm: fx.GraphModule) -> None:
@@ -253,7 +257,7 @@ def sink_bias_adds(gm: fx.GraphModule) -> None:
         view = next(iter(node.users))
         if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
                 and product.target in (aten.mm.default, aten.linear.default)
-                and bias.op == "get_attr" and view.target in _VIEWS and view.args[0] is node):
+                and bias.op == "get_attr" and view.target in VIEW_OPS and view.args[0] is node):
             continue
         bval, vval = bias.meta["val"], view.meta["val"]
         if bval.ndim != 1 or vval.ndim < 1 or vval.shape[-1] != bval.shape[0] \
@@ -287,11 +291,10 @@ def decompose_cross_entropy(gm: fx.GraphModule) -> None:
         if node.target != aten.cross_entropy_loss.default:
             continue
         x, target = node.args[:2]
-        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing",
-                                                                             0.0)
+        weight = node_arg(node, 2, "weight")
+        reduction = node_arg(node, 3, "reduction", 1)
+        ignore = node_arg(node, 4, "ignore_index", -100)
+        smoothing = node_arg(node, 5, "label_smoothing", 0.0)
         xv, tv = x.meta["val"], target.meta["val"]
         if (weight is not None or smoothing or reduction not in reductions or xv.ndim != 2
                 or tv.ndim != 1 or tv.dtype.is_floating_point):

@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from autotp.capture import VIEW_OPS, node_arg
+
 aten = torch.ops.aten
 
 
@@ -30,7 +32,7 @@ class _LogsumexpAndGather(torch.autograd.Function):
         lse = torch.logsumexp(x, dim, keepdim=True)
         picked = x.gather(dim, index)
         ctx.save_for_backward(x, lse, index)
-        ctx.dim = dim
+        ctx.dim, ctx.keepdim = dim, keepdim
         return (lse if keepdim else lse.squeeze(dim)), picked
 
     @staticmethod
@@ -40,7 +42,7 @@ class _LogsumexpAndGather(torch.autograd.Function):
         dim = ctx.dim
         if g_lse is not None:
             grad = torch.sub(x, lse).exp_()
-            grad.mul_(g_lse if g_lse.dim() == x.dim() else g_lse.unsqueeze(dim))
+            grad.mul_(g_lse if ctx.keepdim else g_lse.unsqueeze(dim))
         else:
             grad = torch.zeros_like(x)
         if g_picked is not None:
@@ -54,7 +56,7 @@ def logsumexp_and_gather(x: torch.Tensor, dim: int, index: torch.Tensor,
 
 
 def _single_dim(node: fx.Node) -> Optional[int]:
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = node_arg(node, 1, "dim")
     if isinstance(dims, int):
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
@@ -74,7 +76,7 @@ def fuse_logsumexp_gather(graph: fx.Graph) -> dict[str, str]:
         x = node.args[0]
         if dim is None or not isinstance(x, fx.Node):
             continue
-        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        keepdim = bool(node_arg(node, 2, "keepdim", False))
         gathers = [u for u in x.users if u.op == "call_function"
                    and u.target == aten.gather.default and not u.kwargs
                    and len(u.args) == 3 and u.args[1] in (dim, dim - x.meta["val"].ndim)]
@@ -120,9 +122,6 @@ def _hoist_before(value: fx.Node, anchor: fx.Node) -> bool:
     return True
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def fuse_bias_adds(graph: fx.Graph) -> dict[str, str]:
     """Re-fuse bias adds into their product where no collective separates them."""
     renamed: dict[str, str] = {}
@@ -133,7 +132,7 @@ def fuse_bias_adds(graph: fx.Graph) -> dict[str, str]:
         if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)):
             continue
         view = None
-        if product.target in _VIEWS and len(product.users) == 1:
+        if product.target in VIEW_OPS and len(product.users) == 1:
             view, product = product, product.args[0]
         if not (isinstance(product, fx.Node) and product.op == "call_function"
                 and len(product.users) == 1 and _is_vector(bias)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture import Captured, layer_of
+from autotp.capture import Captured, layer_of, node_arg
 from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
 from autotp.comm import Communicator
@@ -78,6 +78,17 @@ class LowerContext:
 
     def mark_lowered(self, node: fx.Node, replacement: fx.Node) -> None:
         self.lowered[node] = replacement
+
+    def apply_after(self, node: fx.Node, op: Any, *args: Any) -> fx.Node:
+        """``op(node, *args)`` inserted after ``node``, read by all of ``node``'s users in its
+        place; for a tensor, it is recorded as the node now holding ``node``'s value."""
+        with self.graph.inserting_after(node):
+            new = self.graph.call_function(op, (node, *args))
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            self.mark_lowered(node, new)
+        return new
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.Graph:
@@ -215,7 +226,7 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
         stream = Stream.SHARDED if isinstance(layout, Shard) else Stream.REPLICATED
         name = f"autotp_random_{node.name}"
         if node.target == sdpa:
-            dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            dropout_p = node_arg(node, 4, "dropout_p", 0.0)
             if not dropout_p:
                 continue
             root.add_module(name, TrackedAttention(tracker, stream))

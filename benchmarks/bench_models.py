@@ -102,18 +102,25 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None,
                 sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if cos is not None and sin is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
-        return self.o_proj(y)
+        return self.o_proj(attend(self, x, cos, sin))
+
+
+def attend(attn: nn.Module, x: torch.Tensor, cos: Optional[torch.Tensor],
+           sin: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention of ``attn``'s q/k/v projections over its ``n_head`` heads (all of
+    them, or one rank's share), before the output projection: (B, T, n_head * head_dim)."""
+    B, T, _ = x.shape
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(B, T, attn.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k = attn.k_proj(x).view(B, T, attn.n_kv_head, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, attn.n_kv_head, hd).transpose(1, 2)
+    if cos is not None and sin is not None:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if attn.n_kv_head != attn.n_head:
+        rep = attn.n_head // attn.n_kv_head
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+    return y.transpose(1, 2).reshape(B, T, attn.n_head * hd)
 
 
 class GPTMLP(nn.Module):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_models import GPT, Llama, apply_rope, repeat_kv
+from bench_models import GPT, Llama, attend
 
 Group = Optional[dist.ProcessGroup]
 
@@ -192,20 +192,8 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor] = None,
                 sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, _ = x.shape
         x = copy_to_tensor_parallel(x, self.group)
-        # (B, local heads, T, hd)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if cos is not None and sin is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
-        return self.o_proj(y)
+        return self.o_proj(attend(self, x, cos, sin))  # this rank's heads
 
 
 class ParallelGPTMLP(nn.Module):

@@ -67,11 +67,7 @@ def vocab_parallel_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
         outside_col = graph.call_function(aten.unsqueeze.default, (outside, -1))
     node.args = (weight, local, local_padding, *node.args[3:])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
-    with graph.inserting_after(node):
-        masked = graph.call_function(aten.masked_fill.Scalar, (node, outside_col, 0.0))
-    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
-    masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    ctx.mark_lowered(node, masked)
+    ctx.apply_after(node, aten.masked_fill.Scalar, outside_col, 0.0)
 
 
 @rules.register(aten.gather.default)
@@ -102,8 +98,4 @@ def masked_gather_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     with graph.inserting_before(node):
         local, outside = _local_indices(graph, index, lo, hi)
     node.args = (x, dim, local, *node.args[3:])
-    with graph.inserting_after(node):
-        masked = graph.call_function(aten.masked_fill.Scalar, (node, outside, 0.0))
-    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
-    masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    ctx.mark_lowered(node, masked)
+    ctx.apply_after(node, aten.masked_fill.Scalar, outside, 0.0)

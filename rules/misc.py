@@ -91,9 +91,7 @@ def global_size_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     layout = strategy.inputs[0]
     x_ndim = node.args[0].meta["val"].ndim
     if isinstance(layout, Shard) and layout.dim == normalize_dim(node.args[1], x_ndim):
-        with ctx.graph.inserting_after(node):
-            size = ctx.graph.call_function(operator.mul, (node, ctx.tp))
-        node.replace_all_uses_with(size, delete_user_cb=lambda user: user is not size)
+        ctx.apply_after(node, operator.mul, ctx.tp)
 
 
 @rules.register(aten._assert_tensor_metadata.default)

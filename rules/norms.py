@@ -71,11 +71,7 @@ def sum_all_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.lowering(aten.mean.default)
 def partial_mean_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     if isinstance(strategy.inputs[0], Shard):
-        with ctx.graph.inserting_after(node):
-            scaled = ctx.graph.call_function(aten.div.Scalar, (node, ctx.tp))
-        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
-        scaled.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        ctx.mark_lowered(node, scaled)
+        ctx.apply_after(node, aten.div.Scalar, ctx.tp)
 
 
 @rules.register(aten.logsumexp.default)

@@ -56,10 +56,13 @@ def test_compiled_program_matches_the_unsharded_model() -> None:
     no C++ toolchain needed); the collectives stay eager between the compiled segments."""
     from autotp.verify import compare, reference_step, sharded_step
 
+    from torch._dynamo.utils import counters
+
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))
     kwargs = {"input_ids": ids, "labels": ids}
     sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile={"backend": "aot_eager"})
+    counters.clear()
 
     def call(m: torch.nn.Module) -> object:
         return m(**kwargs)
@@ -70,3 +73,4 @@ def test_compiled_program_matches_the_unsharded_model() -> None:
         assert compare(reference, result).ok(), rank
     counts = [len(r.comm.log.events) for r in sim.ranks]
     assert counts[0] > 0 and len(set(counts)) == 1  # the collectives ran, on every rank
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
