@@ -3,6 +3,7 @@
     sharded = autotp.parallelize(model, tp=8)        # on every rank of a process group
     plan = autotp.plan(model, tp=8)                  # no process group needed
     sim = autotp.simulate(model, tp=4)               # all ranks in one process
+    sharded = autotp.from_pretrained("model-dir", tp=8)   # each rank reads only its slices
 """
 
 from autotp.api import (
@@ -13,8 +14,11 @@ from autotp.api import (
     plan,
     simulate,
 )
+from autotp.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
+                               save_pretrained)
 from autotp.errors import AutotpError, ConfigError, NoRuleError, PlanError, TraceError
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
+from autotp.materialize import empty_weights
 from autotp.planner.plan import Plan
 
 __all__ = [
@@ -32,8 +36,13 @@ __all__ = [
     "ShardedModule",
     "Simulation",
     "TraceError",
+    "empty_weights",
+    "from_pretrained",
     "full_state_dict",
+    "load_checkpoint",
     "parallelize",
     "plan",
+    "save_checkpoint",
+    "save_pretrained",
     "simulate",
 ]

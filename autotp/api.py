@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, cast
@@ -22,6 +23,8 @@ from autotp.collectives import GradBucket, GradSync, gather
 from autotp.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
 from autotp.layout import Shard
+from autotp.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
+                                has_meta_parameters)
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
@@ -100,6 +103,7 @@ class ShardedModule(nn.Module):
         self.seed = seed
         self._bucket = bucket
         self._unused = list(captured.unused)
+        self.source: Optional[ModelInfo] = None  # set by parallelize: what saving needs
         self._signature: Optional[inspect.Signature] = captured.signature
         self._example: dict[str, Any] = captured.example_kwargs
         self._plan_checked = not check_plan
@@ -201,6 +205,24 @@ class ShardedModule(nn.Module):
         return out
 
 
+@dataclass
+class ModelInfo:
+    """What saving needs of the original model, without holding its weights."""
+
+    model_class: type
+    config: Any  # a transformers config, or None
+    state_keys: list[str]  # the model's state_dict names, in order
+    buffers: list[str]  # its persistent buffers (saved with the weights)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelInfo":
+        config = getattr(model, "config", None)
+        state = list(model.state_dict(keep_vars=True).keys())
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        return cls(type(model), config if hasattr(config, "save_pretrained") else None,
+                   state, [k for k in state if k not in params])
+
+
 def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
     """Batch and sequence sizes may change; the rank and dtype of an input may not."""
     if not isinstance(value, torch.Tensor):
@@ -225,14 +247,48 @@ def _grad_sync(value: Any) -> GradSync:
 def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            registry: Optional[Registry] = None, check_plan: bool = True,
            seed: Optional[int] = None, grad_sync: str = "bucket",
-           compile: Any = False) -> ShardedModule:
+           compile: Any = False, weights: Optional[Weights] = None,
+           device: Optional[torch.device] = None) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(compile, (bool, dict)):
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
                           f"{type(compile).__name__}")
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
-                              grad_sync=_grad_sync(grad_sync))
+                              grad_sync=_grad_sync(grad_sync), weights=weights, device=device)
     return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile)
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` where CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _weights(model: nn.Module, captured: Captured, plan: Plan, rank: int,
+             checkpoint: Any, init: bool, device: Optional[torch.device]) -> Weights:
+    if checkpoint is not None and init:
+        raise ConfigError("pass checkpoint= or init=True, not both")
+    if checkpoint is not None:
+        names = {t: list(captured.aliases.get(t, [t])) for t in plan.params}
+        names.update({n: [n] for n in captured.unused})
+        return CheckpointWeights(checkpoint, model, names, device)
+    if init:
+        layouts = {t: (captured.aliases.get(t, [t]), plan.param_layout(t)) for t in plan.params}
+        return InitWeights(model, layouts, rank, plan.tp, device)
+    if has_meta_parameters(model):
+        raise ConfigError(
+            f"{type(model).__name__} is on the meta device (no weights): pass "
+            "checkpoint=PATH (safetensors) to load each rank's slices, or init=True to "
+            "initialize them with the model's own initializers")
+    return ModelWeights(model, device)
+
+
+def _agreed_seed(comm: Communicator, device: torch.device) -> int:
+    """Rank 0's seed, for the replicated dropout stream: ranks that load their weights from a
+    file need not have been seeded alike."""
+    mine = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=device)
+    return int(comm.all_gather(mine, 0)[0].item())
 
 
 def parallelize(
@@ -250,8 +306,18 @@ def parallelize(
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
     compile: Any = False,
+    checkpoint: Any = None,
+    init: bool = False,
+    device: Any = None,
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
+
+    ``model`` holds real weights (the same on every rank), or none: built on the meta device
+    (or with ``autotp.empty_weights()``), with ``checkpoint=`` a safetensors file or
+    directory from which each rank reads only its slices, or ``init=True`` to run the
+    model's own initializers one module at a time, keeping only the local slices.
+    ``device``: where the local shards live (default for a meta model: ``cuda:LOCAL_RANK``
+    where CUDA is available, else the CPU; for a real model, where its weights are).
 
     ``sequence_parallel``: between the blocks, activations are sharded along the sequence
     (norms, dropout and residual adds run on sequence shards; all-gather before and
@@ -292,8 +358,23 @@ def parallelize(
                                  cost_model=cost_model, sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs)
     comm = ProcessGroupComm(group, timeout=timeout)
-    return _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
-                  grad_sync=grad_sync, compile=compile)
+    meta = has_meta_parameters(model)
+    if device is None and meta:
+        device = default_device()
+    device = torch.device(device) if device is not None else None
+    weights = _weights(model, captured, the_plan, comm.rank, checkpoint, init, device)
+    seed = None
+    if checkpoint is not None:
+        seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"
+                            else torch.device("cpu"))
+    try:
+        sharded = _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
+                         grad_sync=grad_sync, compile=compile, weights=weights,
+                         device=device if meta else None, seed=seed)
+    finally:
+        weights.close()
+    sharded.source = ModelInfo.of(model)
+    return sharded
 
 
 def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:

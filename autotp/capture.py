@@ -13,12 +13,13 @@ Two normalizations follow, both exact:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import sympy
 import torch
@@ -144,10 +145,15 @@ def capture(
     named = pytree.tree_map(
         lambda v: v.detach().clone(memory_format=torch.contiguous_format)
         if isinstance(v, torch.Tensor) else v, named)
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    if meta:  # a model without weights traces with inputs (and buffers) on meta too
+        named = pytree.tree_map(
+            lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
     try:
-        ep = torch.export.export(
-            model, (), named, dynamic_shapes=_dynamic_shapes(named), strict=False
-        )
+        with _buffers_on_meta(model) if meta else contextlib.nullcontext():
+            ep = torch.export.export(
+                model, (), named, dynamic_shapes=_dynamic_shapes(named), strict=False
+            )
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise TraceError(_trace_failure_message(model, exc)) from exc
     gm = ep.module()
@@ -162,6 +168,23 @@ def capture(
     captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
                        if id(p) not in used}
     return captured
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
+    """Real buffers of a model whose parameters are on meta (``autotp.empty_weights``) are
+    traced as meta tensors, so no op mixes devices; the model keeps its real buffers."""
+    saved = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type != "meta":
+                saved.append((module, name, buf))
+                module._buffers[name] = buf.to("meta")
+    try:
+        yield
+    finally:
+        for module, name, buf in saved:
+            module._buffers[name] = buf
 
 
 def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:

@@ -10,6 +10,7 @@ Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any, Optional
 
@@ -22,7 +23,8 @@ from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
-from autotp.layout import Replicate, Shard, parse_layout, shard_tensor
+from autotp.layout import Replicate, Shard, parse_layout
+from autotp.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.rules.registry import Registry, Strategy
@@ -123,8 +125,10 @@ def _set(root: nn.Module, target: str, value: Any) -> None:
         setattr(module, leaf, value)
 
 
-def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int) -> nn.Module:
-    """A fresh root module holding this rank's piece of every attribute the graph reads."""
+def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
+                     weights: Weights) -> nn.Module:
+    """A fresh root module holding this rank's piece of every attribute the graph reads,
+    as ``weights`` provides it (slices of real tensors, of checkpoint files, or of inits)."""
     root = nn.Module()
     source = captured.gm
     for node in graph.nodes:
@@ -132,14 +136,46 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int)
             value = _get(source, node.target)
             if isinstance(value, nn.Parameter):
                 layout = plan.param_layout(node.target)
-                local = shard_tensor(value.detach(), layout, rank, plan.tp)
-                value = nn.Parameter(local.clone(), requires_grad=value.requires_grad)
+                names = captured.aliases.get(node.target, [node.target])
+                local = weights.parameter(node.target, names, layout, rank, plan.tp, value)
+                expected = plan.params[node.target].local_shape
+                if tuple(local.shape) != tuple(expected):
+                    raise PlanError(f"{node.target}: local piece {list(local.shape)}, the plan "
+                                    f"says {list(expected)}")
+                value = nn.Parameter(local, requires_grad=value.requires_grad)
             elif isinstance(value, torch.Tensor):
-                value = value.detach().clone()
+                value = weights.buffer(node.target, value)
+            elif isinstance(value, fx.GraphModule):  # a subgraph of a higher-order op
+                value = copy.deepcopy(value)
             _set(root, node.target, value)
         elif node.op == "call_module":
             _set(root, node.target, _get(source, node.target))
     return root
+
+
+def place_on_device(graph: fx.Graph, root: nn.Module, device: Optional[torch.device]) -> None:
+    """Device arguments recorded while tracing on the meta device (``arange(...,
+    device=meta)``, ``to(meta)``) name this rank's device instead, in the graph and in the
+    subgraphs of higher-order ops."""
+    if device is None:
+        return
+
+    def relocate(arg: Any) -> Any:
+        if isinstance(arg, torch.device) and arg.type == "meta":
+            return device
+        return arg
+
+    def visit(g: fx.Graph) -> None:
+        for node in g.nodes:
+            if node.op == "call_function":
+                node.args = fx.node.map_aggregate(node.args, relocate)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, relocate)
+
+    visit(graph)
+    for module in root.modules():
+        if isinstance(module, fx.GraphModule):
+            visit(module.graph)
+            module.recompile()
 
 
 def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
@@ -255,10 +291,13 @@ def views_to_reshapes(graph: fx.Graph) -> None:
 
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
-            grad_sync: GradSync = GradSync.BUCKET) -> tuple[fx.GraphModule, GradBucket]:
+            grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
+            device: Optional[torch.device] = None) -> tuple[fx.GraphModule, GradBucket]:
     registry = registry or Registry.default()
+    weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
-    root = shard_parameters(captured, plan, graph, rank)
+    root = shard_parameters(captured, plan, graph, rank, weights)
+    place_on_device(graph, root, device)
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     lowered = lower_ops(graph, plan, registry, rank)
@@ -269,7 +308,8 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     graph.lint()
     gm = fx.GraphModule(root, graph)
     for name, param in captured.unused.items():  # never read by the forward: replicated
-        _set(gm, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+        local = weights.parameter(name, [name], Replicate(), rank, plan.tp, param)
+        _set(gm, name, nn.Parameter(local, requires_grad=param.requires_grad))
     gm.meta["autotp_values"] = lowered
     gm.recompile()
     return gm, bucket

@@ -1,0 +1,483 @@
+"""Models too large for one rank: load only each rank's slices, save back, resume anywhere.
+
+    from_pretrained    a transformers directory -> this rank's module; the model is built on
+                       meta and each rank reads only its slices (autotp.materialize)
+    save_pretrained    transformers' layout (config.json, safetensors shards, index), gathered
+                       one tensor at a time and written by rank 0
+    save_checkpoint    torch.distributed.checkpoint: every rank writes its own shards (as
+    load_checkpoint    DTensors over the tensor-parallel group) with the optimizer state;
+                       loading at another tp is DCP's resharding
+
+Checkpoints are safetensors files and JSON: nothing here pickles or unpickles.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotp.api import ShardedModule, parallelize
+from autotp.collectives import gather
+from autotp.comm import ProcessGroupComm
+from autotp.errors import ConfigError
+from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor
+from autotp.materialize import empty_weights
+from autotp.tensorfile import (INDEX_NAME, SINGLE_NAME, Spec, TensorFiles, parse_size,
+                               plan_files, write_file)
+
+META_NAME = "autotp.json"
+SCHEMA = "autotp.checkpoint/1"
+
+
+# ---- loading a transformers directory -----------------------------------------------
+
+
+def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = None,
+                    device: Any = None, group: Optional[dist.ProcessGroup] = None,
+                    model_class: Optional[type] = None, training: bool = False,
+                    **parallelize_options: Any) -> ShardedModule:
+    """This rank's module of the transformers model saved in ``path`` (a local directory:
+    config.json and safetensors weights), reading only this rank's slices.
+
+    The model is built from its config with parameters on the meta device (buffers such as
+    RoPE tables computed for real), captured and planned as ``autotp.parallelize`` does
+    (``parallelize_options`` pass through: ``example_kwargs``, ``sequence_parallel``, ...),
+    and each parameter is read as this rank's slice, converted to ``dtype`` on the slice.
+    ``dtype``: None takes the config's dtype, else the checkpoint's. The module is traced in
+    eval mode, as transformers returns a loaded model; ``training=True`` traces train mode.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"{str(path)!r} is not a directory: from_pretrained takes a local "
+                          "directory in transformers' layout (config.json and *.safetensors)")
+    if not (directory / "config.json").exists():
+        raise ConfigError(f"{directory} has no config.json: it is not a transformers model "
+                          "directory (for a bare safetensors file, build the model on meta "
+                          "and call autotp.parallelize(model, checkpoint=...))")
+    files = TensorFiles(directory)  # checks the weights exist before anything is built
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("from_pretrained needs the transformers package") from None
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise ConfigError(f"{directory}/config.json names no transformers architecture "
+                              f"({names}): pass model_class=, e.g. LlamaForCausalLM")
+    dtype = _resolve_dtype(dtype, config, files)
+    files.close()
+    with empty_weights():
+        model = model_class._from_config(config, dtype=dtype)
+    model.train(training)
+    return parallelize(model, tp, group=group, checkpoint=directory, device=device,
+                       **parallelize_options)
+
+
+def _resolve_dtype(dtype: Any, config: Any, files: TensorFiles) -> torch.dtype:
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype, None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        raise ConfigError(f"dtype must be a torch.dtype, its name, or 'auto'; got {dtype!r}")
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if isinstance(stored, torch.dtype):
+        return stored
+    for name in files.names():
+        if files.entry(name).dtype.is_floating_point:
+            return files.entry(name).dtype
+    return torch.float32
+
+
+# ---- saving in transformers' layout -------------------------------------------------
+
+
+def _check_sharded(sharded: Any, what: str) -> ShardedModule:
+    if not isinstance(sharded, ShardedModule):
+        raise ConfigError(f"{what} takes the module autotp returned, got {type(sharded).__name__}")
+    return sharded
+
+
+def _tensors(sharded: ShardedModule) -> dict[str, tuple[torch.Tensor, Layout]]:
+    """Every tensor of the model's state dict by its first name: (local piece, layout)."""
+    plan = sharded.plan
+    out: dict[str, tuple[torch.Tensor, Layout]] = {}
+    for target, local in sharded.local_parameters().items():
+        out[plan.params[target].names[0]] = (local, plan.param_layout(target))
+    for name in sharded._unused:
+        out[name] = (_attr(sharded.program, name), Replicate())
+    source = sharded.source
+    for name in source.buffers if source is not None else []:
+        value = _attr(sharded.program, name)
+        if isinstance(value, torch.Tensor):
+            out[name] = (value, Replicate())
+    return out
+
+
+def _attr(module: nn.Module, name: str) -> Any:
+    value: Any = module
+    for part in name.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def _ordered(sharded: ShardedModule, tensors: dict[str, Any]) -> list[str]:
+    """The model's own state-dict order where it is known."""
+    keys = sharded.source.state_keys if sharded.source is not None else []
+    first = [k for k in keys if k in tensors]
+    return first + [k for k in tensors if k not in set(first)]
+
+
+def _global(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    if isinstance(layout, Shard):
+        return gather(sharded.comm, local.detach().contiguous(), layout)
+    return local.detach()
+
+
+def save_pretrained(sharded: ShardedModule, path: str | Path, *,
+                    max_shard_size: int | str = "5GB") -> None:
+    """Write the unsharded model in transformers' layout (collective: call on every rank).
+
+    Tensors are gathered one at a time, and rank 0 streams each into its file as it arrives:
+    no rank ever holds more than one full tensor. Tied weights are written once, under the
+    first name (transformers re-ties them on load). ``transformers`` and
+    ``autotp.from_pretrained`` at any tp load the result.
+    """
+    sharded = _check_sharded(sharded, "save_pretrained")
+    max_bytes = parse_size(max_shard_size)
+    directory = Path(path)
+    rank = sharded.comm.rank
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    tensors = _tensors(sharded)
+    order = _ordered(sharded, tensors)
+    plan = sharded.plan
+    specs = []
+    for name in order:
+        local, layout = tensors[name]
+        shape = list(local.shape)
+        if isinstance(layout, Shard):
+            shape[layout.dim] *= plan.tp
+        specs.append(Spec(name, local.dtype, tuple(shape)))
+    groups = plan_files(specs, max_bytes)
+    names = [SINGLE_NAME] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+
+    def produce(spec: Spec) -> Optional[torch.Tensor]:
+        local, layout = tensors[spec.name]
+        return _global(sharded, local, layout)
+
+    for file_name, group in zip(names, groups):
+        if rank == 0:
+            write_file(directory / file_name, group, produce)
+        else:
+            for spec in group:  # the same collectives, in the same order
+                produce(spec)
+    if rank == 0:
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                     "weight_map": {s.name: f for f, g in zip(names, groups) for s in g}}
+            (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        _save_config(sharded, directory, specs)
+    _barrier(sharded)
+
+
+def _save_config(sharded: ShardedModule, directory: Path, specs: list[Spec]) -> None:
+    source = sharded.source
+    if source is None or source.config is None:
+        return
+    config = copy.deepcopy(source.config)
+    config.architectures = [source.model_class.__name__]
+    floats = [s.dtype for s in specs if s.dtype.is_floating_point]
+    if floats and hasattr(config, "dtype"):
+        config.dtype = floats[0]
+    config.save_pretrained(directory)
+
+
+def _barrier(sharded: ShardedModule) -> None:
+    device = next((p.device for p in sharded.parameters()), torch.device("cpu"))
+    sharded.comm.all_reduce(torch.zeros(1, device=device))
+
+
+# ---- resumable checkpoints (torch.distributed.checkpoint) ---------------------------
+
+
+def _mesh(sharded: ShardedModule) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm = sharded.comm
+    if not isinstance(comm, ProcessGroupComm):
+        raise ConfigError("save_checkpoint/load_checkpoint need a process group (autotp."
+                          "parallelize), not a simulation")
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    device = next((p.device.type for p in sharded.parameters()), "cpu")
+    return DeviceMesh.from_group(group, device)
+
+
+def _dcp_form(global_shape: list[int], saved: Layout, current: Layout, tp: int
+              ) -> tuple[list[int], Any, list[int]]:
+    """How a tensor is stored in DCP, and how this rank reads it: a dim that was blocked
+    (fused q|k|v) when saved is stored split into (blocks, size / blocks), so that each
+    rank's piece is a plain shard of the second, and the checkpoint reshards at any tp.
+    Returns (stored global shape, this rank's DTensor placement, this rank's local shape);
+    a rank whose layout does not line up with the stored one reads it whole (Replicate)."""
+    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
+
+    shape = list(global_shape)
+    split = isinstance(saved, Shard) and saved.blocks > 1
+    if split:
+        assert isinstance(saved, Shard)
+        shape[saved.dim:saved.dim + 1] = [saved.blocks, shape[saved.dim] // saved.blocks]
+    if isinstance(current, Shard) and (current == saved or (not split and current.blocks == 1)):
+        dim = current.dim + 1 if split else current.dim
+        local = list(shape)
+        local[dim] //= tp
+        return shape, DShard(dim), local
+    return shape, DReplicate(), shape
+
+
+def _describe(sharded: ShardedModule) -> dict[str, Any]:
+    plan = sharded.plan
+    params = {}
+    for name, (local, layout) in _tensors(sharded).items():
+        params[name] = {"global_shape": _global_shape(local, layout, plan.tp),
+                        "dtype": str(local.dtype).replace("torch.", ""), "layout": str(layout)}
+    return params
+
+
+def _fingerprint(params: dict[str, Any]) -> str:
+    text = json.dumps({k: v["global_shape"] for k, v in sorted(params.items())})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _global_shape(local: torch.Tensor, layout: Layout, tp: int) -> list[int]:
+    shape = list(local.shape)
+    if isinstance(layout, Shard):
+        shape[layout.dim] *= tp
+    return shape
+
+
+class _Entry:
+    """One DCP entry of this rank: the DTensor handed to DCP, and where its value lives."""
+
+    def __init__(self, target: torch.Tensor, dtensor: Any, layout: Layout, whole: bool):
+        self.target, self.dtensor, self.layout, self.whole = target, dtensor, layout, whole
+
+    def copy_back(self, rank: int, tp: int) -> None:
+        value = self.dtensor.to_local() if not self.whole else self.dtensor
+        if self.whole and value.numel() != self.target.numel():  # keep this rank's piece
+            value = shard_tensor(value.reshape(_global_shape(self.target, self.layout, tp)),
+                                 self.layout, rank, tp)
+        self.target.copy_(value.reshape(self.target.shape))
+
+
+def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
+                opt_state: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[_Entry]]:
+    """The DCP state dict (``model.<name>``, ``optim.<name>.<key>``) over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = _mesh(sharded)
+    tp = sharded.plan.tp
+    tensors = _tensors(sharded)
+    state: dict[str, Any] = {}
+    entries: list[_Entry] = []
+
+    def add(key: str, name: str, local: torch.Tensor) -> None:
+        layout = tensors[name][1]
+        shape, placement, local_shape = _dcp_form(_global_shape(local, layout, tp),
+                                                  saved_layouts.get(name, layout), layout, tp)
+        if placement.is_shard():
+            state[key] = DTensor.from_local(local.detach().reshape(local_shape), mesh,
+                                            [placement], run_check=False,
+                                            shape=torch.Size(shape), stride=_strides(shape))
+        else:  # a plain tensor is DCP's replicated value: written once, read whole
+            state[key] = local.detach().reshape(shape) if list(local.shape) == shape or \
+                local.numel() == math.prod(shape) else \
+                torch.empty(shape, dtype=local.dtype, device=local.device)
+        entries.append(_Entry(local.detach(), state[key], layout, not placement.is_shard()))
+
+    for name, (local, _) in tensors.items():
+        add(f"model.{name}", name, local)
+    for name, values in opt_state.items():
+        local = tensors[name][0]
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() > 0 and value.shape == local.shape:
+                add(f"optim.{name}.{key}", name, value)
+            else:  # step counts and other scalars: replicated plain tensors
+                state[f"optim.{name}.{key}"] = value
+    return state, entries
+
+
+def _strides(shape: list[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def _optimizer_state(sharded: ShardedModule, optimizer: torch.optim.Optimizer
+                     ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The optimizer's per-parameter state and param groups, keyed by parameter names."""
+    names = {id(local): name for name, (local, _) in _tensors(sharded).items()}
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        members = []
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ConfigError("the optimizer holds a parameter that is not one of the "
+                                  "sharded module's: build it from sharded.parameters()")
+            members.append(names[id(param)])
+            if param in optimizer.state:
+                state[names[id(param)]] = dict(optimizer.state[param])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
+    return state, groups
+
+
+def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Save parameters (and ``optimizer``'s state) with torch.distributed.checkpoint: every
+    rank writes its own shards, in parallel, as safetensors files; rank 0 adds a JSON
+    description. Collective: call on every rank. ``load_checkpoint`` reads it at any tp."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    sharded = _check_sharded(sharded, "save_checkpoint")
+    directory = Path(path)
+    described = _describe(sharded)
+    opt_state, groups = _optimizer_state(sharded, optimizer) if optimizer is not None \
+        else ({}, [])
+    state, _ = _state_dict(sharded, {}, opt_state)
+    meta = {
+        "schema": SCHEMA, "model": sharded.plan.model, "tp": sharded.plan.tp,
+        "fingerprint": _fingerprint(described), "params": described,
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__,
+            "param_groups": _jsonable(groups),
+            "state": {name: {k: ("tensor" if isinstance(v, torch.Tensor) else _jsonable(v))
+                             for k, v in values.items()}
+                      for name, values in opt_state.items()},
+        },
+    }
+    if sharded.comm.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("*.safetensors"):  # a checkpoint saved here at another tp
+            old.unlink()
+    _barrier(sharded)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory),
+                                                            save_distributed=True),
+             process_group=_group(sharded))
+    if sharded.comm.rank == 0:
+        (directory / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    _barrier(sharded)
+
+
+def _group(sharded: ShardedModule) -> Optional[dist.ProcessGroup]:
+    comm = sharded.comm
+    return comm.group if isinstance(comm, ProcessGroupComm) else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ConfigError(f"optimizer setting {value!r} cannot be saved as JSON")
+
+
+def load_checkpoint(sharded: ShardedModule, path: str | Path, *,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Load a ``save_checkpoint`` directory into ``sharded`` (and ``optimizer``), whatever the
+    tp it was saved at. Collective: call on every rank. The optimizer must be built over
+    ``sharded.parameters()`` (a fresh one is fine: its state is created)."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    sharded = _check_sharded(sharded, "load_checkpoint")
+    directory = Path(path)
+    meta_file = directory / META_NAME
+    if not meta_file.exists():
+        raise ConfigError(f"{directory} is not an autotp checkpoint (no {META_NAME}); "
+                          "for weights use autotp.from_pretrained or parallelize(checkpoint=)")
+    try:
+        saved = json.loads(meta_file.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{meta_file} is not JSON") from None
+    if saved.get("schema") != SCHEMA:
+        raise ConfigError(f"{meta_file}: unknown schema {saved.get('schema')!r}")
+    described = _describe(sharded)
+    if saved["fingerprint"] != _fingerprint(described):
+        ours, theirs = set(described), set(saved["params"])
+        diff = sorted(ours ^ theirs) or sorted(
+            n for n in ours
+            if described[n]["global_shape"] != saved["params"][n]["global_shape"])
+        raise ConfigError(f"{directory} holds a checkpoint of another model ({saved['model']}, "
+                          f"tensors that differ: {diff[:6]})")
+    opt_state: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        if saved["optimizer"] is None:
+            raise ConfigError(f"{directory} was saved without optimizer state")
+        opt_state = _empty_optimizer_state(sharded, saved["optimizer"]["state"])
+    saved_layouts = {n: parse_layout(v["layout"]) for n, v in saved["params"].items()}
+    state, entries = _state_dict(sharded, saved_layouts, opt_state)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)),
+             process_group=_group(sharded))
+    with torch.no_grad():
+        for entry in entries:
+            entry.copy_back(sharded.comm.rank, sharded.plan.tp)
+    if optimizer is not None:
+        _restore_optimizer(sharded, optimizer, saved["optimizer"], opt_state)
+
+
+def _empty_optimizer_state(sharded: ShardedModule, saved_state: dict[str, Any]
+                           ) -> dict[str, dict[str, Any]]:
+    """Tensors for DCP to load the optimizer state into: shaped like the local parameter
+    piece, or 0-d for step counts; JSON values as saved."""
+    tensors = _tensors(sharded)
+    out: dict[str, dict[str, Any]] = {}
+    for name, values in saved_state.items():
+        if name not in tensors:
+            raise ConfigError(f"the checkpoint has optimizer state for {name!r}, which the "
+                              "model does not have")
+        local = tensors[name][0]
+        out[name] = {key: (torch.zeros((), dtype=torch.float32) if key == "step"
+                           else torch.zeros_like(local)) if kind == "tensor" else kind
+                     for key, kind in values.items()}
+    return out
+
+
+def _restore_optimizer(sharded: ShardedModule, optimizer: torch.optim.Optimizer,
+                       saved: dict[str, Any], opt_state: dict[str, dict[str, Any]]) -> None:
+    names = {id(local): name for name, (local, _) in _tensors(sharded).items()}
+    index: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index[names[id(param)]] = len(index)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ConfigError("the optimizer has another number of parameter groups than the "
+                          "checkpoint")
+    groups = []
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        if [names[id(p)] for p in group["params"]] != saved_group["params"]:
+            raise ConfigError("the optimizer's parameter groups differ from the checkpoint's")
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": [index[n] for n in saved_group["params"]]})
+    state = {index[name]: dict(values) for name, values in opt_state.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

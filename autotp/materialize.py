@@ -1,0 +1,455 @@
+"""Where a rank's tensors come from: this rank's piece of every parameter, and every buffer.
+
+The rewriter asks a ``Weights`` for each parameter the plan lays out (target, layout) and for
+each buffer the program reads; it never touches the source itself. Three sources:
+
+    ModelWeights       slices of the model's own tensors (a model built with real weights)
+    CheckpointWeights  slices read from safetensors files (autotp.tensorfile): a rank reads
+                       only its shards, and never holds a full sharded tensor
+    InitWeights        the model's own initializer run on one module's full tensors at a
+                       time, keeping only the local slices
+
+A model built on the meta device has no values: its buffers come from the model where they
+are real (``empty_weights`` builds parameters on meta and buffers for real), from the
+checkpoint, or from transformers' ``_init_weights`` of the module that owns them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autotp.errors import ConfigError
+from autotp.layout import Layout, Replicate, Shard, shard_tensor
+from autotp.tensorfile import TensorFiles
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build a model with its parameters on the meta device and its buffers for real.
+
+        with autotp.empty_weights():
+            model = MyTransformer(cfg)      # no parameter memory; RoPE tables, masks computed
+
+    Parameters are moved to meta as they are registered, before any initializer runs on
+    them; buffers are computed exactly as the model computes them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def is_meta(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    return any(is_meta(p) for p in model.parameters())
+
+
+def _get(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def slice_ranges(global_size: int, layout: Shard, rank: int, tp: int) -> list[tuple[int, int]]:
+    """The ranges of dim ``layout.dim`` that ``rank`` holds, one per block (as shard_tensor)."""
+    segment = global_size // layout.blocks
+    piece = segment // tp
+    return [(j * segment + rank * piece, j * segment + (rank + 1) * piece)
+            for j in range(layout.blocks)]
+
+
+class Weights:
+    """A source of this rank's parameters and buffers, placed on ``device``."""
+
+    def __init__(self, model: nn.Module, device: Optional[torch.device] = None):
+        self.model = model
+        self.device = device
+
+    def _place(self, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and like.is_floating_point():
+            tensor = tensor.to(like.dtype)
+        device = self.device if self.device is not None else \
+            (like.device if not is_meta(like) else torch.device("cpu"))
+        return tensor.to(device)
+
+    def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def buffer(self, target: str, like: torch.Tensor) -> torch.Tensor:
+        """Buffers are replicated: the model's own value where it is real, else recomputed."""
+        if not is_meta(like):
+            return self._place(like.detach().clone(), like)
+        own = _model_tensor(self.model, target)
+        if own is not None and not is_meta(own):
+            return self._place(own.detach().clone(), like)
+        value = self._stored_buffer(target, like)
+        if value is None:
+            value = hf_buffer(self.model, target)
+        if value is None:
+            raise ConfigError(
+                f"buffer {target!r} of {type(self.model).__name__} is on the meta device and "
+                "no checkpoint holds it, so autotp cannot compute it: build the model with "
+                "`with autotp.empty_weights(): model = ...` instead of torch.device('meta') "
+                "(parameters on meta, buffers computed as the model computes them), or save "
+                "the buffer with the weights (register_buffer(..., persistent=True))")
+        return self._place(value, like)
+
+    def _stored_buffer(self, target: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+    try:
+        value = _get(model, name)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+class ModelWeights(Weights):
+    """Slices of the real tensors of the traced model (every rank holds the whole model)."""
+
+    def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        if is_meta(like):
+            raise ConfigError(
+                f"parameter {target!r} is on the meta device: pass checkpoint=PATH to load "
+                "this rank's slices from safetensors files, or init=True to initialize them "
+                "(or build the model with real weights)")
+        local = shard_tensor(like.detach(), layout, rank, tp)
+        return self._place(local.clone() if local is like else local, like)
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+
+# transformers drops these on load without a word (old checkpoints kept them as state)
+IGNORED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$", r"\.attn\.(masked_)?bias$")
+
+
+class CheckpointWeights(Weights):
+    """Slices read from safetensors files. Checkpoint keys are matched to the model's names
+    directly, or through transformers' own key renamings (and ``base_model_prefix``) for a
+    transformers model; tied parameters are read once, under whichever name the file has."""
+
+    def __init__(self, path: Any, model: nn.Module, param_names: dict[str, Sequence[str]],
+                 device: Optional[torch.device] = None):
+        super().__init__(model, device)
+        self.files = TensorFiles(path)
+        self.keys = _match_keys(model, self.files.names())  # model name -> checkpoint key
+        self._check(param_names)
+
+    def _check(self, param_names: dict[str, Sequence[str]]) -> None:
+        missing = [names[0] for names in param_names.values()
+                   if not any(n in self.keys for n in names)]
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ConfigError(
+                f"the checkpoint {str(self.files.path)!r} has no tensor for {shown}{more} of "
+                f"{type(self.model).__name__}: it belongs to another model or config (autotp "
+                "never initializes a missing weight at random; pass init=True to initialize "
+                "the whole model instead)")
+        state = set(self.model.state_dict().keys())
+        used = {key for name, key in self.keys.items() if name in state}
+        ignored = [re.compile(p) for p in (*IGNORED_UNEXPECTED, *_hf_ignored(self.model))]
+        unexpected = [k for k in self.files.names()
+                      if k not in used and not any(p.search(k) for p in ignored)]
+        if unexpected:
+            shown = ", ".join(repr(u) for u in unexpected[:8])
+            raise ConfigError(
+                f"the checkpoint {str(self.files.path)!r} holds {len(unexpected)} tensor(s) "
+                f"{type(self.model).__name__} has no place for: {shown}: it belongs to another "
+                "model or config")
+        for names in param_names.values():
+            name = next(n for n in names if n in self.keys)
+            self._check_shape(name, _get(self.model, name))
+
+    def _check_shape(self, name: str, like: torch.Tensor) -> None:
+        key = self.keys[name]
+        entry = self.files.entry(key)
+        if tuple(entry.shape) != tuple(like.shape):
+            raise ConfigError(
+                f"checkpoint tensor {key!r} ({self.files.where[key].name}) has shape "
+                f"{list(entry.shape)}, but {name!r} of {type(self.model).__name__} has "
+                f"{list(like.shape)}: the checkpoint does not fit this config")
+
+    def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        key = self.keys[next(n for n in names if n in self.keys)]
+        if isinstance(layout, Shard):
+            size = self.files.entry(key).shape[layout.dim]
+            parts = [self.files.read_range(key, layout.dim, start, stop)
+                     for start, stop in slice_ranges(size, layout, rank, tp)]
+            local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+        elif isinstance(layout, Replicate):
+            local = self.files.read(key)
+        else:
+            raise ConfigError(f"parameter {target!r} has layout {layout}: parameters are "
+                              "replicated or sharded")
+        return self._place(local, like)
+
+    def _stored_buffer(self, target: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        key = self.keys.get(target)
+        if key is None:
+            return None
+        self._check_shape(target, like)
+        return self.files.read(key)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _hf_ignored(model: nn.Module) -> list[str]:
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return [str(p) for p in patterns]
+
+
+def _match_keys(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str]:
+    """Model state name -> checkpoint key."""
+    state = model.state_dict()
+    renamed = _hf_renamed(model, checkpoint_keys, state)
+    out: dict[str, str] = {}
+    for key in checkpoint_keys:
+        name = renamed.get(key, key)
+        if name in state:
+            out.setdefault(name, key)
+    return out
+
+
+def _hf_renamed(model: nn.Module, keys: list[str], state: dict[str, Any]) -> dict[str, str]:
+    """transformers' own renamings of checkpoint keys (legacy names, base-model prefixes);
+    keys that transformers would combine with others (per-expert MoE weights fused into
+    one tensor) cannot be read as slices yet: a clear error."""
+    if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
+        return {}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - an older or newer transformers: plain names only
+        return _prefix_renamed(model.base_model_prefix, keys, state)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out, converted = {}, []
+    for key in keys:
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
+                                          state)
+        if pattern is not None and name not in state:
+            converted.append(key)
+        out[key] = name
+    if converted:
+        raise ConfigError(
+            f"{type(model).__name__}'s checkpoint stores {converted[:4]} in a form transformers "
+            "combines into other tensors on load (e.g. per-expert weights fused into one); "
+            "autotp reads tensors by slices and does not combine them: re-save the checkpoint "
+            "in the model's own layout (model.save_pretrained after a transformers load)")
+    return out
+
+
+def _prefix_renamed(prefix: str, keys: list[str], state: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for key in keys:
+        if key not in state and f"{prefix}.{key}" in state:
+            out[key] = f"{prefix}.{key}"
+        elif key.startswith(prefix + ".") and key[len(prefix) + 1:] in state:
+            out[key] = key[len(prefix) + 1:]
+    return out
+
+
+# ---- transformers' buffers --------------------------------------------------------------
+
+
+def _hf_owner(model: nn.Module, module_name: str) -> Optional[Callable[[nn.Module], None]]:
+    """The ``_init_weights`` that transformers applies to the module ``module_name``: that of
+    its nearest enclosing PreTrainedModel (as transformers' composite-model init does)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    parts = module_name.split(".") if module_name else []
+    for cut in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:cut]))
+        if isinstance(owner, PreTrainedModel):
+            return owner._init_weights
+    return None
+
+
+def hf_buffer(model: nn.Module, target: str) -> Optional[torch.Tensor]:
+    """A transformers buffer (RoPE frequencies, position ids) recomputed by the model's own
+    ``_init_weights`` on its module; None when that does not determine every element (run
+    twice from different fills: the results must agree)."""
+    module_name, _, leaf = target.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    init = _hf_owner(model, module_name)
+    meta = module._buffers.get(leaf)
+    if init is None or meta is None:
+        return None
+    results = []
+    for fill in (0, 1):
+        module._buffers[leaf] = torch.full(meta.shape, fill, dtype=meta.dtype)
+        try:
+            with torch.no_grad():
+                init(module)
+            results.append(module._buffers[leaf])
+        except Exception:  # noqa: BLE001 - the initializer needs more than this buffer
+            return None
+        finally:
+            module._buffers[leaf] = meta
+    if results[0].shape != meta.shape or not torch.equal(results[0], results[1]):
+        return None
+    return results[0]
+
+
+# ---- initialization ---------------------------------------------------------------------
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages that ops write to (run on meta: no memory, no random draws)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[StorageWeakRef] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        for i, argument in enumerate(schema.arguments):
+            info = argument.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            if isinstance(value, torch.Tensor):
+                self.written.add(StorageWeakRef(value.untyped_storage()))
+        return func(*args, **kwargs)
+
+
+class InitWeights(Weights):
+    """Every parameter from the model's own initializer, one module at a time.
+
+    The order is the unsharded one: transformers models get ``_init_weights`` on each module
+    in post-order (what ``initialize_weights`` does), other models ``reset_parameters()`` of
+    each module that has parameters, in ``model.modules()`` order. For each call, the
+    parameters it writes (found by a dry run on meta) get full tensors on the CPU, the call
+    runs for real (the same random draws as unsharded), and only this rank's slices are
+    kept. The result equals ``model.to_empty(device="cpu")`` followed by the same calls.
+    """
+
+    def __init__(self, model: nn.Module, layouts: dict[str, tuple[Sequence[str], Layout]],
+                 rank: int, tp: int, device: Optional[torch.device] = None):
+        super().__init__(model, device)
+        self.rank, self.tp = rank, tp
+        by_id: dict[int, Layout] = {}
+        for names, layout in layouts.values():
+            for name in names:
+                by_id[id(_get(model, name))] = layout
+        # parameter object -> every (module, attribute) holding it (tied weights: several)
+        self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        self._params: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    self._owners.setdefault(id(param), []).append((module, attr))
+                    self._params[id(param)] = param
+        self._layouts = {pid: by_id.get(pid, Replicate()) for pid in self._params}
+        self._local: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for module_name, module, call in self._calls():
+                self._run(module_name, module, call)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        left = [names[pid] for pid in self._params
+                if pid not in self._local or _has_nan(self._local[pid])]
+        if left:
+            raise ConfigError(
+                f"init=True: the initializer of {type(model).__name__} leaves {left[:6]} "
+                "uninitialized: give their modules a reset_parameters() (or transformers' "
+                "_init_weights), or load weights with checkpoint=PATH")
+
+    def _calls(self) -> Iterator[tuple[str, nn.Module, Callable[[], Any]]]:
+        if _hf_owner(self.model, "") is not None:
+            order: list[tuple[str, nn.Module]] = []
+
+            def post_order(prefix: str, module: nn.Module) -> None:
+                for name, child in module.named_children():
+                    post_order(f"{prefix}.{name}" if prefix else name, child)
+                order.append((prefix, module))
+
+            post_order("", self.model)
+            for name, module in order:
+                init = _hf_owner(self.model, name)
+                assert init is not None
+                yield name, module, (lambda init=init, module=module: init(module))
+            return
+        bare = []
+        for name, module in self.model.named_modules():
+            if not any(p is not None for p in module._parameters.values()):
+                continue
+            reset = getattr(module, "reset_parameters", None)
+            if reset is None:
+                bare.append(f"{name} ({type(module).__name__})")
+                continue
+            yield name, module, reset
+        if bare:
+            raise ConfigError(
+                f"init=True needs an initializer for every module with parameters, and "
+                f"{bare[:6]} have no reset_parameters(): add one, or load weights with "
+                "checkpoint=PATH")
+
+    def _run(self, module_name: str, module: nn.Module, call: Callable[[], Any]) -> None:
+        with _Writes() as writes:
+            call()  # on meta: finds what the call writes, draws nothing
+        touched = [pid for pid, param in self._params.items()
+                   if StorageWeakRef(param.untyped_storage()) in writes.written]
+        if not touched:
+            return
+        full = {pid: torch.full(self._params[pid].shape, float("nan"),
+                                dtype=self._params[pid].dtype) for pid in touched}
+        for pid in touched:
+            for owner, attr in self._owners[pid]:
+                owner._parameters[attr] = nn.Parameter(full[pid], requires_grad=False)
+        try:
+            call()
+        finally:
+            for pid in touched:
+                for owner, attr in self._owners[pid]:
+                    owner._parameters[attr] = self._params[pid]
+        for pid in touched:
+            local = shard_tensor(full.pop(pid), self._layouts[pid], self.rank, self.tp)
+            old = self._local.get(pid)
+            if old is not None and old.shape == local.shape:
+                local = torch.where(torch.isnan(local), old, local)
+            self._local[pid] = local.clone()
+
+    def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        return self._place(self._local[id(_get(self.model, names[0]))], like)
+
+
+def _has_nan(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and bool(torch.isnan(tensor).any())

@@ -1,0 +1,383 @@
+"""Checkpoint cases run inside real worker processes (``autotp.launch.run_processes``).
+
+The models here have every weight perturbed at random (biases and norm scales too), so a
+slice read from the wrong place, a bias added twice or a norm scale sliced cannot cancel out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+VOCAB = 128
+
+
+def _tf() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
+    return model
+
+
+def gpt2() -> Any:
+    """Tied embedding and head, Conv1D weights stored [in, out], fused q|k|v (c_attn)."""
+    tf = _tf()
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB,
+                                            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def llama() -> Any:
+    """GQA with 2 k/v heads: at tp = 4 the k/v projections are replicated."""
+    tf = _tf()
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def phi3() -> Any:
+    """Fused nn.Linear projections: qkv_proj (q|k|v) and gate_up_proj (gate|up)."""
+    tf = _tf()
+    return tf.Phi3ForCausalLM(tf.Phi3Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0))
+
+
+BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "phi3": phi3}
+
+
+def save_hf(name: str, directory: str, seed: int = 0, max_shard_size: str = "40KB",
+            dtype: torch.dtype = torch.float32) -> None:
+    """A transformers model with perturbed weights, saved by transformers in several files."""
+    torch.manual_seed(seed)
+    model = perturb(BUILDERS[name](), seed + 1).to(dtype)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+
+
+def batch(seed: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (2, 12), generator=generator)
+
+
+def _step(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    module.zero_grad(set_to_none=True)
+    out = module(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), float(out.loss.detach())
+
+
+def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
+              ) -> dict[str, Any]:
+    """from_pretrained at tp = world_size against transformers' own unsharded load."""
+    import autotp
+
+    tf = _tf()
+    torch.set_num_threads(1)
+    ids = batch()
+    example = {"input_ids": ids, "labels": ids}
+    sharded = autotp.from_pretrained(directory, tp=world_size, dtype=getattr(torch, dtype),
+                                     example_kwargs=example, training=True)
+    reference = tf.AutoModelForCausalLM.from_pretrained(directory,
+                                                        dtype=getattr(torch, dtype))
+    reference.train()
+    logits, loss = _step(sharded, ids)
+    ref_logits, ref_loss = _step(reference, ids)
+    grads = autotp.full_state_dict(sharded, grads=True)
+    weights = autotp.full_state_dict(sharded)
+    ref_state = reference.state_dict()
+    grad_diff = max(float((grads[n] - p.grad).abs().max())
+                    for n, p in reference.named_parameters())
+    weight_diff = max(float((weights[n] - ref_state[n]).abs().max()) for n in weights)
+    local = sum(p.numel() for p in sharded.parameters())
+    return {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss - ref_loss),
+            "grad": grad_diff, "weights": weight_diff, "dtype": str(logits.dtype),
+            "local_params": local,
+            "full_params": sum(p.numel() for p in reference.parameters())}
+
+
+def save_case(rank: int, world_size: int, source: str, target: str) -> int:
+    """from_pretrained at tp = world_size, then save_pretrained in several small files."""
+    import autotp
+
+    torch.set_num_threads(1)
+    sharded = autotp.from_pretrained(source, tp=world_size)
+    autotp.save_pretrained(sharded, target, max_shard_size="30KB")
+    return rank
+
+
+# ---- resuming at another tp -----------------------------------------------------------
+
+LR = 1e-2
+
+
+def batches(count: int, start: int = 0) -> list[torch.Tensor]:
+    return [batch(seed=100 + i) for i in range(start, start + count)]
+
+
+def _train(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           steps: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for ids in steps:
+        optimizer.zero_grad(set_to_none=True)
+        out = module(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+    return losses
+
+
+def reference_losses(source: str, steps: int) -> list[float]:
+    """Uninterrupted unsharded training: transformers' model, AdamW, the same batches."""
+    tf = _tf()
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.train()
+    return _train(model, torch.optim.AdamW(model.parameters(), lr=LR), batches(steps))
+
+
+def resume_case(rank: int, world_size: int, source: str, load: str | None, save: str,
+                start: int, steps: int) -> list[float]:
+    """Weights from ``source``; state (weights and AdamW) from ``load`` when given; train
+    ``steps`` batches from batch ``start``; save_checkpoint to ``save``."""
+    import autotp
+
+    torch.set_num_threads(1)
+    ids = batch()
+    sharded = autotp.from_pretrained(source, tp=world_size, training=True,
+                                     example_kwargs={"input_ids": ids, "labels": ids})
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
+    if load is not None:
+        autotp.load_checkpoint(sharded, load, optimizer=optimizer)
+    losses = _train(sharded, optimizer, batches(steps, start))
+    autotp.save_checkpoint(sharded, save, optimizer=optimizer)
+    return losses
+
+
+# ---- memory ---------------------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Start a new peak-RSS window (VmHWM := VmRSS)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+MEMORY_SLACK = 48 * 2**20  # graphs, plans and allocator slack of one load
+
+
+def save_big(directory: str) -> None:
+    """A LLaMA of ~110M parameters (bf16, ~220 MB in several files): weights dominate."""
+    tf = _tf()
+    config = tf.LlamaConfig(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816,
+                            num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
+                            max_position_embeddings=256)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="30MB")
+
+
+def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
+                ) -> dict[str, int]:
+    """Peak resident-memory growth of one rank while it loads ``directory``: autotp's
+    slice reads, or (``naive``) transformers' full load followed by parallelize."""
+    import gc
+
+    import autotp
+
+    tf = _tf()
+    torch.set_num_threads(1)
+    ids = batch()
+    with torch.device("meta"):  # imports and first-call caches, without any weights
+        autotp.plan(tf.AutoModelForCausalLM.from_config(
+            tf.AutoConfig.from_pretrained(directory)), world_size,
+            example_kwargs={"input_ids": ids})
+    gc.collect()
+    reset_peak()
+    before = _status("VmRSS")
+    if naive:
+        model = tf.AutoModelForCausalLM.from_pretrained(directory)
+        sharded = autotp.parallelize(model, tp=world_size)
+    else:
+        sharded = autotp.from_pretrained(directory, tp=world_size)
+    peak = _status("VmHWM")
+    local = sum(t.numel() * t.element_size()
+                for t in [*sharded.parameters(), *sharded.buffers()])
+    return {"growth": peak - before, "local_bytes": local}
+
+
+# ---- init=True ------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """Plain torch modules only: construction is reset_parameters() in module order."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = 64, heads: int = 8, layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * (1 + self.scale)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def init_case(rank: int, world_size: int, kind: str) -> dict[str, float]:
+    """init=True on a model without weights against the unsharded model initialized the
+    same way with the same seed; max |difference| over every parameter."""
+    import autotp
+
+    _tf()
+    torch.set_num_threads(1)
+    ids = batch()
+    if kind == "tiny":
+        torch.manual_seed(7)
+        reference = TinyLM()  # construction runs reset_parameters() module by module
+        with autotp.empty_weights():
+            model = TinyLM()
+        torch.manual_seed(7)
+        sharded = autotp.parallelize(model, tp=world_size, example_args=(ids,), init=True)
+    else:
+        with torch.device("meta"):
+            model = gpt2()
+        torch.manual_seed(7)
+        sharded = autotp.parallelize(model, tp=world_size, init=True,
+                                     example_kwargs={"input_ids": ids})
+        with torch.device("meta"):
+            reference = gpt2()
+        reference.to_empty(device="cpu")
+        reference.tie_weights()
+        torch.manual_seed(7)
+        with torch.no_grad():
+            reference.apply(reference._init_weights)  # transformers' post-order init
+    full = autotp.full_state_dict(sharded)
+    state = reference.state_dict()
+    diff = max(float((full[n] - state[n]).abs().max()) for n in full)
+    out = sharded(ids) if kind == "tiny" else sharded(input_ids=ids).logits
+    ref_out = reference(ids) if kind == "tiny" else reference(input_ids=ids).logits
+    return {"params": diff, "names": float(len(full)), "expected": float(len(state)),
+            "output": float((out - ref_out).detach().abs().max())}
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+def error_case(rank: int, world_size: int, directory: str, other: str) -> dict[str, str]:
+    """Each bad input's error message (or 'no error')."""
+    import json
+    from pathlib import Path
+
+    import autotp
+    from safetensors.torch import load_file, save_file
+
+    torch.set_num_threads(1)
+    base = Path(directory)
+    work = Path(other)
+    out: dict[str, str] = {}
+
+    def attempt(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            out[label] = "no error"
+        except autotp.AutotpError as exc:
+            out[label] = f"AutotpError: {exc}"
+        except Exception as exc:  # noqa: BLE001 - reported as the wrong kind of error
+            out[label] = f"{type(exc).__name__}: {exc}"
+
+    attempt("no such path", lambda: autotp.from_pretrained(work / "nope", tp=world_size))
+    pickled = work / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((base / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    attempt("pickled weights", lambda: autotp.from_pretrained(pickled, tp=world_size))
+    with torch.device("meta"):
+        model = llama()
+    attempt("bin file", lambda: autotp.parallelize(model, tp=world_size,
+                                                   checkpoint=pickled / "pytorch_model.bin"))
+    attempt("meta without weights", lambda: autotp.parallelize(model, tp=world_size))
+    files = sorted(base.glob("*.safetensors"))
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(file))
+    (work / "config.json").write_text((base / "config.json").read_text())
+
+    def variant(name: str, changed: dict[str, torch.Tensor]) -> Path:
+        folder = work / name
+        folder.mkdir()
+        (folder / "config.json").write_text((base / "config.json").read_text())
+        save_file(changed, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.down_proj.weight"]
+    attempt("missing key", lambda: autotp.from_pretrained(variant("missing", missing),
+                                                          tp=world_size))
+    extra = {**tensors, "model.layers.1.mlp.extra.weight": torch.zeros(2)}
+    attempt("unexpected key", lambda: autotp.from_pretrained(variant("extra", extra),
+                                                             tp=world_size))
+    wrong = {**tensors, "model.layers.0.mlp.up_proj.weight": torch.zeros(96, 64)}
+    attempt("wrong shape", lambda: autotp.from_pretrained(variant("shape", wrong),
+                                                          tp=world_size))
+    truncated = variant("truncated", tensors)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    attempt("truncated file", lambda: autotp.from_pretrained(truncated, tp=world_size))
+    sharded = autotp.from_pretrained(base, tp=world_size)
+    attempt("not a checkpoint", lambda: autotp.load_checkpoint(sharded, base))
+    gpt = work / "gpt2"
+    save_hf("gpt2", str(gpt), max_shard_size="5GB")
+    other_model = autotp.from_pretrained(gpt, tp=world_size)
+    autotp.save_checkpoint(other_model, work / "gpt2-ckpt")
+    attempt("another model's checkpoint",
+            lambda: autotp.load_checkpoint(sharded, work / "gpt2-ckpt"))
+    json.dumps(out)
+    return out
