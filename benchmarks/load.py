@@ -1,0 +1,165 @@
+"""Loading a LLaMA-shaped checkpoint: autotp.from_pretrained against the naive path.
+
+    python benchmarks/load.py                 # ~1.1B parameters, bf16, tp 1, 2, 4
+    python benchmarks/load.py --layers 4      # smaller and faster
+
+Writes a checkpoint with random weights (bf16, several safetensors files, streamed: the
+writer never holds the model), then loads it in CPU processes (gloo) at each tp, two ways,
+interleaved:
+
+    autotp   autotp.from_pretrained(dir, tp): the model on meta, each rank reads its slices
+    naive    transformers' from_pretrained (the whole model on every rank), then
+             autotp.parallelize
+
+and prints wall time and peak resident memory (VmHWM) per rank, next to an empty process
+(the same imports and process group, nothing loaded) and the rank's share of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autotp.launch import run_processes  # noqa: E402
+
+
+def _config(args: argparse.Namespace) -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        num_hidden_layers=args.layers, hidden_size=args.hidden,
+        intermediate_size=args.intermediate, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        max_position_embeddings=2048, dtype=torch.bfloat16,
+        architectures=["LlamaForCausalLM"])
+
+
+def write_checkpoint(args: argparse.Namespace, directory: Path) -> int:
+    """Random bf16 weights in transformers' layout, one tensor in memory at a time."""
+    import transformers
+
+    from autotp.tensorfile import INDEX_NAME, Spec, plan_files, write_file
+
+    config = _config(args)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    specs = [Spec(name, torch.bfloat16, tuple(p.shape))
+             for name, p in model.named_parameters()]
+    groups = plan_files(specs, int(args.shard_mb * 2**20))
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    generator = torch.Generator().manual_seed(0)
+
+    def produce(spec: Spec) -> torch.Tensor:
+        return (0.02 * torch.randn(spec.shape, generator=generator)).to(torch.bfloat16)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, group in zip(names, groups):
+        write_file(directory / name, group, produce)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": {s.name: n for n, g in zip(names, groups) for s in g}}
+    (directory / INDEX_NAME).write_text(json.dumps(index))
+    config.save_pretrained(directory)
+    return sum(s.nbytes for s in specs)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def load_case(rank: int, world_size: int, directory: str, mode: str) -> dict[str, float]:
+    import transformers
+
+    import autotp
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    hf_time = 0.0
+    if mode == "autotp":
+        sharded = autotp.from_pretrained(directory, tp=world_size)
+    elif mode == "naive":
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                                  dtype=torch.bfloat16)
+        hf_time = time.perf_counter() - start
+        sharded = autotp.parallelize(model, tp=world_size)
+        del model
+    else:
+        sharded = None
+    seconds = time.perf_counter() - start
+    local = 0 if sharded is None else sum(
+        t.numel() * t.element_size() for t in [*sharded.parameters(), *sharded.buffers()])
+    return {"seconds": seconds, "hf_seconds": hf_time, "peak": _status("VmHWM"),
+            "local": local}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", default="1,2,4")
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--shard-mb", type=float, default=500.0)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--dir", default=None, help="keep the checkpoint here (default: temp)")
+    args = parser.parse_args()
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="autotp-load-"))
+    start = time.perf_counter()
+    full = write_checkpoint(args, root)
+    params = full // 2
+    print(f"checkpoint: {params / 1e9:.2f}B parameters, {full / 2**30:.2f} GiB bf16 in "
+          f"{len(list(root.glob('*.safetensors')))} files, written in "
+          f"{time.perf_counter() - start:.1f} s ({root})", flush=True)
+    gib = 2**30
+    rows = []
+    for tp in [int(x) for x in args.tp.split(",")]:
+        empty = max(r["peak"] for r in run_processes(load_case, tp, str(root), "empty",
+                                                     timeout=1800))
+        runs: dict[str, list[list[dict[str, float]]]] = {"autotp": [], "naive": []}
+        for _ in range(args.reps):
+            for mode in runs:  # interleaved
+                runs[mode].append(run_processes(load_case, tp, str(root), mode, timeout=1800))
+        row = {"tp": tp, "empty": empty / gib, "share": full / tp / gib}
+        for mode, reps in runs.items():
+            row[f"{mode}_s"] = statistics.median(max(r["seconds"] for r in rep) for rep in reps)
+            row[f"{mode}_peak"] = max(r["peak"] for rep in reps for r in rep) / gib
+        row["hf_s"] = statistics.median(max(r["hf_seconds"] for r in rep)
+                                        for rep in runs["naive"])
+        row["bound"] = 1.15 * full / tp / gib + row["empty"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print()
+    print("| tp | share of weights | empty process | autotp peak RSS | naive peak RSS | "
+          "autotp ≤ 1.15 × share + empty | autotp load | transformers load | naive total |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ok = "yes" if r["autotp_peak"] <= r["bound"] else "NO"
+        print(f"| {r['tp']} | {r['share']:.2f} GiB | {r['empty']:.2f} GiB | "
+              f"{r['autotp_peak']:.2f} GiB | {r['naive_peak']:.2f} GiB | {ok} "
+              f"({r['bound']:.2f} GiB) | {r['autotp_s']:.1f} s | {r['hf_s']:.1f} s | "
+              f"{r['naive_s']:.1f} s |")
+    if not args.dir:
+        for file in root.iterdir():
+            os.remove(file)
+        root.rmdir()
+
+
+if __name__ == "__main__":
+    main()
