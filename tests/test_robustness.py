@@ -142,6 +142,37 @@ def test_device_and_backend_mismatch_is_refused(backend: str, device: str,
         comm._check_device(tensor)  # type: ignore[arg-type]
 
 
+class _Work:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def wait(self, **kwargs: object) -> bool:
+        self.calls.append(kwargs)
+        return True
+
+
+@pytest.mark.parametrize("backend, device, blocking", [
+    ("nccl", "cuda", False),
+    ("cpu:gloo,cuda:nccl", "cuda", False),
+    ("undefined", "cuda", False),  # init_process_group() without a backend
+    ("cpu:gloo,cuda:nccl", "cpu", True),
+    ("gloo", "cpu", True),
+])
+def test_nccl_collectives_do_not_block_the_host(backend: str, device: str,
+                                                blocking: bool) -> None:
+    """With NCCL, wait(timeout) blocks the host until the GPU has run everything queued
+    before the collective (a device synchronization per collective); wait() only orders the
+    stream. The timeout applies where the wait is on the host anyway (gloo)."""
+    from autotp.comm import ProcessGroupComm
+
+    comm = object.__new__(ProcessGroupComm)
+    comm.backend, comm.timeout, comm.rank = backend, 30.0, 0
+    tensor = type("T", (), {"device": torch.device(device)})()
+    work = _Work()
+    comm._wait(work, "all_reduce", comm._uses_nccl(tensor))  # type: ignore[arg-type]
+    assert bool(work.calls[0]) == blocking, work.calls
+
+
 class WithUnused(nn.Module):
     def __init__(self) -> None:
         super().__init__()
