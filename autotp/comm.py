@@ -87,15 +87,12 @@ class ProcessGroupComm(Communicator):
         self.log = CollectiveLog()
 
     def _check_device(self, tensor: torch.Tensor) -> None:
+        # gloo takes CUDA tensors too (staged through host memory): slower than NCCL, but it
+        # runs several ranks on one GPU, which NCCL refuses
         if self.backend == "nccl" and tensor.device.type != "cuda":
             raise ConfigError(
                 f"the process group uses NCCL but the model runs on {tensor.device}: move the "
                 "model and inputs to this rank's GPU, or use a gloo group for CPU"
-            )
-        if self.backend == "gloo" and tensor.device.type == "cuda":
-            raise ConfigError(
-                "the process group uses gloo but the model runs on CUDA: initialize the "
-                "group with backend='nccl' (or 'cpu:gloo,cuda:nccl')"
             )
 
     def _uses_nccl(self, tensor: torch.Tensor) -> bool:
