@@ -427,7 +427,12 @@ class Simulation:
 
         def target(rank: int) -> None:
             try:
-                results[rank] = fn(self.ranks[rank])
+                # Backward of CUDA tensors runs on autograd's worker thread for the device,
+                # one per process and shared by every simulated rank: a rank waiting in a
+                # collective there would keep the other ranks' backward from running. Each
+                # rank runs its own backward in its own thread instead.
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[rank] = fn(self.ranks[rank])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 errors[rank] = exc
                 comm = self.ranks[rank].comm

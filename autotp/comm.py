@@ -87,21 +87,30 @@ class ProcessGroupComm(Communicator):
         self.log = CollectiveLog()
 
     def _check_device(self, tensor: torch.Tensor) -> None:
+        # gloo takes CUDA tensors too (staged through host memory): slower than NCCL, but it
+        # runs several ranks on one GPU, which NCCL refuses
         if self.backend == "nccl" and tensor.device.type != "cuda":
             raise ConfigError(
                 f"the process group uses NCCL but the model runs on {tensor.device}: move the "
                 "model and inputs to this rank's GPU, or use a gloo group for CPU"
             )
-        if self.backend == "gloo" and tensor.device.type == "cuda":
-            raise ConfigError(
-                "the process group uses gloo but the model runs on CUDA: initialize the "
-                "group with backend='nccl' (or 'cpu:gloo,cuda:nccl')"
-            )
 
-    def _wait(self, work: Any, what: str) -> None:
-        """Wait for an async collective, at most ``timeout`` seconds."""
+    def _uses_nccl(self, tensor: torch.Tensor) -> bool:
+        """Whether the collective on ``tensor`` runs on NCCL: a CUDA tensor on any backend
+        but gloo ("nccl", "cpu:gloo,cuda:nccl", or the default group of init_process_group()
+        without a backend)."""
+        return tensor.device.type == "cuda" and self.backend != "gloo"
+
+    def _wait(self, work: Any, what: str, nccl: bool = False) -> None:
+        """Wait for an async collective, at most ``timeout`` seconds.
+
+        NCCL: ``wait()`` only orders the current CUDA stream after the collective; the host
+        goes on. ``wait(timeout)`` would block the host until the GPU has finished everything
+        queued before the collective: a device synchronization at every collective. There
+        the process group's own timeout (``init_process_group(timeout=...)``), enforced by
+        NCCL's watchdog, bounds the wait instead."""
         try:
-            if self.timeout is None:
+            if self.timeout is None or nccl:
                 work.wait()
             else:
                 work.wait(timeout=timedelta(seconds=self.timeout))
@@ -116,7 +125,8 @@ class ProcessGroupComm(Communicator):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check_device(tensor)
         out = tensor.contiguous().clone()
-        self._wait(dist.all_reduce(out, group=self.group, async_op=True), "all_reduce")
+        self._wait(dist.all_reduce(out, group=self.group, async_op=True), "all_reduce",
+                   self._uses_nccl(out))
         return out
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -124,17 +134,17 @@ class ProcessGroupComm(Communicator):
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
         self._wait(_all_gather_single(out, moved, group=self.group, async_op=True),
-                   "all_gather")
+                   "all_gather", self._uses_nccl(moved))
         return out.movedim(0, dim).contiguous()  # views of it must work as in the original
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
         moved = tensor.movedim(dim, 0).contiguous()
-        if self.backend == "nccl":
+        if self._uses_nccl(moved):
             out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
             self._wait(_reduce_scatter_single(out, moved, group=self.group, async_op=True),
-                       "reduce_scatter")
-        else:  # gloo has no reduce-scatter of tensors: all-reduce and keep the slice
+                       "reduce_scatter", nccl=True)
+        else:  # older gloo has no reduce-scatter of tensors: all-reduce and keep the slice
             self._wait(dist.all_reduce(moved, group=self.group, async_op=True), "reduce_scatter")
             out = moved.chunk(self.world_size, dim=0)[self.rank]
         return out.movedim(0, dim).contiguous()
@@ -145,7 +155,8 @@ class ProcessGroupComm(Communicator):
         return out
 
 
-# torch >= 2.10 names these *_single; older releases have the *_into_tensor / *_tensor forms.
+# newer torch names these *_single (the *_into_tensor / *_tensor forms are deprecated
+# there); older releases (2.11 included) have only the latter.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -58,18 +58,42 @@ OPTIONAL_IMPLS = ("autotp-compile",)  # torch.compile of each rank's program (in
 class Impl:
     name: str
     module: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # step() and zero_grad(set_to_none=True)
     context: Callable[[], ContextManager[Any]]  # forward and backward run inside it
     full_grads: Callable[[], dict[str, torch.Tensor]]  # collective
     local_params: Callable[[], dict[str, torch.Tensor]]  # reference name -> local tensor
 
 
-def _optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _optimizer(name: str, params: list[nn.Parameter], lr: float,
+               foreach: Optional[bool] = None) -> torch.optim.Optimizer:
+    """``foreach=None``: torch's default (the multi-tensor kernels on CUDA, not on CPU)."""
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+class _PerKind:
+    """One optimizer over the DTensor parameters and one over the plain ones (norms, biases
+    that ``parallelize_module`` leaves alone): the multi-tensor (foreach) kernels, torch's
+    default on CUDA, refuse a list mixing the two."""
+
+    def __init__(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 params: list[nn.Parameter]):
+        from torch.distributed.tensor import DTensor
+
+        kinds = ([p for p in params if isinstance(p, DTensor)],
+                 [p for p in params if not isinstance(p, DTensor)])
+        self.optimizers = [make(kind) for kind in kinds if kind]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
@@ -77,7 +101,10 @@ def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
     """Implementation ``name`` of this rank, built from the unsharded ``ref``'s weights."""
     from contextlib import nullcontext
 
-    opt = lambda m: _optimizer(spec["optim"], list(m.parameters()), spec["lr"])  # noqa: E731
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return _optimizer(spec["optim"], params, spec["lr"], spec.get("foreach"))
+
+    opt = lambda m: make(list(m.parameters()))  # noqa: E731
     if name == "unsharded":
         model = copy.deepcopy(ref)
         return Impl(name, model, opt(model), nullcontext,
@@ -96,7 +123,8 @@ def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
 
         mesh = init_device_mesh(spec["device"], (tp,))
         dmod = dtensor_ref.parallelize(ref, mesh, prepare_inputs=name == "dtensor-prepare")
-        return Impl(name, dmod, opt(dmod), dtensor_ref.loss_context,
+        return Impl(name, dmod, _PerKind(make, list(dmod.parameters())),
+                    dtensor_ref.loss_context,
                     lambda: dtensor_ref.full_grads(dmod),
                     lambda: dtensor_ref.local_params(dmod))
     if name in ("autotp", "autotp-compile"):

@@ -7,24 +7,27 @@ from typing import Any
 import torch
 
 
-def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
-                     ) -> dict[str, Any]:
+def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False,
+                     device: str = "cpu") -> dict[str, Any]:
     """parallelize ``name`` over the gloo group; compare with the unsharded model.
 
     With ``labels`` the model computes its own loss (HF ``labels=``) from gathered logits.
+    ``device="cuda"``: model and inputs on the GPU (every rank on the same one).
     """
     import autotp
     from autotp.verify import compare, layer_counts, reference_step, sharded_step
     from models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
-    model = BUILDERS[name]()
+    model = BUILDERS[name]().to(device)
     args, kwargs = example(name)
+    args = tuple(a.to(device) for a in args)
+    kwargs = {k: v.to(device) for k, v in kwargs.items()}
     if labels:
         kwargs = {**kwargs, "labels": kwargs["input_ids"]}
     sharded = autotp.parallelize(model, tp=world_size, example_args=args,
                                  example_kwargs=kwargs)
-    ids = batch()
+    ids = batch().to(device)
 
     def call(m: torch.nn.Module) -> Any:
         return m(ids, labels=ids) if labels else m(ids)

@@ -35,7 +35,8 @@ def reference_case(rank: int, world_size: int) -> dict[str, Any]:
     from tp_bench import build_impl, check_step, train_step
 
     torch.set_num_threads(1)
-    spec = {"device": "cpu", "optim": "sgd", "lr": 0.1}
+    # foreach: the optimizer's multi-tensor kernels, torch's default on CUDA
+    spec = {"device": "cpu", "optim": "sgd", "lr": 0.1, "foreach": True}
     out: dict[str, Any] = {}
     for model in MODELS:
         cfg = bm.make_config(model, "tiny")

@@ -8,6 +8,7 @@ Tolerances as in test_equivalence: outputs and loss <= 1e-4 abs; gradients <= 1e
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autotp.launch import run_processes
 from dist_cases import equivalence_case
@@ -34,3 +35,14 @@ def test_gloo_loss_computed_by_the_model(name: str) -> None:
     for r in run_processes(equivalence_case, 2, name, True, timeout=240):
         assert r["loss_diff"] <= ATOL and r["output_diff"] <= ATOL, r
         assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gloo_processes_with_cuda_tensors(name: str) -> None:
+    """gloo takes CUDA tensors: two ranks sharing one GPU (NCCL refuses that)."""
+    for r in run_processes(equivalence_case, 2, name, False, "cuda", timeout=240):
+        assert r["output_diff"] <= ATOL and r["loss_diff"] <= ATOL, r
+        assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r
+        for layer in (0, 1):
+            assert r["counts"][layer] == {"forward": 2, "backward": 2}, r["counts"]

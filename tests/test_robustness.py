@@ -126,20 +126,49 @@ def test_example_of_the_wrong_rank_is_a_trace_error(shape: tuple) -> None:
                     example_kwargs={"input_ids": torch.zeros(shape, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("backend, device, message", [
-    ("nccl", "cpu", "uses NCCL but the model runs on cpu"),
-    ("gloo", "cuda", "uses gloo but the model runs on CUDA"),
-])
-def test_device_and_backend_mismatch_is_refused(backend: str, device: str,
-                                                message: str) -> None:
-    """The check itself (no GPU here): NCCL with CPU tensors, gloo with CUDA tensors."""
+def test_nccl_with_cpu_tensors_is_refused() -> None:
+    """The check itself (no GPU here). gloo takes CUDA tensors as well as CPU ones."""
     from autotp.comm import ProcessGroupComm
 
     comm = object.__new__(ProcessGroupComm)
-    comm.backend = backend
-    tensor = type("T", (), {"device": torch.device(device)})()  # a tensor's device, no GPU
-    with pytest.raises(autotp.ConfigError, match=message):
+    comm.backend = "nccl"
+    tensor = type("T", (), {"device": torch.device("cpu")})()  # a tensor's device, no GPU
+    with pytest.raises(autotp.ConfigError, match="uses NCCL but the model runs on cpu"):
         comm._check_device(tensor)  # type: ignore[arg-type]
+    comm.backend = "gloo"
+    comm._check_device(type("T", (), {"device": torch.device("cuda")})())  # type: ignore
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def wait(self, **kwargs: object) -> bool:
+        self.calls.append(kwargs)
+        return True
+
+
+@pytest.mark.parametrize("backend, device, blocking", [
+    ("nccl", "cuda", False),
+    ("cpu:gloo,cuda:nccl", "cuda", False),
+    ("undefined", "cuda", False),  # init_process_group() without a backend
+    ("cpu:gloo,cuda:nccl", "cpu", True),
+    ("gloo", "cuda", True),
+    ("gloo", "cpu", True),
+])
+def test_nccl_collectives_do_not_block_the_host(backend: str, device: str,
+                                                blocking: bool) -> None:
+    """With NCCL, wait(timeout) blocks the host until the GPU has run everything queued
+    before the collective (a device synchronization per collective); wait() only orders the
+    stream. The timeout applies where the wait is on the host anyway (gloo)."""
+    from autotp.comm import ProcessGroupComm
+
+    comm = object.__new__(ProcessGroupComm)
+    comm.backend, comm.timeout, comm.rank = backend, 30.0, 0
+    tensor = type("T", (), {"device": torch.device(device)})()
+    work = _Work()
+    comm._wait(work, "all_reduce", comm._uses_nccl(tensor))  # type: ignore[arg-type]
+    assert bool(work.calls[0]) == blocking, work.calls
 
 
 class WithUnused(nn.Module):
