@@ -138,8 +138,10 @@ class ModelWeights(Weights):
                 f"parameter {target!r} is on the meta device: pass checkpoint=PATH to load "
                 "this rank's slices from safetensors files, or init=True to initialize them "
                 "(or build the model with real weights)")
-        local = shard_tensor(like.detach(), layout, rank, tp)
-        return self._place(local.clone() if local is like else local, like)
+        whole = like.detach()
+        local = shard_tensor(whole, layout, rank, tp)
+        # a replicated piece is the model's own tensor: copy it, never share its storage
+        return self._place(local.clone() if local is whole else local, like)
 
 
 # ---- checkpoints ------------------------------------------------------------------------
