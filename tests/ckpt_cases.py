@@ -78,17 +78,20 @@ def _step(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, flo
     return out.logits.detach(), float(out.loss.detach())
 
 
-def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
-              ) -> dict[str, Any]:
-    """from_pretrained at tp = world_size against transformers' own unsharded load."""
+def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32",
+              sequence_parallel: bool = False) -> dict[str, Any]:
+    """from_pretrained at tp = world_size against transformers' own unsharded load. Every
+    rank is seeded differently: weights come from the file, the dropout seed is agreed."""
     import autotp
 
     tf = _tf()
     torch.set_num_threads(1)
+    torch.manual_seed(1000 + rank)
     ids = batch()
     example = {"input_ids": ids, "labels": ids}
     sharded = autotp.from_pretrained(directory, tp=world_size, dtype=getattr(torch, dtype),
-                                     example_kwargs=example, training=True)
+                                     example_kwargs=example, training=True,
+                                     sequence_parallel=sequence_parallel)
     reference = tf.AutoModelForCausalLM.from_pretrained(directory,
                                                         dtype=getattr(torch, dtype))
     reference.train()
@@ -103,6 +106,7 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
     local = sum(p.numel() for p in sharded.parameters())
     return {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss - ref_loss),
             "grad": grad_diff, "weights": weight_diff, "dtype": str(logits.dtype),
+            "sequence_parallel": sharded.plan.sequence_parallel,
             "local_params": local,
             "full_params": sum(p.numel() for p in reference.parameters())}
 

@@ -41,6 +41,13 @@ def test_from_pretrained_matches_transformers(saved: dict[str, str], name: str,
         assert r["local_params"] < r["full_params"], r
 
 
+def test_from_pretrained_passes_options_through(saved: dict[str, str]) -> None:
+    """sequence_parallel=True reaches the plan; the loaded model still matches."""
+    for r in run_processes(cc.load_case, 2, saved["gpt2"], "float32", True, timeout=240):
+        assert r["weights"] == 0.0 and r["sequence_parallel"], r
+        assert r["logits"] <= ATOL and r["loss"] <= ATOL and r["grad"] <= ATOL, r
+
+
 def test_save_pretrained_loads_bitwise_in_transformers(saved: dict[str, str],
                                                        tmp_path: Path) -> None:
     run_processes(cc.save_case, 2, saved["gpt2"], str(tmp_path), timeout=240)
