@@ -145,6 +145,8 @@ class ProcessGroupComm(Communicator):
             self._wait(_reduce_scatter_single(out, moved, group=self.group, async_op=True),
                        "reduce_scatter", nccl=True)
         else:  # older gloo has no reduce-scatter of tensors: all-reduce and keep the slice
+            if moved.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                moved = moved.clone()  # all_reduce works in place: never on the caller's tensor
             self._wait(dist.all_reduce(moved, group=self.group, async_op=True), "reduce_scatter")
             out = moved.chunk(self.world_size, dim=0)[self.rank]
         return out.movedim(0, dim).contiguous()

@@ -88,3 +88,17 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
         "largest_collective": max(e.nbytes for e in sharded.comm.log.events),
         "logits_bytes": ids.numel() * VOCAB * 4,
     }
+
+
+def reduce_scatter_case(rank: int, world_size: int) -> dict[str, Any]:
+    """ProcessGroupComm.reduce_scatter over gloo: the result, and the input left untouched."""
+    from autotp.comm import ProcessGroupComm
+
+    comm = ProcessGroupComm()
+    x = torch.arange(8.0).reshape(4, 2) * (rank + 1)
+    before = x.clone()
+    out = comm.reduce_scatter(x, 0)
+    total = sum(r + 1 for r in range(world_size)) * torch.arange(8.0).reshape(4, 2)
+    expected = total.chunk(world_size, 0)[rank]
+    return {"result_ok": bool(torch.equal(out, expected)),
+            "input_kept": bool(torch.equal(x, before))}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autotp.launch import run_processes
-from dist_cases import equivalence_case
+from dist_cases import equivalence_case, reduce_scatter_case
 
 ATOL = 1e-4
 
@@ -46,3 +46,10 @@ def test_gloo_processes_with_cuda_tensors(name: str) -> None:
         assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r
         for layer in (0, 1):
             assert r["counts"][layer] == {"forward": 2, "backward": 2}, r["counts"]
+
+
+def test_gloo_reduce_scatter_leaves_its_input_alone() -> None:
+    """gloo's reduce-scatter is an all-reduce and a slice; the all-reduce works in place, so
+    on a contiguous dim-0 input it must work on a copy (another reader may hold the value)."""
+    for r in run_processes(reduce_scatter_case, 2, timeout=120):
+        assert r == {"result_ok": True, "input_kept": True}, r
