@@ -12,7 +12,7 @@ import inspect
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -132,11 +132,13 @@ class ShardedModule(nn.Module):
         """Collective: every rank must hold the same plan (a hash exchanged over the group).
         Different models, degrees or examples on different ranks would otherwise run
         mismatched collectives: a hang or a silently wrong result."""
-        digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:16]
-        gathered = cast(list[tuple[str, int]],
-                        self.comm.all_gather_object((digest, self.seed)))
-        seeds = [seed for _, seed in gathered]
-        digests = [d for d, _ in gathered]
+        digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:15]
+        # plain integers in a tensor: nothing exchanged between ranks is ever unpickled
+        mine = torch.tensor([int(digest, 16), self.seed % 2**62, self.seed >> 62],
+                            dtype=torch.int64, device=self._device())
+        rows = self.comm.all_gather(mine.unsqueeze(0), 0).tolist()
+        seeds = [lo + (hi << 62) for _, lo, hi in rows]
+        digests = [f"{d:015x}" for d, _, _ in rows]
         if len(set(seeds)) > 1:
             raise ConfigError(
                 f"the ranks were seeded differently ({seeds}): seed every rank the same "
@@ -153,6 +155,9 @@ class ShardedModule(nn.Module):
                 "autotp.parallelize with the same model, tp and example inputs on every rank"
             )
         self._plan_checked = True
+
+    def _device(self) -> torch.device:
+        return next((p.device for p in self.program.parameters()), torch.device("cpu"))
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature: Optional[inspect.Signature] = self._signature

@@ -68,9 +68,6 @@ class Communicator:
         """Sum over ranks, then keep this rank's 1/world_size slice of ``dim``."""
         raise NotImplementedError
 
-    def all_gather_object(self, obj: object) -> list[object]:
-        raise NotImplementedError
-
 
 class CollectiveError(AutotpError, RuntimeError):
     """A collective did not complete: another rank failed, exited, or is stuck."""
@@ -151,11 +148,6 @@ class ProcessGroupComm(Communicator):
             out = moved.chunk(self.world_size, dim=0)[self.rank]
         return out.movedim(0, dim).contiguous()
 
-    def all_gather_object(self, obj: object) -> list[object]:
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
 
 # newer torch names these *_single (the *_into_tensor / *_tensor forms are deprecated
 # there); older releases (2.11 included) have only the latter.
@@ -214,9 +206,6 @@ class ThreadComm(Communicator):
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         total = self.all_reduce(tensor)
         return total.chunk(self.world_size, dim=dim)[self.rank].contiguous()
-
-    def all_gather_object(self, obj: object) -> list[object]:
-        return self._exchange(obj)
 
     def abort(self) -> None:
         self.hub.barrier.abort()
