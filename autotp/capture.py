@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -187,10 +188,21 @@ def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
             module._buffers[name] = buf
 
 
+def _library_file(filename: str) -> bool:
+    """A frame of torch or of autotp itself (its package folders, whatever the checkout's
+    folder is called), not of the user's model."""
+    import autotp
+    from autotp import planner, rules
+
+    path = os.path.realpath(filename)
+    roots = [os.path.dirname(os.path.realpath(m.__file__ or "")) + os.sep
+             for m in (torch, autotp, planner, rules)]
+    return any(path.startswith(root) for root in roots)
+
+
 def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "site-packages/torch" not in f.filename
-            and "/torch/" not in f.filename and "autotp" not in f.filename]
+    user = [f for f in frames if not _library_file(f.filename)]
     text = f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: "
     text += str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if user:
