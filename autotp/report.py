@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import sympy
+import torch
 
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
@@ -156,7 +157,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
     params = {}
     per_rank = total = 0
     for name, p in plan.params.items():
-        itemsize = 4
+        itemsize = getattr(torch, p.dtype).itemsize
         numel = math.prod(p.global_shape)
         total += numel * itemsize
         per_rank += math.prod(p.local_shape) * itemsize
@@ -239,7 +240,8 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     if any(x.startswith("S") for x in plan.outputs):
         lines.append(f"outputs returned sharded (not gathered): {', '.join(plan.outputs)}")
     lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "
-                 f"{human_bytes(s['param_bytes'])} (fp32)")
+                 f"{human_bytes(s['param_bytes'])} "
+                 f"({', '.join(sorted({p.dtype for p in plan.params.values()}))})")
     if s["fallbacks"]:
         lines.append(f"replicated fallbacks: {len(s['fallbacks'])}")
         lines += [f"  {f}" for f in s["fallbacks"]]

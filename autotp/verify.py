@@ -32,7 +32,7 @@ class Comparison:
     loss_diff: float
     grad_diff: float  # max over parameters of max |g - g_ref|
     grad_rel: float  # the same, / max(max |g_ref| of that parameter, 1% of the model's max)
-    worst_param: str
+    worst_param: str  # the parameter with the largest relative difference
     counts: dict[Optional[int], dict[str, int]] = field(default_factory=dict)
 
     def ok(self, atol: float = 1e-4, grad_rtol: float = 1e-4) -> bool:
@@ -72,10 +72,11 @@ def compare(reference: StepResult, got: StepResult) -> Comparison:
     for name, ref in reference.grads.items():
         if name not in got.grads:
             raise AssertionError(f"the sharded model has no gradient for {name}")
-        diff = float((ref - got.grads[name]).abs().max())
-        rel = diff / max(float(ref.abs().max()), floor, 1e-12)
+        diff = float((ref - got.grads[name]).abs().max()) if ref.numel() else 0.0
+        rel = diff / max(float(ref.abs().max()) if ref.numel() else 0.0, floor, 1e-12)
+        grad_diff = max(grad_diff, diff)
         if rel > grad_rel:
-            worst, grad_diff, grad_rel = name, diff, rel
+            worst, grad_rel = name, rel
     return Comparison(output_diff, abs(reference.loss - got.loss), grad_diff, grad_rel, worst)
 
 

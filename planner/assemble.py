@@ -125,7 +125,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 local_shape=local_shape(global_shape, layout, tp),
                 names=tuple(captured.aliases.get(target, [target])),
                 grad_sync=target in grad_sync,
-                layer=_first_use_layer(pn.node))
+                layer=_first_use_layer(pn.node),
+                dtype=str(params[target].dtype).removeprefix("torch."))
     if grad_sync:
         numel = sum(math.prod(params[t].shape) * params[t].element_size() for t in grad_sync)
         plan.collectives.append(CollectiveRecord(

@@ -22,6 +22,7 @@ class ParamPlan:
     names: tuple[str, ...]  # every name the original model has for it (tied weights)
     grad_sync: bool = False  # replicated, read where its gradient is partial: summed after backward
     layer: Optional[int] = None  # the layer of its first use (for display)
+    dtype: str = "float32"  # torch dtype name, for byte counts
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class Plan:
                         for k, v in data["choices"].items()}
         plan.params = {
             k: ParamPlan(v["layout"], tuple(v["global_shape"]), tuple(v["local_shape"]),
-                         tuple(v["names"]), v["grad_sync"], v.get("layer"))
+                         tuple(v["names"]), v["grad_sync"], v.get("layer"),
+                         v.get("dtype", "float32"))
             for k, v in data["params"].items()
         }
         plan.edges = [Edge(**e) for e in data["edges"]]

@@ -142,11 +142,11 @@ def test_verify_in_simulation_and_processes() -> None:
 
 
 def test_python_m_and_console_script_agree() -> None:
-    import shutil
+    import sysconfig
 
-    script = shutil.which("autotp")
-    if script is None:
-        pytest.skip("console script not on PATH")
+    # the console script installed beside this interpreter (never looked up on PATH)
+    script = os.path.join(sysconfig.get_path("scripts"), "autotp")
+    assert os.path.exists(script), f"no console script at {script}: pip install -e ."
     a = subprocess.run([script, "plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json",
                         "-q"], capture_output=True, text=True, timeout=120).stdout
     b = autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json").stdout
