@@ -205,7 +205,8 @@ class _NoNames:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     import autotp
-    from autotp.verify import compare, first_divergence, layer_counts, reference_step, sharded_step
+    from autotp.verify import (compare, first_divergence, layer_counts, reference_step,
+                               sharded_step, worst_outcome)
     from autotp.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
@@ -220,7 +221,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with progress.step(f"running {args.tp} gloo processes"):
             results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict,
                                     args.sequence_parallel)
-        outcome = results[0]
+        outcome = worst_outcome(results)
     else:
         with progress.step("tracing, planning and rewriting all ranks"):
             sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
@@ -231,15 +232,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
             reference = reference_step(model, _caller(call_args, call_kwargs), generic_loss,
                                        first_float)
             got = sim.run(lambda m: sharded_step(m, _caller(call_args, call_kwargs),
-                                                 generic_loss, first_float))[0]
-        cmp = compare(reference, got)
-        outcome = {"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
-                   "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
-                   "worst_param": cmp.worst_param,
-                   "counts": layer_counts(sim.ranks[0].comm.log)}
+                                                 generic_loss, first_float))
+        outcomes = []
+        for rank, rank_got in enumerate(got):  # every rank, not only rank 0
+            cmp = compare(reference, rank_got)
+            outcomes.append({"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
+                             "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
+                             "worst_param": cmp.worst_param,
+                             "counts": layer_counts(sim.ranks[rank].comm.log)})
+        outcome = worst_outcome(outcomes)
     ok = (outcome["output_diff"] <= args.atol and outcome["loss_diff"] <= args.atol
-          and outcome["grad_rel"] <= args.atol)
-    print(f"{args.model} tp={args.tp} ({'gloo processes' if args.procs else 'simulation'}): "
+          and outcome["grad_rel"] <= args.atol and outcome["counts_agree"])
+    if not outcome["counts_agree"]:
+        print("the ranks executed different collectives")
+    print(f"{args.model} tp={args.tp} ({'gloo processes' if args.procs else 'simulation'}, "
+          f"worst of {args.tp} ranks: rank {outcome['rank']}): "
           f"max |output diff| {outcome['output_diff']:.2e}, |loss diff| "
           f"{outcome['loss_diff']:.2e}, max |grad diff| {outcome['grad_diff']:.2e} "
           f"({outcome['grad_rel']:.2e} relative, {outcome['worst_param']})")

@@ -163,3 +163,17 @@ def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
         if diff > atol * (1.0 + scale):
             return Divergence(node.name, str(node.target), text, diff, source_of(node))
     return None
+
+
+def worst_outcome(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report for all ranks: each difference is the largest over the ranks, the worst
+    parameter and ``rank`` are those of the rank with the largest relative gradient error,
+    and ``counts_agree`` says whether every rank executed the same collectives."""
+    worst_rank = max(range(len(outcomes)), key=lambda r: (outcomes[r]["grad_rel"],
+                                                          outcomes[r]["output_diff"]))
+    out = dict(outcomes[worst_rank])
+    for key in ("output_diff", "loss_diff", "grad_diff", "grad_rel"):
+        out[key] = max(o[key] for o in outcomes)
+    out["rank"] = worst_rank
+    out["counts_agree"] = all(o["counts"] == outcomes[0]["counts"] for o in outcomes)
+    return out

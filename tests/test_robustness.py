@@ -244,3 +244,17 @@ def test_parameter_bytes_follow_the_dtype() -> None:
     assert {p.dtype for p in plan.params.values()} == {"bfloat16"}
     again = autotp.Plan.from_json(plan.to_json())
     assert {p.dtype for p in again.params.values()} == {"bfloat16"}
+
+
+def test_verify_reports_the_worst_rank() -> None:
+    """verify looks at every rank: a difference on rank 1 alone is reported."""
+    from autotp.verify import worst_outcome
+
+    good = {"output_diff": 0.0, "loss_diff": 0.0, "grad_diff": 0.0, "grad_rel": 0.0,
+            "worst_param": "a", "counts": {0: {"forward": 2, "backward": 2}}}
+    bad = {**good, "output_diff": 0.5, "grad_rel": 0.1, "worst_param": "b"}
+    out = worst_outcome([good, bad])
+    assert out["rank"] == 1 and out["output_diff"] == 0.5 and out["worst_param"] == "b"
+    assert out["counts_agree"]
+    assert not worst_outcome([good, {**good, "counts": {0: {"forward": 3, "backward": 2}}}])[
+        "counts_agree"]
