@@ -258,3 +258,23 @@ def test_verify_reports_the_worst_rank() -> None:
     assert out["counts_agree"]
     assert not worst_outcome([good, {**good, "counts": {0: {"forward": 3, "backward": 2}}}])[
         "counts_agree"]
+
+
+@pytest.mark.parametrize("name,sequence_parallel", [("gpt2", False), ("llama", False),
+                                                    ("llama", True)])
+def test_reusing_solved_layers_equals_solving_every_layer(name: str,
+                                                          sequence_parallel: bool) -> None:
+    """The planner solves a repeated layer once and reuses the result: the plan must be the
+    one the dynamic program finds when it solves every layer."""
+    from autotp.capture import capture
+    from autotp.planner.problem import PlanOptions
+    from autotp.planner.solve import plan_graph
+
+    model = BUILDERS[name]()
+    args, kwargs = example(name)
+    captured = capture(model, args, kwargs)
+    plans = [plan_graph(captured, 2, options=PlanOptions(reuse_layers=reuse,
+                                                        sequence_parallel=sequence_parallel))
+             for reuse in (True, False)]
+    assert plans[0].layers >= 2
+    assert plans[0].to_json() == plans[1].to_json()
