@@ -81,6 +81,8 @@ class ProcessGroupComm(Communicator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        # gloo in recent torch reduce-scatters tensors natively; older gloo: all-reduce + slice
+        self.native_reduce_scatter = True
         self.log = CollectiveLog()
 
     def _check_device(self, tensor: torch.Tensor) -> None:
@@ -137,10 +139,18 @@ class ProcessGroupComm(Communicator):
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
         moved = tensor.movedim(dim, 0).contiguous()
-        if self._uses_nccl(moved):
+        nccl = self._uses_nccl(moved)
+        if nccl or self.native_reduce_scatter:
             out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
-            self._wait(_reduce_scatter_single(out, moved, group=self.group, async_op=True),
-                       "reduce_scatter", nccl=True)
+            try:
+                work = _reduce_scatter_single(out, moved, group=self.group, async_op=True)
+            except (RuntimeError, NotImplementedError, ValueError):
+                if nccl:
+                    raise
+                # this gloo has no reduce-scatter of tensors (every rank learns so at once)
+                self.native_reduce_scatter = True
+                return self.reduce_scatter(tensor, dim)
+            self._wait(work, "reduce_scatter", nccl=nccl)
         else:  # older gloo has no reduce-scatter of tensors: all-reduce and keep the slice
             if moved.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
                 moved = moved.clone()  # all_reduce works in place: never on the caller's tensor

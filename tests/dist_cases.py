@@ -90,11 +90,13 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
     }
 
 
-def reduce_scatter_case(rank: int, world_size: int) -> dict[str, Any]:
-    """ProcessGroupComm.reduce_scatter over gloo: the result, and the input left untouched."""
+def reduce_scatter_case(rank: int, world_size: int, native: bool = True) -> dict[str, Any]:
+    """ProcessGroupComm.reduce_scatter over gloo (native, or the all-reduce-and-slice path
+    of gloo builds without one): the result, and the input left untouched."""
     from autotp.comm import ProcessGroupComm
 
     comm = ProcessGroupComm()
+    comm.native_reduce_scatter = native
     x = torch.arange(8.0).reshape(4, 2) * (rank + 1)
     before = x.clone()
     out = comm.reduce_scatter(x, 0)
@@ -102,3 +104,4 @@ def reduce_scatter_case(rank: int, world_size: int) -> dict[str, Any]:
     expected = total.chunk(world_size, 0)[rank]
     return {"result_ok": bool(torch.equal(out, expected)),
             "input_kept": bool(torch.equal(x, before))}
+

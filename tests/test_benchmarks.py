@@ -120,3 +120,47 @@ def test_probe_memory_counts_new_storages_only() -> None:
     assert probe.live_bytes == 1024 + 4000
     del b, view, c
     assert probe.live_bytes == 0
+
+
+def autotp_probe_case(rank: int, world_size: int, sequence_parallel: bool) -> dict[str, Any]:
+    """One autotp training step under the run-time probe: the c10d collectives that actually
+    ran, next to what autotp's own log recorded."""
+    from collections import Counter
+
+    import autotp
+
+    torch.set_num_threads(1)
+    cfg = bm.make_config("llama", "tiny")
+    model = bm.build_model(cfg, seed=0)
+    idx, targets = bm.make_batch(cfg, 2, seed=1)
+    sharded = autotp.parallelize(model, tp=world_size, example_args=(idx, targets),
+                                 sequence_parallel=sequence_parallel)
+    sharded(idx, targets).backward()  # the first call also checks the plan across ranks
+    sharded.zero_grad(set_to_none=True)
+    sharded.comm.log.clear()
+    probe = StepProbe()
+    with probe:
+        loss = sharded(idx, targets)
+        probe.phase = "backward"
+        loss.backward()
+    logged: dict[str, Counter] = {}
+    for event in sharded.comm.log.events:
+        logged.setdefault(event.phase, Counter())[event.kind] += 1
+    return {"probe": probe.counts(),
+            "log": {phase: dict(sorted(c.items())) for phase, c in sorted(logged.items())},
+            "n_layer": cfg.n_layer}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_counter_sees_what_autotp_logs(sequence_parallel: bool) -> None:
+    """The collectives autotp reports are the ones that run: with sequence parallelism each
+    layer's 2 all-gathers and 2 reduce-scatters per direction are real reduce-scatters on
+    gloo, not all-reduces labelled as such."""
+    for r in run_processes(autotp_probe_case, 2, sequence_parallel, timeout=240):
+        assert r["probe"] == r["log"], r
+        forward = r["probe"]["forward"]
+        if sequence_parallel:
+            assert forward.get("reduce_scatter", 0) >= 2 * r["n_layer"], r
+            assert forward.get("all_gather", 0) >= 2 * r["n_layer"], r
+        else:
+            assert forward.get("all_reduce", 0) >= 2 * r["n_layer"], r

@@ -48,8 +48,10 @@ def test_gloo_processes_with_cuda_tensors(name: str) -> None:
             assert r["counts"][layer] == {"forward": 2, "backward": 2}, r["counts"]
 
 
-def test_gloo_reduce_scatter_leaves_its_input_alone() -> None:
-    """gloo's reduce-scatter is an all-reduce and a slice; the all-reduce works in place, so
-    on a contiguous dim-0 input it must work on a copy (another reader may hold the value)."""
-    for r in run_processes(reduce_scatter_case, 2, timeout=120):
+@pytest.mark.parametrize("native", [True, False])
+def test_gloo_reduce_scatter_leaves_its_input_alone(native: bool) -> None:
+    """gloo reduce-scatters natively; without it (older gloo) it is an all-reduce and a slice,
+    and the all-reduce works in place: on a contiguous dim-0 input it must work on a copy
+    (another reader may hold the value)."""
+    for r in run_processes(reduce_scatter_case, 2, native, timeout=120):
         assert r == {"result_ok": True, "input_kept": True}, r
