@@ -90,18 +90,29 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
     }
 
 
-def reduce_scatter_case(rank: int, world_size: int, native: bool = True) -> dict[str, Any]:
-    """ProcessGroupComm.reduce_scatter over gloo (native, or the all-reduce-and-slice path
-    of gloo builds without one): the result, and the input left untouched."""
+def reduce_scatter_case(rank: int, world_size: int, native: bool = True,
+                        device: str = "cpu") -> dict[str, Any]:
+    """ProcessGroupComm.reduce_scatter (native, or the all-reduce-and-slice path of gloo
+    builds without one) and all_gather along dims 0 and 1: the results, and the input left
+    untouched. On CUDA with NCCL this is the *_single path."""
     from autotp.comm import ProcessGroupComm
 
+    if device == "cuda":  # NCCL: one GPU per rank
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
     comm = ProcessGroupComm()
     comm.native_reduce_scatter = native
-    x = torch.arange(8.0).reshape(4, 2) * (rank + 1)
+    base = torch.arange(8.0 * world_size, device=device).reshape(4 * world_size, 2)
+    x = base * (rank + 1)
     before = x.clone()
     out = comm.reduce_scatter(x, 0)
-    total = sum(r + 1 for r in range(world_size)) * torch.arange(8.0).reshape(4, 2)
+    total = sum(r + 1 for r in range(world_size)) * base
     expected = total.chunk(world_size, 0)[rank]
+    piece = torch.full((2, 3), float(rank), device=device)
+    gathered = comm.all_gather(piece, 1)
     return {"result_ok": bool(torch.equal(out, expected)),
-            "input_kept": bool(torch.equal(x, before))}
+            "input_kept": bool(torch.equal(x, before)),
+            "gather_ok": bool(torch.equal(gathered, torch.cat(
+                [torch.full((2, 3), float(r), device=device) for r in range(world_size)],
+                dim=1)))}
 

@@ -54,4 +54,14 @@ def test_gloo_reduce_scatter_leaves_its_input_alone(native: bool) -> None:
     and the all-reduce works in place: on a contiguous dim-0 input it must work on a copy
     (another reader may hold the value)."""
     for r in run_processes(reduce_scatter_case, 2, native, timeout=120):
-        assert r == {"result_ok": True, "input_kept": True}, r
+        assert r == {"result_ok": True, "input_kept": True, "gather_ok": True}, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_single_collectives() -> None:
+    """NCCL's reduce_scatter/all_gather *_single path (one rank per GPU: as many ranks as
+    GPUs, at most 2)."""
+    world = min(2, torch.cuda.device_count())
+    for r in run_processes(reduce_scatter_case, world, True, "cuda", backend="nccl",
+                           timeout=120):
+        assert r == {"result_ok": True, "input_kept": True, "gather_ok": True}, r
