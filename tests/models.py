@@ -1,7 +1,9 @@
 """Small models with random weights for the equivalence tests (importable by worker processes).
 
 Every builder takes ``tp`` only to pick head counts that the degree divides; the weights come
-from a fixed seed, so every process builds the same model.
+from a fixed seed, so every process builds the same model. The libraries initialise biases to
+zero and norm scales to one, under which a bias added on every rank or a norm scale sliced
+wrong cannot show: every builder perturbs them (``randomize_vectors``), from the same seed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ if EXAMPLES not in sys.path:
 VOCAB = 128
 
 
+def randomize_vectors(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Biases += N(0, 0.05), other 1-D parameters (norm scales) += N(0, 0.1): deterministic in
+    ``seed`` and the parameter order, so every process builds the same model."""
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() != 1:
+                continue  # matrices and embeddings are random already
+            std = 0.05 if name.endswith("bias") else 0.1
+            param.add_(std * torch.randn(param.shape, generator=generator).to(param.dtype))
+    return model
+
+
 def _quiet_transformers() -> Any:
     import transformers
 
@@ -32,7 +47,7 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB, n_positions=64,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                            bos_token_id=0, eos_token_id=0)
-    return tf.GPT2LMHeadModel(config)
+    return randomize_vectors(tf.GPT2LMHeadModel(config), seed)
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -42,7 +57,7 @@ def llama(seed: int = 0) -> torch.nn.Module:
     config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=160,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB,
                             max_position_embeddings=64)
-    return tf.LlamaForCausalLM(config)
+    return randomize_vectors(tf.LlamaForCausalLM(config), seed)
 
 
 def bert(seed: int = 0) -> torch.nn.Module:
@@ -51,15 +66,16 @@ def bert(seed: int = 0) -> torch.nn.Module:
     config = tf.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                            num_attention_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return tf.BertModel(config)
+    return randomize_vectors(tf.BertModel(config), seed)
 
 
 def nanogpt(seed: int = 0) -> torch.nn.Module:
     import nanogpt as nano
 
     torch.manual_seed(seed)
-    return nano.GPT(nano.GPTConfig(n_layer=2, n_head=8, n_embd=64, vocab_size=VOCAB,
-                                   block_size=64, dropout=0.0))
+    model = nano.GPT(nano.GPTConfig(n_layer=2, n_head=8, n_embd=64, vocab_size=VOCAB,
+                                    block_size=64, dropout=0.0))
+    return randomize_vectors(model, seed)
 
 
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {

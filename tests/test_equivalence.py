@@ -55,6 +55,20 @@ def test_simulation_matches_unsharded(name: str, tp: int) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_biases_and_norm_scales_are_random(name: str) -> None:
+    """Zero biases and unit norm scales (the libraries' init) would hide a bias added on
+    every rank or a norm scale sliced wrong; the builders are deterministic all the same."""
+    model, again = BUILDERS[name](), BUILDERS[name]()
+    vectors = {n: p.detach() for n, p in model.named_parameters() if p.dim() == 1}
+    assert vectors
+    for n, v in vectors.items():
+        centre = 0.0 if n.endswith("bias") else 1.0
+        assert float((v - centre).abs().min()) > 0 and float(v.std()) > 0.02, n
+    for (n, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_plan_counts_match_execution(name: str) -> None:
     model, sim = _simulate(name, 2)
     ids = batch()
