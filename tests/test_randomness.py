@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autotp
-from models import VOCAB, batch
+from models import VOCAB, batch, randomize_vectors
 
 
 def _gpt2_with_dropout(p: float):
@@ -21,7 +21,7 @@ def _gpt2_with_dropout(p: float):
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB,
                                      n_positions=64, resid_pdrop=p, embd_pdrop=p,
                                      attn_pdrop=p)
-    return transformers.GPT2LMHeadModel(config).train()
+    return randomize_vectors(transformers.GPT2LMHeadModel(config), 0).train()
 
 
 def _step(sim, ids):
