@@ -30,8 +30,8 @@ from autotp.comm import ProcessGroupComm
 from autotp.errors import ConfigError
 from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor
 from autotp.materialize import empty_weights
-from autotp.tensorfile import (INDEX_NAME, SINGLE_NAME, Spec, TensorFiles, parse_size,
-                               plan_files, write_file)
+from autotp.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
+                               write_file, write_index)
 
 META_NAME = "autotp.json"
 SCHEMA = "autotp.checkpoint/1"
@@ -139,7 +139,8 @@ def _ordered(sharded: ShardedModule, tensors: dict[str, Any]) -> list[str]:
     """The model's own state-dict order where it is known."""
     keys = sharded.source.state_keys if sharded.source is not None else []
     first = [k for k in keys if k in tensors]
-    return first + [k for k in tensors if k not in set(first)]
+    known = set(first)
+    return first + [k for k in tensors if k not in known]
 
 
 def _global(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -166,16 +167,11 @@ def save_pretrained(sharded: ShardedModule, path: str | Path, *,
     tensors = _tensors(sharded)
     order = _ordered(sharded, tensors)
     plan = sharded.plan
-    specs = []
-    for name in order:
-        local, layout = tensors[name]
-        shape = list(local.shape)
-        if isinstance(layout, Shard):
-            shape[layout.dim] *= plan.tp
-        specs.append(Spec(name, local.dtype, tuple(shape)))
+    specs = [Spec(name, tensors[name][0].dtype,
+                  tuple(_global_shape(tensors[name][0], tensors[name][1], plan.tp)))
+             for name in order]
     groups = plan_files(specs, max_bytes)
-    names = [SINGLE_NAME] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = file_names(len(groups))
 
     def produce(spec: Spec) -> Optional[torch.Tensor]:
         local, layout = tensors[spec.name]
@@ -189,9 +185,7 @@ def save_pretrained(sharded: ShardedModule, path: str | Path, *,
                 produce(spec)
     if rank == 0:
         if len(groups) > 1:
-            index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                     "weight_map": {s.name: f for f, g in zip(names, groups) for s in g}}
-            (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+            write_index(directory, names, groups)
         _save_config(sharded, directory, specs)
     _barrier(sharded)
 
@@ -272,17 +266,15 @@ def _global_shape(local: torch.Tensor, layout: Layout, tp: int) -> list[int]:
 
 
 class _Entry:
-    """One DCP entry of this rank: the DTensor handed to DCP, and where its value lives."""
+    """A tensor DCP reads whole (its stored form does not line up with this rank's layout):
+    after the load, this rank keeps its piece."""
 
-    def __init__(self, target: torch.Tensor, dtensor: Any, layout: Layout, whole: bool):
-        self.target, self.dtensor, self.layout, self.whole = target, dtensor, layout, whole
+    def __init__(self, target: torch.Tensor, whole: torch.Tensor, layout: Layout):
+        self.target, self.whole, self.layout = target, whole, layout
 
     def copy_back(self, rank: int, tp: int) -> None:
-        value = self.dtensor.to_local() if not self.whole else self.dtensor
-        if self.whole and value.numel() != self.target.numel():  # keep this rank's piece
-            value = shard_tensor(value.reshape(_global_shape(self.target, self.layout, tp)),
-                                 self.layout, rank, tp)
-        self.target.copy_(value.reshape(self.target.shape))
+        full = self.whole.reshape(_global_shape(self.target, self.layout, tp))
+        self.target.copy_(shard_tensor(full, self.layout, rank, tp))
 
 
 def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
@@ -301,14 +293,15 @@ def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
         shape, placement, local_shape = _dcp_form(_global_shape(local, layout, tp),
                                                   saved_layouts.get(name, layout), layout, tp)
         if placement.is_shard():
+            # a view of the local piece: DCP loads into it in place
             state[key] = DTensor.from_local(local.detach().reshape(local_shape), mesh,
                                             [placement], run_check=False,
                                             shape=torch.Size(shape), stride=_strides(shape))
-        else:  # a plain tensor is DCP's replicated value: written once, read whole
-            state[key] = local.detach().reshape(shape) if list(local.shape) == shape or \
-                local.numel() == math.prod(shape) else \
-                torch.empty(shape, dtype=local.dtype, device=local.device)
-        entries.append(_Entry(local.detach(), state[key], layout, not placement.is_shard()))
+        elif local.numel() == math.prod(shape):  # a plain tensor is DCP's replicated value
+            state[key] = local.detach().reshape(shape)  # loaded in place, like the shards
+        else:  # read whole, then keep this rank's piece
+            state[key] = torch.empty(shape, dtype=local.dtype, device=local.device)
+            entries.append(_Entry(local.detach(), state[key], layout))
 
     for name, (local, _) in tensors.items():
         add(f"model.{name}", name, local)

@@ -159,10 +159,11 @@ class CheckpointWeights(Weights):
                  device: Optional[torch.device] = None):
         super().__init__(model, device)
         self.files = TensorFiles(path)
-        self.keys = _match_keys(model, self.files.names())  # model name -> checkpoint key
-        self._check(param_names)
+        state = set(model.state_dict().keys())
+        self.keys = _match_keys(model, self.files.names(), state)  # model name -> file key
+        self._check(param_names, state)
 
-    def _check(self, param_names: dict[str, Sequence[str]]) -> None:
+    def _check(self, param_names: dict[str, Sequence[str]], state: set[str]) -> None:
         missing = [names[0] for names in param_names.values()
                    if not any(n in self.keys for n in names)]
         if missing:
@@ -173,7 +174,6 @@ class CheckpointWeights(Weights):
                 f"{type(self.model).__name__}: it belongs to another model or config (autotp "
                 "never initializes a missing weight at random; pass init=True to initialize "
                 "the whole model instead)")
-        state = set(self.model.state_dict().keys())
         used = {key for name, key in self.keys.items() if name in state}
         ignored = [re.compile(p) for p in (*IGNORED_UNEXPECTED, *_hf_ignored(self.model))]
         unexpected = [k for k in self.files.names()
@@ -228,9 +228,9 @@ def _hf_ignored(model: nn.Module) -> list[str]:
     return [str(p) for p in patterns]
 
 
-def _match_keys(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str]:
+def _match_keys(model: nn.Module, checkpoint_keys: list[str], state: set[str]
+                ) -> dict[str, str]:
     """Model state name -> checkpoint key."""
-    state = model.state_dict()
     renamed = _hf_renamed(model, checkpoint_keys, state)
     out: dict[str, str] = {}
     for key in checkpoint_keys:
@@ -240,7 +240,7 @@ def _match_keys(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str]:
     return out
 
 
-def _hf_renamed(model: nn.Module, keys: list[str], state: dict[str, Any]) -> dict[str, str]:
+def _hf_renamed(model: nn.Module, keys: list[str], state: set[str]) -> dict[str, str]:
     """transformers' own renamings of checkpoint keys (legacy names, base-model prefixes);
     keys that transformers would combine with others (per-expert MoE weights fused into
     one tensor) cannot be read as slices yet: a clear error."""
@@ -256,9 +256,10 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: dict[str, Any]) -> dic
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     out, converted = {}, []
+    lookup = dict.fromkeys(state, True)  # what rename_source_key reads (.get) of a state dict
     for key in keys:
         name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
-                                          state)
+                                          lookup)
         if pattern is not None and name not in state:
             converted.append(key)
         out[key] = name
@@ -271,7 +272,7 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: dict[str, Any]) -> dic
     return out
 
 
-def _prefix_renamed(prefix: str, keys: list[str], state: dict[str, Any]) -> dict[str, str]:
+def _prefix_renamed(prefix: str, keys: list[str], state: set[str]) -> dict[str, str]:
     out = {}
     for key in keys:
         if key not in state and f"{prefix}.{key}" in state:
@@ -380,6 +381,8 @@ class InitWeights(Weights):
                     self._owners.setdefault(id(param), []).append((module, attr))
                     self._params[id(param)] = param
         self._layouts = {pid: by_id.get(pid, Replicate()) for pid in self._params}
+        self._by_storage = {StorageWeakRef(p.untyped_storage()): pid
+                            for pid, p in self._params.items()}
         self._local: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for module_name, module, call in self._calls():
@@ -426,8 +429,7 @@ class InitWeights(Weights):
     def _run(self, module_name: str, module: nn.Module, call: Callable[[], Any]) -> None:
         with _Writes() as writes:
             call()  # on meta: finds what the call writes, draws nothing
-        touched = [pid for pid, param in self._params.items()
-                   if StorageWeakRef(param.untyped_storage()) in writes.written]
+        touched = sorted({self._by_storage[w] for w in writes.written if w in self._by_storage})
         if not touched:
             return
         full = {pid: torch.full(self._params[pid].shape, float("nan"),

@@ -334,6 +334,20 @@ def plan_files(specs: Iterable[Spec], max_bytes: int) -> list[list[Spec]]:
     return [f for f in files if f]
 
 
+def file_names(count: int) -> list[str]:
+    """transformers' names for a checkpoint in ``count`` files."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(directory: Path, names: Sequence[str], groups: Sequence[Sequence[Spec]]) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor."""
+    index = {"metadata": {"total_size": sum(s.nbytes for g in groups for s in g)},
+             "weight_map": {s.name: name for name, group in zip(names, groups) for s in group}}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> bytes (transformers' convention: GB = 10**9, GiB = 2**30)."""
     if isinstance(size, int):

@@ -49,7 +49,7 @@ def write_checkpoint(args: argparse.Namespace, directory: Path) -> int:
     """Random bf16 weights in transformers' layout, one tensor in memory at a time."""
     import transformers
 
-    from autotp.tensorfile import INDEX_NAME, Spec, plan_files, write_file
+    from autotp.tensorfile import Spec, file_names, plan_files, write_file, write_index
 
     config = _config(args)
     with torch.device("meta"):
@@ -57,7 +57,7 @@ def write_checkpoint(args: argparse.Namespace, directory: Path) -> int:
     specs = [Spec(name, torch.bfloat16, tuple(p.shape))
              for name, p in model.named_parameters()]
     groups = plan_files(specs, int(args.shard_mb * 2**20))
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = file_names(len(groups))
     generator = torch.Generator().manual_seed(0)
 
     def produce(spec: Spec) -> torch.Tensor:
@@ -66,9 +66,7 @@ def write_checkpoint(args: argparse.Namespace, directory: Path) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     for name, group in zip(names, groups):
         write_file(directory / name, group, produce)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-             "weight_map": {s.name: n for n, g in zip(names, groups) for s in g}}
-    (directory / INDEX_NAME).write_text(json.dumps(index))
+    write_index(directory, names, groups)
     config.save_pretrained(directory)
     return sum(s.nbytes for s in specs)
 

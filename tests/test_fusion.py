@@ -54,17 +54,17 @@ def test_the_loss_is_one_fused_logsumexp_and_lookup() -> None:
     assert _count(graph, aten.logsumexp.default) == 0 and _count(graph, aten.gather.default) == 0
 
 
-def test_compiled_program_matches_the_unsharded_model() -> None:
-    """compile= runs each rank's program through torch.compile (the aot_eager backend here:
-    no C++ toolchain needed); the collectives stay eager between the compiled segments."""
-    from autotp.verify import compare, reference_step, sharded_step
-
+def _check_compiled(compile: object) -> None:
+    """Every rank of the compiled program matches the unsharded model, the collectives ran
+    on every rank, and something was compiled."""
     from torch._dynamo.utils import counters
+
+    from autotp.verify import compare, reference_step, sharded_step
 
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))
     kwargs = {"input_ids": ids, "labels": ids}
-    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile={"backend": "aot_eager"})
+    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile=compile)
     counters.clear()
 
     def call(m: torch.nn.Module) -> object:
@@ -79,22 +79,14 @@ def test_compiled_program_matches_the_unsharded_model() -> None:
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
 
 
+def test_compiled_program_matches_the_unsharded_model() -> None:
+    """compile= runs each rank's program through torch.compile (the aot_eager backend here:
+    no C++ toolchain needed); the collectives stay eager between the compiled segments."""
+    _check_compiled({"backend": "aot_eager"})
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_compiled_program_matches_the_unsharded_model() -> None:
-    """compile=True (inductor, the backend the README's figures use): every rank matches."""
-    from autotp.verify import compare, reference_step, sharded_step
-
-    model = BUILDERS["llama"]()
-    ids = torch.randint(0, 128, (2, 16))
-    kwargs = {"input_ids": ids, "labels": ids}
-    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile=True)
-
-    def call(m: torch.nn.Module) -> object:
-        return m(**kwargs)
-
-    reference = reference_step(model, call, lambda o: o.loss, lambda o: o.logits)
-    for rank, result in enumerate(sim.run(
-            lambda m: sharded_step(m, call, lambda o: o.loss, lambda o: o.logits))):
-        assert compare(reference, result).ok(), rank
-    assert all(r._run is not r.program for r in sim.ranks)  # a compiled callable runs
+    """compile=True (inductor, the backend the README's figures use)."""
+    _check_compiled(True)
