@@ -5,8 +5,10 @@ byte offsets into the data section; optional ``__metadata__``), then the raw ten
 
 Reads go through ``os.preadv`` into the destination tensor's own memory: a rank asks for
 one range of one dim (its shard) and only those bytes reach its process. A range of an
-inner dim (a row-parallel weight's columns) is strided in the file: long runs are read one
-by one, short runs through a bounded block buffer, so no read ever holds the full tensor.
+inner dim (a row-parallel weight's columns) is strided in the file: each run of at least
+512 bytes (a row's slice of any realistic matrix) is read on its own, so only the slice's
+bytes are read; tinier runs go through a bounded block buffer rather than one system call
+each. No read ever holds the full tensor.
 Nothing is memory-mapped, so the page cache never counts toward a rank's resident memory.
 """
 
@@ -34,7 +36,7 @@ DTYPES: dict[str, torch.dtype] = {
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 HEADER_LIMIT = 100 * 2**20  # a header is JSON for names and shapes: never this large
-RUN_DIRECT = 64 * 2**10  # runs at least this long are read one by one
+RUN_DIRECT = 512  # runs at least this long are read one by one (one system call each)
 BLOCK_BYTES = 16 * 2**20  # bounded buffer for short strided runs
 
 

@@ -212,6 +212,7 @@ def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
     import gc
 
     import autotp
+    import autotp.tensorfile
 
     tf = _tf()
     torch.set_num_threads(1)
@@ -221,6 +222,14 @@ def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
             tf.AutoConfig.from_pretrained(directory)), world_size,
             example_kwargs={"input_ids": ids})
     gc.collect()
+    read = [0]
+    pread_into = autotp.tensorfile.SafetensorsFile._pread_into
+
+    def counting(self: Any, view: memoryview, offset: int) -> None:
+        read[0] += len(view)
+        pread_into(self, view, offset)
+
+    autotp.tensorfile.SafetensorsFile._pread_into = counting  # type: ignore[method-assign]
     reset_peak()
     before = _status("VmRSS")
     if naive:
@@ -231,7 +240,9 @@ def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
     peak = _status("VmHWM")
     local = sum(t.numel() * t.element_size()
                 for t in [*sharded.parameters(), *sharded.buffers()])
-    return {"growth": peak - before, "local_bytes": local}
+    params = sum(t.numel() * t.element_size() for t in sharded.parameters())
+    return {"growth": peak - before, "local_bytes": local, "param_bytes": params,
+            "bytes_read": read[0]}
 
 
 # ---- init=True ------------------------------------------------------------------------

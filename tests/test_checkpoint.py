@@ -101,10 +101,12 @@ def test_bad_inputs_are_clear_errors(saved: dict[str, str], tmp_path: Path) -> N
 
 
 def test_loading_reads_slices_not_the_whole_model(tmp_path: Path) -> None:
-    """Peak resident memory while a rank loads: below its share plus a fixed slack, and
-    far below the whole model (which the naive load holds)."""
+    """A rank reads exactly the bytes of its parameters (column slices of row-parallel
+    weights included), and its peak resident memory stays below its share plus a fixed
+    slack, and below the whole model (which the naive load holds)."""
     cc.save_big(str(tmp_path))
     full = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     for r in run_processes(cc.memory_case, 2, str(tmp_path), timeout=240):
+        assert r["bytes_read"] == r["param_bytes"], (r, full)
         assert r["growth"] <= 1.15 * r["local_bytes"] + cc.MEMORY_SLACK, (r, full)
         assert r["growth"] < full, (r, full)  # the naive load holds at least the whole model
