@@ -104,6 +104,7 @@ class ShardedModule(nn.Module):
         self._bucket = bucket
         self._unused = list(captured.unused)
         self.source: Optional[ModelInfo] = None  # set by parallelize: what saving needs
+        self.strict = True  # whether ops with no rule were refused (also for decoding)
         self._signature: Optional[inspect.Signature] = captured.signature
         self._example: dict[str, Any] = captured.example_kwargs
         self._plan_checked = not check_plan
@@ -123,10 +124,23 @@ class ShardedModule(nn.Module):
         return self.comm.rank
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+            # a transformers causal LM with a cache: the decoding programs (autotp.generate)
+            from autotp.generate import decoder_of
+
+            return decoder_of(self).host(*args, **kwargs)
         call = self._bind(args, kwargs)
         if not self._plan_checked:
             self.check_plan()
         return self._run(**call)
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
+        with a KV cache of this rank's heads. Collective: call it on every rank with the same
+        inputs (and, for sampling, the same seed)."""
+        from autotp.generate import decoder_of
+
+        return decoder_of(self).generate(inputs, **kwargs)
 
     def check_plan(self) -> None:
         """Collective: every rank must hold the same plan (a hash exchanged over the group).
@@ -218,6 +232,7 @@ class ModelInfo:
     config: Any  # a transformers config, or None
     state_keys: list[str]  # the model's state_dict names, in order
     buffers: list[str]  # its persistent buffers (saved with the weights)
+    generation_config: Any = None  # a transformers model's, for generate()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelInfo":
@@ -225,7 +240,8 @@ class ModelInfo:
         state = list(model.state_dict(keep_vars=True).keys())
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         return cls(type(model), config if hasattr(config, "save_pretrained") else None,
-                   state, [k for k in state if k not in params])
+                   state, [k for k in state if k not in params],
+                   getattr(model, "generation_config", None))
 
 
 def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
@@ -379,6 +395,7 @@ def parallelize(
     finally:
         weights.close()
     sharded.source = ModelInfo.of(model)
+    sharded.strict = strict
     return sharded
 
 
@@ -484,6 +501,9 @@ def simulate(
     hub = ThreadHub(tp, timeout)
     ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync, compile=compile)
              for comm in hub.comms()]
+    for rank in ranks:
+        rank.source = ModelInfo.of(model)
+        rank.strict = strict
     return Simulation(the_plan, ranks, captured)
 
 

@@ -131,7 +131,10 @@ def capture(
     model: torch.nn.Module,
     example_args: Optional[tuple[Any, ...]] = None,
     example_kwargs: Optional[dict[str, Any]] = None,
+    dynamic_shapes: Optional[dict[str, Any]] = None,
 ) -> Captured:
+    """``dynamic_shapes`` (torch.export's, by input name) replaces the default: dims 0 and 1
+    of every tensor input symbolic."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
     if example_args is not None and not isinstance(example_args, tuple):
@@ -153,7 +156,9 @@ def capture(
     try:
         with _buffers_on_meta(model) if meta else contextlib.nullcontext():
             ep = torch.export.export(
-                model, (), named, dynamic_shapes=_dynamic_shapes(named), strict=False
+                model, (), named, strict=False,
+                dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
+                else _dynamic_shapes(named)
             )
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise TraceError(_trace_failure_message(model, exc)) from exc

@@ -289,6 +289,16 @@ def views_to_reshapes(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+def drop_input_guards(graph: fx.Graph, plan: Plan) -> None:
+    """torch.export's input guards check global sizes; a state input (a KV cache) arrives as
+    this rank's shard, so a program with sharded state inputs does not run them."""
+    if not any(isinstance(parse_layout(x), Shard) for x in plan.states.values()):
+        return
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+
+
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
@@ -296,6 +306,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     registry = registry or Registry.default()
     weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
+    drop_input_guards(graph, plan)
     root = shard_parameters(captured, plan, graph, rank, weights)
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)

@@ -75,7 +75,9 @@ def check_op(
     kwargs = kwargs or {}
     graph, node, tensors = _build(op, args, kwargs)
     call = make_call(node, tp, blocks)
-    expected = op(*args, **kwargs)
+    # on copies, and every rank on its own pieces: an in-place op must not change the inputs
+    # that the next strategy is checked with
+    expected = op(*_clone(args), **_clone(kwargs))
     generator = torch.Generator().manual_seed(seed)
     results = []
     for strategy in registry.strategies(call):
@@ -88,6 +90,10 @@ def check_op(
         ok = diff <= atol + rtol * _scale(expected)
         results.append(StrategyCheck(strategy, diff, ok))
     return results
+
+
+def _clone(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def _scale(expected: Any) -> float:
@@ -103,7 +109,7 @@ def _shard_inputs(tensors: list[torch.Tensor], layouts: tuple[Layout, ...], tp: 
         if isinstance(layout, Partial):
             pieces = _split_partial(tensor, tp, generator)
         else:
-            pieces = [shard_tensor(tensor, layout, r, tp) for r in range(tp)]
+            pieces = [shard_tensor(tensor, layout, r, tp).clone() for r in range(tp)]
         for rank in range(tp):
             per_rank[rank].append(pieces[rank])
     return per_rank

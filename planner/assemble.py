@@ -36,6 +36,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             values[name] = R
         elif pn.kind == "leaf":
             values[name] = decisions.get(name, R)
+            if pn.is_state:
+                plan.states[str(pn.node.target)] = str(values[name])
         elif pn.kind == "op":
             strategy = pn.strategies[decisions[name]]
             out = strategy.output if pn.requires_grad else drop_grad_partial(strategy.output)

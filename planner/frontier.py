@@ -290,6 +290,8 @@ class _Link:
 
 def leaf_memory_cost(tp: int, cost_model: Any) -> Callable[[Any, Any], float]:
     def cost(leaf: Any, layout: Any) -> float:
+        # state is charged where it is written (``solve._transitions``): a cache whose size
+        # is read first gets no preference before its writer says which layouts can hold it
         if not leaf.is_param:
             return 0.0
         per_rank = leaf.nbytes / tp if isinstance(layout, Shard) else leaf.nbytes

@@ -80,6 +80,8 @@ class Plan:
     node_layers: dict[str, Optional[int]] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # the layout each output is returned in
     sequence_parallel: bool = False
+    # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
+    states: dict[str, str] = field(default_factory=dict)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -157,4 +159,5 @@ class Plan:
         plan.node_layers = dict(data.get("node_layers", {}))
         plan.outputs = list(data.get("outputs", []))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
+        plan.states = dict(data.get("states", {}))
         return plan

@@ -39,6 +39,8 @@ class PNode:
     live: bool = False  # some later node reads it
     split: Optional[list[bool]] = None  # per strategy: is the work divided among ranks
     seq_dims: frozenset = frozenset()  # dims of the sequence (sequence parallelism only)
+    is_state: bool = False  # an input the caller keeps per rank in the planned layout (a cache)
+    mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
 
     def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
         """Whether have -> want moves a shard of the sequence (sequence parallelism's
@@ -57,6 +59,9 @@ class PlanOptions:
     # sharded over the vocabulary), not gathered
     gather_outputs: bool = True
     max_states: int = 64
+    # placeholders that are state the caller allocates on each rank in the layout the plan
+    # gives (a KV cache written in place): like parameters, they may be stored sharded
+    state_inputs: tuple[str, ...] = ()
     reuse_layers: bool = True
     # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
     force: tuple[tuple[str, Any], ...] = ()
@@ -127,7 +132,11 @@ def build_problem(
         val = node.meta.get("val")
         pn = PNode(node=node, kind="skip")
         if node.op == "placeholder":
-            if isinstance(val, torch.Tensor):
+            if isinstance(val, torch.Tensor) and node.target in options.state_inputs:
+                pn.kind = "leaf"
+                pn.is_state = True
+                pn.ndim = val.dim()
+            elif isinstance(val, torch.Tensor):
                 pn.kind = "input"
                 pn.requires_grad = bool(val.requires_grad)
         elif node.op == "get_attr":
@@ -151,6 +160,7 @@ def build_problem(
             elif node.target in registry:
                 pn.kind = "op"
                 pn.inputs = [n.name for n in ins]
+                pn.mutated = mutated_inputs(node)
                 call = make_call(node, tp, blocks, split)
                 memo_key = _call_key(call)
                 if memo_key not in strategy_memo:  # repeated layers repeat their calls
@@ -188,6 +198,21 @@ def build_problem(
     return pnodes
 
 
+def mutated_inputs(node: fx.Node) -> frozenset:
+    """Names of the tensor inputs an in-place op writes (from its schema's alias info)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return frozenset()
+    written = set()
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, fx.Node):
+            written.add(value.name)
+    return frozenset(written)
+
+
 def _call_key(call: Any) -> Any:
     try:
         return (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs,
@@ -216,8 +241,9 @@ def leaf_candidates(pnodes: list[PNode], by_name: dict[str, PNode]) -> dict[str,
         for strategy in pn.strategies:
             for name, layout in zip(pn.inputs, strategy.inputs):
                 leaf = by_name[name]
-                # only parameters are stored sharded; buffers stay whole on every rank
-                if leaf.kind == "leaf" and leaf.is_param and isinstance(layout, Shard):
+                # parameters and state are stored sharded; buffers stay whole on every rank
+                if leaf.kind == "leaf" and (leaf.is_param or leaf.is_state) and \
+                        isinstance(layout, Shard):
                     wanted.setdefault(name, set()).add(layout)
     out: dict[str, list[Layout]] = {}
     for pn in pnodes:

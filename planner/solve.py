@@ -110,7 +110,8 @@ def solve(
 
     candidates = leaf_candidates(pnodes, by_name)
     for name, layout in options.force:
-        if name in candidates and (by_name[name].is_param or layout == R):
+        leaf = by_name.get(name)
+        if name in candidates and (leaf.is_param or leaf.is_state or layout == R):
             candidates[name] = [layout]  # buffers are never stored sharded
     solver = FrontierSolver(pnodes, by_name, last_use, candidates,
                             leaf_memory_cost(tp, cost_model), transition, options.max_states,
@@ -145,6 +146,11 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         own = cost_model.compute_time(extra)
         if isinstance(strategy.output, Partial):
             own += cost_model.partial_output
+        for name, layout in zip(pn.inputs, strategy.inputs):
+            state = by_name[name]
+            if name in pn.mutated and state.is_state:  # the memory of the state it writes
+                per_rank = state.nbytes / (tp if isinstance(layout, Shard) else 1)
+                own += cost_model.memory_cost(per_rank, state.ndim)
         result = _read_inputs(pn, list(strategy.inputs), entries, cost + own, by_name, tp,
                               cost_model, options)
         if result is None:
@@ -184,6 +190,9 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
             have, materialized = new_entries[name]
         if isinstance(have, tuple):
             return None
+        if name in pn.mutated and have != want and not (
+                isinstance(have, Replicate) and isinstance(want, Replicate)):
+            return None  # an in-place op writes the tensor as it is stored, never a copy
         if have == want or want in materialized:
             anchored |= isinstance(want, Shard) and src_pn.kind != "leaf"
             continue

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 import sympy
 import torch
 
-from autotp.layout import P, Shard
+from autotp.layout import P, R, Shard
 from autotp.rules.registry import (
     OpCall,
     RuleSet,
@@ -307,3 +307,17 @@ def stack_rule(call: OpCall) -> Iterator[Strategy]:
     for d, blocks in shardable_dims(first, call):
         if all(m.shape == first.shape for m in call.inputs):
             yield Strategy((Shard(d, blocks),) * n, Shard(d + (d >= new), blocks), name="view")
+
+
+@rules.register(aten.index_copy.default, aten.index_copy_.default)
+def index_copy_rule(call: OpCall) -> Iterator[Strategy]:
+    """``index_copy(self, dim, index, source)`` writes source's slices into self along
+    ``dim`` (a KV cache written at the new positions): any other dim sharded alike on self
+    and source stays sharded, and the write is linear in (self, source)."""
+    dst, _, src = call.inputs
+    dim = normalize_dim(call.args[1], dst.ndim)
+    yield Strategy((P, R, P), P, name="linear")
+    for d, blocks in shardable_dims(dst, call):
+        if d != dim and src.shape[d] == dst.shape[d]:
+            yield Strategy((Shard(d, blocks), R, Shard(d, blocks)), Shard(d, blocks),
+                           name="write shard")

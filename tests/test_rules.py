@@ -276,6 +276,9 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.cross_entropy_loss.default: [s(randn(8, 12), randint(12, 8))],
     aten.mse_loss.default: [s(randn(8, 12), randn(8, 12))],
     aten.index_select.default: [s(X, 0, randint(8, 5))],
+    # a KV cache [B, H, S, D] written at three new positions
+    **{op: [s(randn(2, 4, 8, 6), 2, torch.tensor([1, 5, 6]), randn(2, 4, 3, 6))]
+       for op in (aten.index_copy.default, aten.index_copy_.default)},
     aten.diff.default: [s(X, 1, -1), s(X, 1, 0, randn(1, 12), randn(2, 12))],
     aten.triu.default: [s(randn(8, 8), 1)],
     aten.tril.default: [s(randn(8, 8))],

@@ -1,0 +1,522 @@
+"""Decoding: ``generate()`` on the sharded model, with a KV cache that holds this rank's heads.
+
+A transformers causal LM decodes with two more programs next to the training one: *prefill*
+(a prompt of T tokens) and *decode* (one token). Each is the original model called with a
+static cache whose key/value tensors are inputs of the program, written in place at the new
+positions (``index_copy_``). They are captured once with symbolic batch, prompt and cache
+lengths, planned by the same rules, and rewritten per rank like the training program. The
+cache is *state* to the planner: stored in whatever layout the plan gives it, which is the
+layout of the k/v heads that write it (sharded by heads, or whole when tp exceeds the k/v
+heads and their projections are replicated). The programs read the weights the training
+program already holds: no second copy.
+
+transformers' own generation loop drives them. ``ShardedModule.generate`` runs
+``GenerationMixin.generate`` on a stand-in of the model's class whose forward runs these
+programs, so logits processors, stopping criteria, streamers, beam search and
+``return_dict_in_generate`` are transformers' code, not autotp's.
+
+    sharded = autotp.parallelize(model, tp=4)
+    out = sharded.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from autotp.errors import ConfigError
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover - generation is for transformers models
+    raise ConfigError("autotp's generate() needs the transformers package") from None
+
+from autotp.capture import Captured, capture
+from autotp.collectives import gather
+from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
+from autotp.materialize import Weights
+from autotp.planner.plan import Plan
+from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.rewrite import rewrite
+
+CACHE = "key_values"  # the step programs' input holding the key/value tensors, layer by layer
+_TRACING = threading.Lock()
+
+
+# ---- what is captured ----------------------------------------------------------------------
+
+
+class Slots(CacheLayerMixin):
+    """A cache layer whose key/value tensors are program inputs, written at ``positions``."""
+
+    is_compileable = True  # the mask is always materialized: no data-dependent skip
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.positions = keys, values, positions
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.index_copy_(2, self.positions, key_states)
+        self.values.index_copy_(2, self.positions, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> Any:
+        return self.positions[0]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class Step(nn.Module):
+    """The model run on new tokens with a cache of explicit slots: what prefill and decode
+    capture. ``cache`` holds keys and values of every layer, ``[B, heads, S, head_dim]``."""
+
+    def __init__(self, model: nn.Module, logits_to_keep: int):
+        super().__init__()
+        self.model = model
+        self.logits_to_keep = logits_to_keep
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, cache_position: torch.Tensor,
+                key_values: list[torch.Tensor]) -> torch.Tensor:
+        layers = [Slots(key_values[i], key_values[i + 1], cache_position)
+                  for i in range(0, len(key_values), 2)]
+        kwargs: dict[str, Any] = {}
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = self.logits_to_keep
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=Cache(layers=layers),
+                         use_cache=True, **kwargs)
+        return out.logits
+
+
+# ---- the programs --------------------------------------------------------------------------
+
+
+class SharedWeights(Weights):
+    """The step programs' parameters are the training program's: the same storage where the
+    layouts agree (they do for every model tried), else resliced from the gathered tensor."""
+
+    def __init__(self, sharded: Any, step: Step):
+        super().__init__(step, None)
+        self.sharded = sharded
+        self.local = {}
+        for target, local in sharded.local_parameters().items():
+            for name in sharded.plan.params[target].names:
+                self.local[name] = (target, local)
+
+    def parameter(self, target: str, names: Any, layout: Any, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        for name in names:
+            found = self.local.get(name.removeprefix("model."))
+            if found is None:
+                continue
+            own, local = found
+            have = self.sharded.plan.param_layout(own)
+            if have == layout or (isinstance(have, Replicate) and isinstance(layout, Replicate)):
+                return local.detach()
+            full = local.detach()
+            if isinstance(have, Shard):
+                full = gather(self.sharded.comm, full.contiguous(), have)
+            return shard_tensor(full, layout, rank, tp).clone() if isinstance(layout, Shard) \
+                else full
+        raise ConfigError(f"the decoding program reads {target!r}, which the sharded model "
+                          "does not hold")
+
+    def buffer(self, target: str, like: torch.Tensor) -> torch.Tensor:
+        own = _attr(self.sharded.program, target.removeprefix("model."))
+        if isinstance(own, torch.Tensor):
+            return own
+        return super().buffer(target, like)
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+class Program:
+    """One captured, planned and rewritten step (prefill or decode) of this rank."""
+
+    def __init__(self, captured: Captured, plan: Plan, module: nn.Module,
+                 cache_inputs: list[str]):
+        self.captured = captured
+        self.plan = plan
+        self.module = module
+        self.cache_layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
+
+    def __call__(self, **inputs: Any) -> torch.Tensor:
+        return self.module(**inputs)
+
+
+def _replica(sharded: Any) -> nn.Module:
+    """The model's structure on the meta device, in the dtype of the sharded weights: what
+    the step programs are captured from (the sharded model keeps no full copy)."""
+    info = sharded.source
+    config = copy.deepcopy(info.config)
+    dtype = next((p.dtype for p in sharded.program.parameters() if p.is_floating_point()),
+                 torch.float32)
+    with torch.device("meta"):
+        model = info.model_class(config)
+    return model.to(dtype).eval()
+
+
+def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
+    """The per-layer key and value shapes ``[1, heads, 1, head_dim]`` the model writes, read
+    from one run on the meta device (no formula per family: MLA and GQA alike)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              past_key_values=cache, use_cache=True)
+    shapes = []
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:
+            raise ConfigError(f"{type(model).__name__} keeps a cache autotp cannot shard "
+                              f"(layer {type(layer).__name__} holds no keys/values)")
+        shapes += [tuple(layer.keys.shape), tuple(layer.values.shape)]
+    return shapes
+
+
+def build_program(sharded: Any, prompt: bool, logits_to_keep: int) -> Program:
+    """Capture, plan and rewrite one step of ``sharded``'s model for this rank."""
+    captured, plan, step, cache_inputs = _planned_step(sharded, prompt, logits_to_keep)
+    module, _ = rewrite(captured, plan, sharded.rank, sharded.comm,
+                        weights=SharedWeights(sharded, step), device=sharded._device())
+    module.eval()
+    return Program(captured, plan, module, cache_inputs)
+
+
+# ranks simulated in one process share one training plan, and so one capture of each step
+_PLANNED: dict[tuple[int, bool, int], tuple[Any, ...]] = {}
+
+
+def _planned_step(sharded: Any, prompt: bool, logits_to_keep: int) -> tuple[Any, ...]:
+    key = (id(sharded.plan), prompt, logits_to_keep)
+    with _TRACING:  # torch.export is not thread-safe (simulated ranks are threads)
+        found = _PLANNED.get(key)
+        if found is not None and found[0]() is sharded.plan:
+            return found[1:]
+        model = _replica(sharded)
+        shapes = cache_shapes(model)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        batch, tokens, slots = 2, (3 if prompt else 1), 8
+        meta = torch.device("meta")
+        example = {
+            "input_ids": torch.zeros(batch, tokens, dtype=torch.long, device=meta),
+            "attention_mask": torch.ones(batch, slots, dtype=torch.long, device=meta),
+            "position_ids": torch.zeros(batch, tokens, dtype=torch.long, device=meta),
+            "cache_position": torch.zeros(tokens, dtype=torch.long, device=meta),
+            CACHE: [torch.zeros(batch, s[1], slots, s[3], dtype=dtype, device=meta)
+                    for s in shapes],
+        }
+        b, s = Dim("B", min=1), Dim("S", min=2)
+        t: Any = Dim("T", min=2) if prompt else Dim.STATIC
+        dynamic = {
+            "input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s},
+            "position_ids": {0: b, 1: t}, "cache_position": {0: t},
+            CACHE: [{0: b, 2: s} for _ in shapes],
+        }
+        step = Step(model, logits_to_keep)
+        captured = capture(step, example_kwargs=example, dynamic_shapes=dynamic)
+        cache_inputs = _cache_placeholders(captured, len(shapes))
+        _name_cache_dim(captured, cache_inputs[0])
+        options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs))
+        plan = plan_graph(captured, sharded.plan.tp, options=options,
+                          model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})")
+        for stale in [k for k, v in _PLANNED.items() if v[0]() is None]:
+            del _PLANNED[stale]
+        _PLANNED[key] = (weakref.ref(sharded.plan), captured, plan, step, cache_inputs)
+        return captured, plan, step, cache_inputs
+
+
+def _cache_placeholders(captured: Captured, count: int) -> list[str]:
+    names = [str(n.target) for n in captured.gm.graph.nodes
+             if n.op == "placeholder" and str(n.target).startswith(CACHE + "_")]
+    if len(names) != count:
+        raise AssertionError(f"expected {count} cache inputs in the step program, got {names}")
+    return names
+
+
+def _name_cache_dim(captured: Captured, name: str) -> None:
+    for node in captured.gm.graph.nodes:
+        if node.op == "placeholder" and node.target == name:
+            size = node.meta["val"].shape[2]
+            if isinstance(size, torch.SymInt):
+                captured.dim_names[size.node.expr] = "S"
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+
+class LocalLayer(CacheLayerMixin):
+    """One layer of a rank's cache, as transformers sees it; the tensors are the cache's."""
+
+    is_compileable = False  # generate() keeps passing the 2D mask; the programs make the 4D
+    is_sliding = False
+
+    def __init__(self, cache: "KVCache"):
+        super().__init__()
+        self.cache = cache
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("the cache autotp made is written by its own programs only")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class KVCache(Cache):
+    """This rank's cache: keys and values ``[B, local k/v heads, capacity, head_dim]`` per
+    layer, allocated at the first step (when the batch is known). ``capacity`` None: room
+    for the first call's tokens, doubled whenever a later call needs more."""
+
+    def __init__(self, decoder: "Decoder", capacity: Optional[int]):
+        super().__init__(layers=[LocalLayer(self) for _ in range(len(decoder.shapes) // 2)])
+        self.decoder = decoder
+        self.capacity = capacity or 0
+        self.fixed = capacity is not None
+        self.seen = 0
+        self.tensors: list[torch.Tensor] = []
+        self.allocations = 0  # how many times the tensors were (re)allocated
+
+    def reserve(self, batch: int, length: int, layouts: list[Any]) -> None:
+        if self.tensors and self.tensors[0].shape[0] != batch:
+            raise ConfigError(f"the cache holds a batch of {self.tensors[0].shape[0]}, this "
+                              f"call has {batch}")
+        if length > self.capacity:
+            if self.fixed and self.tensors:
+                raise ConfigError(f"the cache has room for {self.capacity} tokens, this call "
+                                  f"needs {length}")
+            self.capacity = max(length, 2 * self.capacity)
+        if self.tensors and self.tensors[0].shape[2] == self.capacity:
+            return
+        new = self.decoder.allocate(batch, self.capacity, layouts)
+        self.allocations += 1
+        for old, fresh in zip(self.tensors, new):
+            fresh[:, :, : old.shape[2]].copy_(old)
+        self.tensors = new
+        for i, layer in enumerate(self.layers):
+            layer.keys, layer.values = new[2 * i], new[2 * i + 1]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for tensor in self.tensors:
+            tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+# ---- the decoder ---------------------------------------------------------------------------
+
+
+class Decoder:
+    """This rank's prefill and decode programs, its caches, and the transformers stand-in
+    that ``generate`` runs on."""
+
+    def __init__(self, sharded: Any):
+        info = sharded.source
+        if info is None or info.config is None or not _can_generate(info.model_class):
+            name = info.model_class.__name__ if info is not None else type(sharded).__name__
+            raise ConfigError(
+                f"generate() needs a transformers model that can generate (a causal LM such "
+                f"as LlamaForCausalLM); {name} cannot")
+        self.sharded = sharded
+        self.info = info
+        self.programs: dict[tuple[bool, int], Program] = {}
+        self.shapes = cache_shapes(_replica(sharded))
+        self.device = sharded._device()
+        self.dtype = next((p.dtype for p in sharded.program.parameters()
+                           if p.is_floating_point()), torch.float32)
+        self.host = _host(self)
+
+    def program(self, prompt: bool, logits_to_keep: int) -> Program:
+        key = (prompt, logits_to_keep if prompt else 1)
+        if key not in self.programs:
+            self.programs[key] = build_program(self.sharded, prompt, key[1])
+        return self.programs[key]
+
+    def allocate(self, batch: int, capacity: int, layouts: list[Any]) -> list[torch.Tensor]:
+        tp = self.sharded.plan.tp
+        out = []
+        for shape, layout in zip(self.shapes, layouts):
+            full = (batch, shape[1], capacity, shape[3])
+            local = local_shape(full, layout, tp) if isinstance(layout, Shard) else full
+            out.append(torch.zeros(local, dtype=self.dtype, device=self.device))
+        return out
+
+    def max_positions(self) -> Optional[int]:
+        config = self.info.config
+        for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+            value = getattr(config, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                past_key_values: Any = None, use_cache: Optional[bool] = None,
+                logits_to_keep: int = 0, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        unknown = sorted(k for k, v in kwargs.items()
+                         if v is not None and k not in _IGNORED)
+        if unknown or input_ids is None:
+            raise ConfigError(
+                f"the decoding programs take input_ids, attention_mask, position_ids and "
+                f"past_key_values; got {unknown or 'no input_ids'}")
+        cache = past_key_values
+        if cache is None:
+            cache = KVCache(self, None)
+        elif getattr(cache, "decoder", None) is not self:
+            raise ConfigError(
+                f"past_key_values must be the cache this sharded model returned (a "
+                f"{type(cache).__name__} holds every head of every rank); start with "
+                "past_key_values=None")
+        batch, tokens = input_ids.shape
+        past = cache.seen
+        limit = self.max_positions()
+        if limit is not None and past + tokens > limit:
+            raise ConfigError(f"{past + tokens} positions exceed the model's "
+                              f"{limit} (max_position_embeddings)")
+        self._check_plan()
+        prompt = tokens > 1
+        program = self.program(prompt, int(logits_to_keep or 0) if prompt else 1)
+        cache.reserve(batch, past + tokens, program.cache_layouts)
+        device = self.device
+        mask = torch.zeros(batch, cache.capacity, dtype=torch.long, device=device)
+        if attention_mask is None:
+            mask[:, : past + tokens] = 1
+        elif attention_mask.dim() != 2 or attention_mask.shape[1] != past + tokens:
+            raise ConfigError(
+                f"attention_mask must be [batch, past + new tokens] = [{batch}, "
+                f"{past + tokens}], got {list(attention_mask.shape)}")
+        else:
+            mask[:, : past + tokens] = attention_mask.to(device)
+        positions = torch.arange(past, past + tokens, device=device)
+        if position_ids is None:
+            position_ids = positions.unsqueeze(0).expand(batch, tokens)
+        logits = program(input_ids=input_ids.to(device), attention_mask=mask,
+                         position_ids=position_ids.to(device).contiguous(),
+                         cache_position=positions, key_values=cache.tensors)
+        cache.seen = past + tokens
+        return CausalLMOutputWithPast(logits=logits,
+                                      past_key_values=cache if use_cache is not False else None)
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is not None:
+            raise ConfigError("generate() on a sharded model makes its own cache: leave "
+                              "past_key_values out")
+        for key in ("assistant_model", "prompt_lookup_num_tokens", "cache_implementation"):
+            if kwargs.get(key) is not None:
+                raise ConfigError(f"generate({key}=...) is not supported on a sharded model")
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if ids is None:
+            raise ConfigError("generate() on a sharded model needs input_ids")
+        total = self._total_length(ids.shape[-1], kwargs)
+        limit = self.max_positions()
+        if limit is not None and total > limit:
+            raise ConfigError(
+                f"a prompt of {ids.shape[-1]} tokens plus the new tokens needs {total} "
+                f"positions, more than the model's {limit} (max_position_embeddings): "
+                "lower max_new_tokens or shorten the prompt")
+        kwargs["past_key_values"] = KVCache(self, total)
+        self._check_plan()
+        return self.host.generate(inputs, **kwargs)
+
+    def _check_plan(self) -> None:
+        if not self.sharded._plan_checked:
+            self.sharded.check_plan()
+
+    def _total_length(self, prompt: int, kwargs: dict[str, Any]) -> int:
+        config = kwargs.get("generation_config") or self.host.generation_config
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if new is not None:
+            return prompt + int(new)
+        return max(int(kwargs.get("max_length", getattr(config, "max_length", 20))), prompt + 1)
+
+
+_IGNORED = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
+            "token_type_ids"}
+
+
+def _can_generate(model_class: type) -> bool:
+    can = getattr(model_class, "can_generate", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # noqa: BLE001 - a class that cannot answer cannot generate
+        return False
+
+
+def _host(decoder: Decoder) -> Any:
+    """An instance of the model's own class (so transformers sees the same model: the same
+    ``prepare_inputs_for_generation``, defaults and checks) that holds no weights and whose
+    forward runs the decoding programs."""
+    cls = decoder.info.model_class
+    signature = inspect.signature(cls.forward)
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        named = dict(bound.arguments)
+        named.pop(next(iter(signature.parameters)))
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+        return decoder.forward(**named)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    host_cls = type(f"Sharded{cls.__name__}", (cls,), {"forward": forward,
+                                                        "__module__": __name__})
+    host = host_cls.__new__(host_cls)
+    nn.Module.__init__(host)
+    host.config = decoder.info.config
+    host.generation_config = copy.deepcopy(decoder.info.generation_config)
+    # one real tensor, so that transformers' ``device`` and ``dtype`` answer as for the model
+    host.register_parameter("_autotp_device", nn.Parameter(
+        torch.zeros((), dtype=decoder.dtype, device=decoder.device), requires_grad=False))
+    return host
+
+
+def decoder_of(sharded: Any) -> Decoder:
+    found = getattr(sharded, "_decoder", None)
+    if found is None:
+        found = Decoder(sharded)
+        object.__setattr__(sharded, "_decoder", found)
+    return found
+
+
+__all__ = ["Decoder", "Step", "build_program", "cache_shapes", "decoder_of"]
