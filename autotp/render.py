@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
 from autotp.report import (
+    PHASE_SHORT,
     Group,
     fold_layers,
     human_bytes,
@@ -53,7 +54,6 @@ LEGEND = (("replicated", "R / R*", "replicated (R*: gradient is a partial sum)")
           ("partial", "P", "partial sum: the value is the sum over ranks"),
           ("tuple", "(…)", "tuple of layouts (multi-output op)"),
           ("none", "–", "no tensor layout"))
-PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 COLLECTIVE_COLOUR = "#dc2626"
 
 
@@ -709,10 +709,11 @@ def _collective_rows(rows: list[dict[str, Any]]) -> str:
             f'<td class="num" title="{esc(c["bytes_expr"])} at B, T">'
             f"{esc(human_bytes(c['bytes']))}</td>"
             f'<td class="num">{esc(time_text(c["time_us"]))}</td>'
-            f'<td class="mono">{esc(c["node"])}</td>'
-            f'<td class="mono muted">{esc(c["source"] or "")}</td></tr>')
+            f'<td class="mono">{esc(c["module"] or "")}</td>'
+            f'<td class="mono muted">{esc(c["source"] or "")}</td>'
+            f'<td class="mono muted">{esc(c["node"])}</td></tr>')
     head = ("<tr><th>phase</th><th>kind</th><th>from → to</th><th>bytes</th><th>time</th>"
-            "<th>value</th><th>source</th></tr>")
+            "<th>module</th><th>source</th><th>value</th></tr>")
     return f'<table class="collectives">{head}{"".join(out)}</table>'
 
 
@@ -723,7 +724,8 @@ def _marker(shown: Shown, view: View, section_layer: Optional[int]) -> str:
     if shown.record.layer != section_layer:
         layer = " (outside the layers)" if shown.record.layer is None else \
             f" (layer {shown.record.layer})"
-    title = f"{row['bytes_expr']} bytes; read by {consumers}; {row['source'] or ''}"
+    where = " at ".join(x for x in (row["module"], row["source"]) if x)
+    title = f"{row['bytes_expr']} bytes; read by {consumers}; {where}"
     return (f'<li class="mark"><span class="coll" title="{esc(title)}">⇄ '
             f"{esc(PHASE_SHORT.get(row['phase'], row['phase']))} {esc(row['kind'])}"
             f"{esc(layer)}</span> {badge(row['from'])} → {badge(row['to'])} "

@@ -48,6 +48,7 @@ class CollectiveRecord:
     source: Optional[str]
     src: str
     dst: str
+    module: Optional[str] = None  # the module path of the source line (None: top level)
 
 
 @dataclass(frozen=True)

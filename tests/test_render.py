@@ -25,7 +25,7 @@ import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.render import dot_quote, execution_order, to_dot, to_html
-from autotp.report import fold_layers, human_bytes, to_dict
+from autotp.report import fold_layers, human_bytes, to_dict, to_table
 from models import BUILDERS
 
 COST = CostModel()
@@ -59,6 +59,43 @@ def split_layers(plan: Plan) -> Plan:
     params = dict(plan.params)
     params[name] = dataclasses.replace(param, layout="R", local_shape=param.global_shape)
     return dataclasses.replace(plan, params=params)
+
+
+# ---- where each collective comes from -------------------------------------------------------
+
+
+def test_collectives_name_their_module_and_the_models_own_line(llama_plan: Plan) -> None:
+    """Megatron's collectives of a LLaMA layer, located in the user's terms: the module path
+    and the line of modeling_llama.py, never torch's ``F.linear`` in nn/modules/linear.py."""
+    layer0 = [c for c in llama_plan.collectives if c.layer == 0]
+    assert sorted(c.module for c in layer0 if c.phase == "forward") == [
+        "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
+    for c in layer0:
+        if c.phase == "backward":  # the gradient of the normed input, where it is read
+            assert c.module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj",
+                                "model.layers.0.mlp.up_proj", "model.layers.0.self_attn.k_proj",
+                                "model.layers.0.self_attn.v_proj"), c
+    for c in llama_plan.collectives:
+        if not c.node.startswith("grad sync"):
+            assert c.source is not None and c.source.rsplit(":", 1)[0].endswith(
+                os.path.join("llama", "modeling_llama.py")), c
+    rows = to_dict(llama_plan, COST)["collectives"]
+    assert {r["module"] for r in rows} >= {"model.layers.0.self_attn.o_proj", "lm_head"}
+    table = to_table(llama_plan, COST)
+    assert re.search(r"fwd all_reduce .* self_attn\.o_proj  modeling_llama\.py:\d+\n", table)
+    assert "linear.py" not in table and "for all_reduce" not in table
+    page = to_html(llama_plan, COST)
+    assert '<td class="mono">model.layers.0.self_attn.o_proj</td>' in page
+
+
+def test_plan_json_without_module_paths_still_loads(llama_plan: Plan) -> None:
+    data = json.loads(llama_plan.to_json())
+    assert Plan.from_json(json.dumps(data)).collectives == llama_plan.collectives
+    for c in data["collectives"]:
+        del c["module"]  # a plan written before collectives had module paths
+    old = Plan.from_json(json.dumps(data))
+    assert [dataclasses.replace(c, module=None) for c in llama_plan.collectives] == \
+        old.collectives
 
 
 # ---- DOT -----------------------------------------------------------------------------------
