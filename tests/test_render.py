@@ -88,6 +88,16 @@ def test_collectives_name_their_module_and_the_models_own_line(llama_plan: Plan)
     assert '<td class="mono">model.layers.0.self_attn.o_proj</td>' in page
 
 
+def test_summary_counts_collectives_in_words(llama_plan: Plan) -> None:
+    lines = llama_plan.summary().splitlines()
+    for layer in (0, 1):  # Megatron: two all-reduces each way per layer
+        assert f"  layer {layer}: forward: 2 all-reduces; backward: 2 all-reduces" in lines
+    # the embedding's all-reduce, the logits' all-gather; the gradients into lm_head and the
+    # after-backward sync of the replicated k/v projections
+    assert ("  outside the layers: forward: 1 all-gather, 1 all-reduce; "
+            "backward: 2 all-reduces") in lines
+
+
 def test_plan_json_without_module_paths_still_loads(llama_plan: Plan) -> None:
     data = json.loads(llama_plan.to_json())
     assert Plan.from_json(json.dumps(data)).collectives == llama_plan.collectives
