@@ -10,6 +10,8 @@ What this module guarantees:
   of each group is drawn once and stands for the group; the other layers of the group are left
   out. A value read across the fold (the last layer's output read by the final norm) is drawn
   from the same value of the group's first layer, through the group's cluster.
+- Run-time checks of the traced program (``CHECK_OPS``: ``_assert_tensor_metadata``) are not
+  drawn: they produce no value.
 - Every collective of the shown layers and of the code outside the layers is marked on the
   value it redistributes, with its kind, phase, layouts, bytes and alpha-beta time at the cost
   model's (B, T); the numbers are those of ``report.to_dict``.
@@ -55,6 +57,9 @@ LEGEND = (("replicated", "R / R*", "replicated (R*: gradient is a partial sum)")
           ("tuple", "(…)", "tuple of layouts (multi-output op)"),
           ("none", "–", "no tensor layout"))
 COLLECTIVE_COLOUR = "#dc2626"
+# Run-time checks of the traced program (dtype/shape assertions): they produce no value and
+# nothing flows through them, so the pictures leave them out.
+CHECK_OPS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"})
 
 
 def layout_class(text: Optional[str]) -> str:
@@ -180,6 +185,8 @@ def _param_keys(plan: Plan) -> dict[str, str]:
 def _consumers(plan: Plan) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name in plan.graph}
     for name, inputs in plan.graph.items():
+        if plan.ops.get(name) in CHECK_OPS:
+            continue
         for value in inputs:
             if name not in out.setdefault(value, []):
                 out[value].append(name)
@@ -230,6 +237,8 @@ def _nodes(plan: Plan, consumers: dict[str, list[str]]) -> dict[str, NodeInfo]:
     keys = _param_keys(plan)
     nodes: dict[str, NodeInfo] = {}
     for name in execution_order(plan):
+        if plan.ops.get(name) in CHECK_OPS:
+            continue
         kind = _node_kind(plan, name, keys)
         op = plan.ops.get(name, "")
         param = keys.get(op) if kind == "param" else None

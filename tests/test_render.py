@@ -24,7 +24,7 @@ import pytest
 import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.render import dot_quote, execution_order, to_dot, to_html
+from autotp.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
 from autotp.report import fold_layers, human_bytes, to_dict, to_table
 from models import BUILDERS
 
@@ -146,7 +146,8 @@ def test_dot_folds_layers_into_a_cluster(request: pytest.FixtureRequest, model: 
     assert '"layers 0-1 (x2)\\n' in dot
     assert "cluster_layers_1" not in dot
     ids = node_ids(dot)
-    drawn_ops = {n for n in plan.graph if plan.node_layers.get(n) == 0}
+    drawn_ops = {n for n in plan.graph
+                 if plan.node_layers.get(n) == 0 and plan.ops[n] not in CHECK_OPS}
     skipped_ops = {n for n in plan.graph if plan.node_layers.get(n) == 1}
     assert drawn_ops <= ids
     assert not skipped_ops & ids, "nodes of folded layers are drawn"
@@ -207,7 +208,19 @@ def test_dot_of_layers_that_differ(llama_plan: Plan) -> None:
     assert 'subgraph "cluster_layers_0" {' in dot and 'subgraph "cluster_layers_1" {' in dot
     assert '"layer 1\\n' in dot
     assert "from layer" not in dot
-    assert {n for n in plan.graph if plan.node_layers.get(n) == 1} <= node_ids(dot)
+    assert {n for n in plan.graph
+            if plan.node_layers.get(n) == 1 and plan.ops[n] not in CHECK_OPS} <= node_ids(dot)
+
+
+def test_runtime_checks_are_not_drawn(llama_plan: Plan) -> None:
+    """torch.export's ``_assert_tensor_metadata`` nodes (dtype checks, no value) are in the
+    plan's graph but in neither picture; nothing else is left out."""
+    checks = {n for n, op in llama_plan.ops.items() if op in CHECK_OPS}
+    assert checks, "the traced LLaMA has dtype checks: this test must see some"
+    dot, page = to_dot(llama_plan, COST), to_html(llama_plan, COST)
+    assert "_assert_tensor_metadata" not in dot and "_assert_tensor_metadata" not in page
+    outside = {n for n in llama_plan.choices if llama_plan.node_layers.get(n) is None}
+    assert outside - checks and outside - checks <= node_ids(dot)
 
 
 def test_dot_quote_escapes() -> None:
