@@ -193,16 +193,21 @@ def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
             module._buffers[name] = buf
 
 
-def _library_file(filename: str) -> bool:
-    """A frame of torch or of autotp itself (its package folders, whatever the checkout's
-    folder is called), not of the user's model."""
+@functools.lru_cache(maxsize=None)
+def _library_roots() -> tuple[str, ...]:
     import autotp
     from autotp import planner, rules
 
+    return tuple(os.path.dirname(os.path.realpath(m.__file__ or "")) + os.sep
+                 for m in (torch, autotp, planner, rules))
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_file(filename: str) -> bool:
+    """A frame of torch or of autotp itself (its package folders, whatever the checkout's
+    folder is called), not of the user's model."""
     path = os.path.realpath(filename)
-    roots = [os.path.dirname(os.path.realpath(m.__file__ or "")) + os.sep
-             for m in (torch, autotp, planner, rules)]
-    return any(path.startswith(root) for root in roots)
+    return any(path.startswith(root) for root in _library_roots())
 
 
 def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:
@@ -481,11 +486,32 @@ def layer_of(node: fx.Node) -> Optional[int]:
 
 
 def source_of(node: fx.Node) -> Optional[str]:
+    """``file:line`` of the model's own code that produced ``node``: the innermost frame
+    outside torch and autotp (``attn_output = self.o_proj(...)``, not ``F.linear`` inside
+    ``torch/nn/modules/linear.py``); the innermost frame when every frame is torch's."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
     if not found:
         return None
-    filename, line = found[-1]
+    own = [frame for frame in found if not _library_file(frame[0])]
+    filename, line = (own or found)[-1]
     return f"{filename}:{line}"
+
+
+def module_of(node: fx.Node) -> Optional[str]:
+    """The path of the innermost module whose forward produced ``node``
+    (``model.layers.0.self_attn.o_proj``); None for code of the top-level module."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(path) for path, _cls in stack.values()]
+    return paths[-1] if paths and paths[-1] else None
+
+
+def origin_of(node: fx.Node) -> str:
+    """Where ``node`` comes from in the user's terms, for messages:
+    ``model.layers.0.mlp.down_proj at /path/modeling_llama.py:160``."""
+    module, source = module_of(node), source_of(node)
+    if module and source:
+        return f"{module} at {source}"
+    return module or source or "unknown source"

@@ -10,6 +10,8 @@ What this module guarantees:
   of each group is drawn once and stands for the group; the other layers of the group are left
   out. A value read across the fold (the last layer's output read by the final norm) is drawn
   from the same value of the group's first layer, through the group's cluster.
+- Run-time checks of the traced program (``CHECK_OPS``: ``_assert_tensor_metadata``) are not
+  drawn: they produce no value.
 - Every collective of the shown layers and of the code outside the layers is marked on the
   value it redistributes, with its kind, phase, layouts, bytes and alpha-beta time at the cost
   model's (B, T); the numbers are those of ``report.to_dict``.
@@ -32,6 +34,7 @@ from typing import Any, Iterable, Optional
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
 from autotp.report import (
+    PHASE_SHORT,
     Group,
     fold_layers,
     human_bytes,
@@ -53,8 +56,10 @@ LEGEND = (("replicated", "R / R*", "replicated (R*: gradient is a partial sum)")
           ("partial", "P", "partial sum: the value is the sum over ranks"),
           ("tuple", "(…)", "tuple of layouts (multi-output op)"),
           ("none", "–", "no tensor layout"))
-PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 COLLECTIVE_COLOUR = "#dc2626"
+# Run-time checks of the traced program (dtype/shape assertions): they produce no value and
+# nothing flows through them, so the pictures leave them out.
+CHECK_OPS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"})
 
 
 def layout_class(text: Optional[str]) -> str:
@@ -180,6 +185,8 @@ def _param_keys(plan: Plan) -> dict[str, str]:
 def _consumers(plan: Plan) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name in plan.graph}
     for name, inputs in plan.graph.items():
+        if plan.ops.get(name) in CHECK_OPS:
+            continue
         for value in inputs:
             if name not in out.setdefault(value, []):
                 out[value].append(name)
@@ -230,6 +237,8 @@ def _nodes(plan: Plan, consumers: dict[str, list[str]]) -> dict[str, NodeInfo]:
     keys = _param_keys(plan)
     nodes: dict[str, NodeInfo] = {}
     for name in execution_order(plan):
+        if plan.ops.get(name) in CHECK_OPS:
+            continue
         kind = _node_kind(plan, name, keys)
         op = plan.ops.get(name, "")
         param = keys.get(op) if kind == "param" else None
@@ -709,10 +718,11 @@ def _collective_rows(rows: list[dict[str, Any]]) -> str:
             f'<td class="num" title="{esc(c["bytes_expr"])} at B, T">'
             f"{esc(human_bytes(c['bytes']))}</td>"
             f'<td class="num">{esc(time_text(c["time_us"]))}</td>'
-            f'<td class="mono">{esc(c["node"])}</td>'
-            f'<td class="mono muted">{esc(c["source"] or "")}</td></tr>')
+            f'<td class="mono">{esc(c["module"] or "")}</td>'
+            f'<td class="mono muted">{esc(c["source"] or "")}</td>'
+            f'<td class="mono muted">{esc(c["node"])}</td></tr>')
     head = ("<tr><th>phase</th><th>kind</th><th>from → to</th><th>bytes</th><th>time</th>"
-            "<th>value</th><th>source</th></tr>")
+            "<th>module</th><th>source</th><th>value</th></tr>")
     return f'<table class="collectives">{head}{"".join(out)}</table>'
 
 
@@ -723,7 +733,8 @@ def _marker(shown: Shown, view: View, section_layer: Optional[int]) -> str:
     if shown.record.layer != section_layer:
         layer = " (outside the layers)" if shown.record.layer is None else \
             f" (layer {shown.record.layer})"
-    title = f"{row['bytes_expr']} bytes; read by {consumers}; {row['source'] or ''}"
+    where = " at ".join(x for x in (row["module"], row["source"]) if x)
+    title = f"{row['bytes_expr']} bytes; read by {consumers}; {where}"
     return (f'<li class="mark"><span class="coll" title="{esc(title)}">⇄ '
             f"{esc(PHASE_SHORT.get(row['phase'], row['phase']))} {esc(row['kind'])}"
             f"{esc(layer)}</span> {badge(row['from'])} → {badge(row['to'])} "

@@ -12,7 +12,8 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
      "collectives": [{"kind": "all_reduce" | "all_gather" | "reduce_scatter",
                       "phase": "forward" | "backward", "layer": int | null,
                       "bytes": int, "bytes_expr": str, "time_us": float, "node": str,
-                      "from": str, "to": str, "source": "file:line" | null}],
+                      "from": str, "to": str, "source": "file:line" | null,
+                      "module": str | null}],
      "summary": {"forward_collectives": int, "backward_collectives": int,
                  "forward_bytes": int, "backward_bytes": int, "time_ms": float,
                  "groups": [{"layers": [int], "forward": int, "backward": int}],
@@ -20,6 +21,9 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
                  "param_bytes_per_rank": int, "param_bytes": int, "fallbacks": [str]}}
 
 ``bytes`` is ``bytes_expr`` (in the batch ``B`` and sequence ``T``) at the given B and T.
+``source`` is the model's own line (the innermost frame outside torch and autotp) and
+``module`` the path of the module it runs in (``model.layers.0.self_attn.o_proj``; null at
+the top level and for the gradient sync of parameters).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ MEGATRON_BOUND = {"forward": 2, "backward": 2}
 # sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
 SEQUENCE_PARALLEL_BOUND = {"forward": 4, "backward": 4}
 SCHEMA = "autotp.plan/1"
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
 def evaluate_bytes(expr: str, batch: int, seq: int) -> int:
@@ -134,6 +139,17 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def origin_text(collective: dict[str, Any], layer: Optional[int]) -> str:
+    """A collective of ``to_dict`` in the user's terms: its module (relative to its layer, as
+    parameter names are) and the file and line of the model's code; the graph value when
+    neither is known (the gradient sync of parameters)."""
+    module = collective["module"]
+    source = collective["source"]
+    parts = [relative_name(module, layer) if module else "",
+             os.path.basename(source) if source else ""]
+    return "  ".join(p for p in parts if p) or collective["node"]
+
+
 def _shape(shape: tuple) -> str:
     return "x".join(str(s) for s in shape)
 
@@ -153,6 +169,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             "kind": c.kind, "phase": c.phase, "layer": c.layer, "bytes": nbytes,
             "bytes_expr": c.bytes_expr, "time_us": round(seconds * 1e6, 3), "node": c.node,
             "from": c.src, "to": c.dst, "source": relative_source(c.source),
+            "module": c.module,
         })
     params = {}
     per_rank = total = 0
@@ -201,12 +218,12 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
              f"T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
              f"{cost_model.latency * 1e6:g} us"]
 
-    def collective_lines(colls: list[dict], indent: str) -> list[str]:
+    def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
         out = []
         for c in sorted(colls, key=lambda c: (c["phase"] != "forward", c["kind"], c["node"])):
-            out.append(f"{indent}{c['phase'][:3]} {c['kind']:<14} {c['from']:>3}->{c['to']:<3} "
-                       f"{human_bytes(c['bytes']):>10} {c['time_us'] / 1e3:8.3f} ms  "
-                       f"{c['node']}")
+            out.append(f"{indent}{PHASE_SHORT[c['phase']]} {c['kind']:<14} "
+                       f"{c['from']:>3}->{c['to']:<3} {human_bytes(c['bytes']):>10} "
+                       f"{c['time_us'] / 1e3:8.3f} ms  {origin_text(c, layer)}")
         return out
 
     for group in fold_layers(plan):
@@ -218,7 +235,7 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
                          f"-> {_shape(local_shape)}")
         layer0 = group.layers[0]
         colls = [c for c in data["collectives"] if c["layer"] == layer0]
-        lines += collective_lines(colls, "  ")
+        lines += collective_lines(colls, "  ", layer0)
     outside = [(n, p) for n, p in plan.params.items() if p.layer is None]
     outside_colls = [c for c in data["collectives"] if c["layer"] is None]
     if outside or outside_colls:
@@ -226,7 +243,7 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
         for name, p in outside:
             lines.append(f"  {name:<40} {_shape(p.global_shape):>14} {p.layout:<7} "
                          f"-> {_shape(p.local_shape)}")
-        lines += collective_lines(outside_colls, "  ")
+        lines += collective_lines(outside_colls, "  ", None)
     s = data["summary"]
     per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
     verdict = "met" if s["meets_bound"] else "EXCEEDED"

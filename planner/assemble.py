@@ -11,7 +11,7 @@ import torch
 import sympy
 import torch.fx as fx
 
-from autotp.capture import Captured, layer_of, size_expr, source_of
+from autotp.capture import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.layout import R, Partial, Replicate, local_shape
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
@@ -44,7 +44,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             values[name] = out
             if pn.fallback:
                 plan.fallbacks.append(f"{pn.node.target} at {name}: replicated "
-                                      f"({source_of(pn.node) or 'unknown source'})")
+                                      f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
                 op=str(pn.node.target), strategy=str(strategy),
                 inputs=tuple(str(x) for x in strategy.inputs),
@@ -103,7 +103,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if step.last_resort and (name, str(want)) not in seen:
                 plan.fallbacks.append(
                     f"{name} ({have}) is gathered for {pn.node.target} at {pn.node.name}, "
-                    f"which only runs replicated ({source_of(pn.node) or 'unknown source'})")
+                    f"which only runs replicated ({origin_of(pn.node)})")
             if (name, str(want)) in seen:
                 continue
             seen.add((name, str(want)))
@@ -113,10 +113,12 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
+                    # forward: where the value is produced; backward: where it is read
+                    at = pn.node if phase == "backward" else src.node
                     plan.collectives.append(CollectiveRecord(
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
-                        node=name, source=source_of(pn.node if phase == "backward" else src.node),
-                        src=str(have), dst=str(want)))
+                        node=name, source=source_of(at), src=str(have), dst=str(want),
+                        module=module_of(at)))
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:
             target = pn.node.target

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autotp.capture import source_of
+from autotp.capture import origin_of
 from autotp.errors import PlanError, where
 from autotp.planner.plan import Plan
 
@@ -40,7 +40,7 @@ def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> list[str]:
                     f"{{{valid}}} (or strict=False to replicate the attention){where(node)}"
                 )
             fallbacks.append(f"attention {node.name}: {heads} heads not divisible by tp={tp}, "
-                             f"computed replicated ({source_of(node) or 'unknown source'})")
+                             f"computed replicated ({origin_of(node)})")
     return fallbacks
 
 
@@ -78,7 +78,7 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> No
         if strict and odd:  # a size tp must divide; the other case is a plan's choice
             raise PlanError(text + ", or pass strict=False to replicate it"
                             + where(products[0]))
-        plan.fallbacks.append(f"{text} ({source_of(products[0]) or 'unknown source'})")
+        plan.fallbacks.append(f"{text} ({origin_of(products[0])})")
 
 
 def check_divisibility(plan: Plan, tp: int, strict: bool) -> None:

@@ -48,6 +48,7 @@ class CollectiveRecord:
     source: Optional[str]
     src: str
     dst: str
+    module: Optional[str] = None  # the module path of the source line (None: top level)
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,10 @@ class Plan:
         table = self.per_layer()
         layer_keys = sorted((k for k in table if k is not None))
         for key in layer_keys + ([None] if None in table else []):
-            counts = table[key]
-            fwd = sum(v for (phase, _), v in counts.items() if phase == "forward")
-            bwd = sum(v for (phase, _), v in counts.items() if phase == "backward")
-            kinds = ", ".join(f"{phase[:3]} {kind}x{v}"
-                              for (phase, kind), v in sorted(counts.items()))
-            label = f"layer {key}" if key is not None else "outside layers"
-            lines.append(f"  {label}: {fwd} forward, {bwd} backward collectives ({kinds})")
+            label = f"layer {key}" if key is not None else "outside the layers"
+            phases = "; ".join(f"{phase}: {_counted(table[key], phase)}"
+                               for phase in ("forward", "backward"))
+            lines.append(f"  {label}: {phases}")
         sharded_out = [x for x in self.outputs if x.startswith("S")]
         if sharded_out:
             lines.append(f"  outputs returned sharded (not gathered): {', '.join(self.outputs)}")
@@ -161,3 +159,11 @@ class Plan:
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.states = dict(data.get("states", {}))
         return plan
+
+
+def _counted(counts: Counter, phase: str) -> str:
+    """``2 all-reduces``, ``1 all-gather, 1 all-reduce`` or ``none``: the collectives of one
+    phase in ``counts`` ((phase, kind) -> number)."""
+    parts = [f"{n} {kind.replace('_', '-')}{'' if n == 1 else 's'}"
+             for (ph, kind), n in sorted(counts.items()) if ph == phase]
+    return ", ".join(parts) or "none"

@@ -24,8 +24,8 @@ import pytest
 import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.render import dot_quote, execution_order, to_dot, to_html
-from autotp.report import fold_layers, human_bytes, to_dict
+from autotp.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
+from autotp.report import fold_layers, human_bytes, to_dict, to_table
 from models import BUILDERS
 
 COST = CostModel()
@@ -59,6 +59,53 @@ def split_layers(plan: Plan) -> Plan:
     params = dict(plan.params)
     params[name] = dataclasses.replace(param, layout="R", local_shape=param.global_shape)
     return dataclasses.replace(plan, params=params)
+
+
+# ---- where each collective comes from -------------------------------------------------------
+
+
+def test_collectives_name_their_module_and_the_models_own_line(llama_plan: Plan) -> None:
+    """Megatron's collectives of a LLaMA layer, located in the user's terms: the module path
+    and the line of modeling_llama.py, never torch's ``F.linear`` in nn/modules/linear.py."""
+    layer0 = [c for c in llama_plan.collectives if c.layer == 0]
+    assert sorted(c.module for c in layer0 if c.phase == "forward") == [
+        "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
+    for c in layer0:
+        if c.phase == "backward":  # the gradient of the normed input, where it is read
+            assert c.module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj",
+                                "model.layers.0.mlp.up_proj", "model.layers.0.self_attn.k_proj",
+                                "model.layers.0.self_attn.v_proj"), c
+    for c in llama_plan.collectives:
+        if not c.node.startswith("grad sync"):
+            assert c.source is not None and c.source.rsplit(":", 1)[0].endswith(
+                os.path.join("llama", "modeling_llama.py")), c
+    rows = to_dict(llama_plan, COST)["collectives"]
+    assert {r["module"] for r in rows} >= {"model.layers.0.self_attn.o_proj", "lm_head"}
+    table = to_table(llama_plan, COST)
+    assert re.search(r"fwd all_reduce .* self_attn\.o_proj  modeling_llama\.py:\d+\n", table)
+    assert "linear.py" not in table and "for all_reduce" not in table
+    page = to_html(llama_plan, COST)
+    assert '<td class="mono">model.layers.0.self_attn.o_proj</td>' in page
+
+
+def test_summary_counts_collectives_in_words(llama_plan: Plan) -> None:
+    lines = llama_plan.summary().splitlines()
+    for layer in (0, 1):  # Megatron: two all-reduces each way per layer
+        assert f"  layer {layer}: forward: 2 all-reduces; backward: 2 all-reduces" in lines
+    # the embedding's all-reduce, the logits' all-gather; the gradients into lm_head and the
+    # after-backward sync of the replicated k/v projections
+    assert ("  outside the layers: forward: 1 all-gather, 1 all-reduce; "
+            "backward: 2 all-reduces") in lines
+
+
+def test_plan_json_without_module_paths_still_loads(llama_plan: Plan) -> None:
+    data = json.loads(llama_plan.to_json())
+    assert Plan.from_json(json.dumps(data)).collectives == llama_plan.collectives
+    for c in data["collectives"]:
+        del c["module"]  # a plan written before collectives had module paths
+    old = Plan.from_json(json.dumps(data))
+    assert [dataclasses.replace(c, module=None) for c in llama_plan.collectives] == \
+        old.collectives
 
 
 # ---- DOT -----------------------------------------------------------------------------------
@@ -99,7 +146,8 @@ def test_dot_folds_layers_into_a_cluster(request: pytest.FixtureRequest, model: 
     assert '"layers 0-1 (x2)\\n' in dot
     assert "cluster_layers_1" not in dot
     ids = node_ids(dot)
-    drawn_ops = {n for n in plan.graph if plan.node_layers.get(n) == 0}
+    drawn_ops = {n for n in plan.graph
+                 if plan.node_layers.get(n) == 0 and plan.ops[n] not in CHECK_OPS}
     skipped_ops = {n for n in plan.graph if plan.node_layers.get(n) == 1}
     assert drawn_ops <= ids
     assert not skipped_ops & ids, "nodes of folded layers are drawn"
@@ -160,7 +208,19 @@ def test_dot_of_layers_that_differ(llama_plan: Plan) -> None:
     assert 'subgraph "cluster_layers_0" {' in dot and 'subgraph "cluster_layers_1" {' in dot
     assert '"layer 1\\n' in dot
     assert "from layer" not in dot
-    assert {n for n in plan.graph if plan.node_layers.get(n) == 1} <= node_ids(dot)
+    assert {n for n in plan.graph
+            if plan.node_layers.get(n) == 1 and plan.ops[n] not in CHECK_OPS} <= node_ids(dot)
+
+
+def test_runtime_checks_are_not_drawn(llama_plan: Plan) -> None:
+    """torch.export's ``_assert_tensor_metadata`` nodes (dtype checks, no value) are in the
+    plan's graph but in neither picture; nothing else is left out."""
+    checks = {n for n, op in llama_plan.ops.items() if op in CHECK_OPS}
+    assert checks, "the traced LLaMA has dtype checks: this test must see some"
+    dot, page = to_dot(llama_plan, COST), to_html(llama_plan, COST)
+    assert "_assert_tensor_metadata" not in dot and "_assert_tensor_metadata" not in page
+    outside = {n for n in llama_plan.choices if llama_plan.node_layers.get(n) is None}
+    assert outside - checks and outside - checks <= node_ids(dot)
 
 
 def test_dot_quote_escapes() -> None:

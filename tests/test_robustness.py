@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import warnings
 
 import pytest
@@ -213,6 +214,8 @@ def test_intermediate_not_divisible_is_refused_when_strict() -> None:
         warnings.simplefilter("always")
         plan = autotp.plan(OddIntermediate(), 4, example_args=(x,), strict=False)
     assert any("up.weight" in f and "stays replicated" in f for f in plan.fallbacks)
+    # located by the module and this file's line, not torch's nn/modules/linear.py
+    assert any(re.search(r"\(up at \S*test_robustness\.py:\d+\)$", f) for f in plan.fallbacks)
     assert caught
 
 
