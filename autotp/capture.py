@@ -164,6 +164,7 @@ def capture(
         raise TraceError(_trace_failure_message(model, exc)) from exc
     gm = ep.module()
     merge_tied_parameters(gm)
+    out_of_place(gm)
     split_biases(gm)
     sink_bias_adds(gm)
     decompose_cross_entropy(gm)
@@ -251,6 +252,47 @@ def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+def out_of_place(gm: fx.GraphModule) -> None:
+    """In-place arithmetic on a fresh intermediate (``h += residual``, ``w /= w.sum()``) ->
+    its out-of-place form, where that is exact: the tensor written owns its storage (no view,
+    no input, parameter or buffer), nothing reads it after the write (later reads already
+    name the in-place node), and the result keeps its dtype. Other in-place ops are left for
+    the rules (a KV cache's ``index_copy_``) or refused by name."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        if not schema.name.endswith("_") or not node.args or \
+                not isinstance(node.args[0], fx.Node):
+            continue
+        written = [a for a in schema.arguments if a.alias_info is not None and
+                   a.alias_info.is_write]
+        if len(written) != 1 or written[0] is not schema.arguments[0]:
+            continue
+        packet = getattr(torch.ops.aten, schema.name.split("::")[-1][:-1], None)
+        functional = getattr(packet, node.target._overloadname, None)
+        if functional is None or not _owns_storage(node.args[0]):
+            continue
+        target = node.args[0]
+        if any(order[user] > order[node] for user in target.users if user is not node):
+            continue
+        val, self_val = node.meta.get("val"), target.meta.get("val")
+        out = _fake_run(functional, node.args) if isinstance(val, torch.Tensor) else None
+        if not isinstance(out, torch.Tensor) or not isinstance(self_val, torch.Tensor) or \
+                out.dtype != self_val.dtype or out.shape != self_val.shape:
+            continue
+        node.target = functional
+    gm.recompile()
+
+
+def _owns_storage(node: fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
 
 
 def split_biases(gm: fx.GraphModule) -> None:

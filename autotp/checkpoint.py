@@ -78,6 +78,10 @@ def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = 
     files.close()
     with empty_weights():
         model = model_class._from_config(config, dtype=dtype)
+    if (directory / "generation_config.json").exists() and \
+            getattr(model, "generation_config", None) is not None:
+        # the defaults generate() uses (eos, sampling settings), as transformers loads them
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.train(training)
     return parallelize(model, tp, group=group, checkpoint=directory, device=device,
                        **parallelize_options)

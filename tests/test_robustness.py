@@ -281,3 +281,38 @@ def test_reusing_solved_layers_equals_solving_every_layer(name: str,
              for reuse in (True, False)]
     assert plans[0].layers >= 2
     assert plans[0].to_json() == plans[1].to_json()
+
+
+class InPlace(nn.Module):
+    """Residual and scaling written in place, as Falcon and Mixtral's router do; ``reads``
+    also reads the tensor after writing it, and ``view`` writes through a view."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.relu(self.up(x)))
+        if self.mode == "view":
+            h[..., :4].mul_(2.0)
+            return h
+        h += x
+        h /= 2.0
+        return h
+
+
+def test_in_place_arithmetic_on_fresh_tensors_runs_out_of_place() -> None:
+    model = InPlace("plain")
+    x = torch.randn(2, 3, 16)
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    assert str(sim.plan.param_layout("up.weight")).startswith("S")
+    want = model(x)
+    for got in sim.run(lambda m: m(x)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_in_place_write_through_a_view_is_refused_by_name() -> None:
+    with pytest.raises(autotp.AutotpError, match="no layout rule for aten.mul_"):
+        autotp.plan(InPlace("view"), 2, example_args=(torch.randn(2, 3, 16),))

@@ -1,0 +1,192 @@
+"""Decoding speed: autotp's generate() against torch DTensor and the unsharded model.
+
+    python benchmarks/decode.py                          # LLaMA h=1024, 12 layers, 4 k/v heads
+    python benchmarks/decode.py --tp 2 --batch 8 --new-tokens 32 --layers 4
+
+For each tp, ``tp`` gloo processes build from the same weights (a transformers
+``LlamaForCausalLM``):
+
+    unsharded   the model itself (timed at tp=1 only: at tp>1 every rank would run it)
+    dtensor     torch's ``parallelize_module``: q/k/v, gate/up column-wise, o/down row-wise,
+                the embedding row-wise and the head column-wise with replicated outputs;
+                attention runs on local heads, the model's own cache holds them
+    autotp      ``autotp.parallelize(model, tp)``
+
+and runs transformers' ``generate`` (greedy) on each, interleaved round-robin. A decode step's
+time is (t(prompt + N new tokens) - t(prompt + 1 new token)) / (N - 1), the slowest rank's:
+the prefill and generate's setup cancel out. Also reported: tokens per second over the decode
+steps (batch x steps / time), per-rank weight and KV-cache bytes, and whether the tokens
+equal the unsharded model's. On CPU the ranks share this machine's cores, one thread each
+when there are more ranks than cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    config = tf.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        max_position_embeddings=args.prompt + args.new_tokens + 8, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def dtensor_model(model: Any, tp: int) -> Any:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (tp,))
+    copy_ = copy.deepcopy(model)
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(copy_.model.layers)):
+        prefix = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[prefix + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[prefix + name] = RowwiseParallel()
+    return parallelize_module(copy_, mesh, plan)
+
+
+def local_bytes(module: torch.nn.Module) -> int:
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def cache_bytes(cache: Any) -> int:
+    if hasattr(cache, "nbytes") and isinstance(cache.nbytes, int):
+        return cache.nbytes
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import autotp
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model = build_model(args)
+    impls: dict[str, Any] = {}
+    if world == 1:
+        impls["unsharded"] = model
+    impls["dtensor"] = dtensor_model(model, world)
+    impls["autotp"] = autotp.parallelize(model, tp=world)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in args.batch:
+        ids = torch.randint(3, args.vocab, (batch, args.prompt), generator=generator)
+        mask = torch.ones_like(ids)
+
+        def generate(module: Any, new: int, ids: torch.Tensor = ids,
+                     mask: torch.Tensor = mask) -> tuple[float, Any]:
+            dist.barrier()
+            start = time.perf_counter()
+            out = module.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False,
+                                  return_dict_in_generate=True)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            return float(elapsed), out
+
+        for module in impls.values():  # warm-up: builds the decoding programs
+            generate(module, 2)
+        times: dict[str, list[float]] = {name: [] for name in impls}
+        outputs: dict[str, Any] = {}
+        for _ in range(args.reps):
+            for name, module in impls.items():
+                full, out = generate(module, args.new_tokens)
+                first, _ = generate(module, 1)
+                times[name].append((full - first) / (args.new_tokens - 1))
+                outputs[name] = out
+        reference = outputs.get("unsharded", outputs["dtensor"]).sequences
+        for name, module in impls.items():
+            step = min(times[name])
+            rows.append({
+                "tp": world, "batch": batch, "impl": name, "step_ms": 1e3 * step,
+                "tokens_per_s": batch / step,
+                "weight_bytes": local_bytes(module),
+                "cache_bytes": cache_bytes(outputs[name].past_key_values),
+                "same_tokens": bool(torch.equal(outputs[name].sequences, reference)),
+            })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    parser.add_argument("--tp", type=ints, default=[1, 2, 4])
+    parser.add_argument("--batch", type=ints, default=[1, 8])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--out", default=None, help="append one JSON line per row")
+    args = parser.parse_args()
+
+    from autotp.launch import run_processes
+
+    rows: list[dict[str, Any]] = []
+    for tp in args.tp:
+        rows += run_processes(worker, tp, args, timeout=3600)[0]
+    by_key = {(r["tp"], r["batch"], r["impl"]): r for r in rows}
+    print(f"LLaMA h={args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} "
+          f"k/v heads, vocab {args.vocab}; prompt {args.prompt}, {args.new_tokens} new tokens; "
+          f"{os.cpu_count()} cores")
+    print(f"{'tp':>3} {'batch':>5} {'impl':>10} {'step ms':>8} {'tok/s':>7} {'vs dtensor':>10} "
+          f"{'vs tp1':>7} {'weights MiB':>11} {'cache MiB':>9} {'same':>5}")
+    fmt: Callable[[float], str] = lambda x: f"{x:.2f}"  # noqa: E731
+    for r in rows:
+        dt = by_key.get((r["tp"], r["batch"], "dtensor"))
+        base = by_key.get((1, r["batch"], "unsharded"))
+        print(f"{r['tp']:>3} {r['batch']:>5} {r['impl']:>10} {r['step_ms']:>8.1f} "
+              f"{r['tokens_per_s']:>7.1f} "
+              f"{fmt(r['step_ms'] / dt['step_ms']) if dt else '-':>10} "
+              f"{fmt(r['step_ms'] / base['step_ms']) if base else '-':>7} "
+              f"{r['weight_bytes'] / 2**20:>11.1f} {r['cache_bytes'] / 2**20:>9.2f} "
+              f"{str(r['same_tokens']):>5}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
