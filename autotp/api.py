@@ -318,7 +318,7 @@ def parallelize(
     *,
     example_args: Optional[tuple[Any, ...]] = None,
     example_kwargs: Optional[dict[str, Any]] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    group: Any = None,
     strict: bool = True,
     cost_model: Optional[CostModel] = None,
     timeout: Optional[float] = 300.0,
@@ -351,6 +351,8 @@ def parallelize(
     ``compile``: True (or a dict of ``torch.compile`` options, e.g. ``{"mode":
     "max-autotune"}``) compiles this rank's program; collectives stay eager.
 
+    ``group``: the tensor-parallel process group, or a 1-D DeviceMesh (``mesh["tp"]`` of a
+    (dp, tp) mesh); default: the whole world.
     ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
     that failed or exited makes the others fail instead of hang); None waits forever.
     ``check_plan``: on the first call, check that every rank holds the same plan.
@@ -367,6 +369,7 @@ def parallelize(
             "call torch.distributed.init_process_group() first (use autotp.simulate for a "
             "single-process run)"
         )
+    group = _process_group(group)
     world = dist.get_world_size(group)
     tp = world if tp is None else _check_tp(tp)
     if tp != world:
@@ -397,6 +400,19 @@ def parallelize(
     sharded.source = ModelInfo.of(model)
     sharded.strict = strict
     return sharded
+
+
+def _process_group(group: Any) -> Optional[dist.ProcessGroup]:
+    """A process group, or the group of a 1-D DeviceMesh (``mesh["tp"]``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ConfigError(
+                f"group= takes a 1-D DeviceMesh, the tensor-parallel axis (e.g. mesh['tp']); "
+                f"this one has dims {group.mesh_dim_names or group.ndim}")
+        return group.get_group()
+    return group
 
 
 def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -10,6 +10,10 @@ replace a few op patterns by one kernel-level function with a hand-written backw
 * ``linear(x, W) + b`` -> ``linear(x, W, b)`` and ``mm(x, W) + b`` -> ``addmm(b, x, W)`` (also
   through a view that keeps the last dim), where capture had split the bias off and the plan
   put no collective between product and bias: the original fused kernel again.
+* (inference programs only) attention on k/v heads repeated to the query heads
+  (``reshape(expand(k[:, :, None]))``, transformers' ``repeat_kv`` when a mask is given) ->
+  ``scaled_dot_product_attention(..., enable_gqa=True)`` on the k/v heads themselves: the
+  same grouping, without copying the whole KV cache once per layer and step.
 """
 
 from __future__ import annotations
@@ -169,3 +173,60 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and \
         tuple(va.shape) == tuple(vb.shape)
+
+
+def _full_slice(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target == aten.slice.Tensor
+            and node_arg(node, 2, "start", 0) in (0, None)
+            and node_arg(node, 3, "end", None) in (None, 2**63 - 1)
+            and node_arg(node, 4, "step", 1) == 1)
+
+
+def _repeated_heads(node: Any) -> Optional[fx.Node]:
+    """``x`` where ``node`` is ``reshape(expand(x[:, :, None], [B, H, n, S, D]), [B, H*n, S, D])``
+    (full slices anywhere on the way), else None."""
+    if not isinstance(node, fx.Node) or node.target != aten.reshape.default:
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target != aten.expand.default or \
+            len(expand.args[1]) != 5 or len(node.args[1]) != 4:
+        return None
+    inner = expand.args[0]
+    while _full_slice(inner):
+        inner = inner.args[0]
+    if inner.target != aten.unsqueeze.default or inner.args[1] != 2:
+        return None
+    base = inner.args[0]
+    while _full_slice(base):
+        base = base.args[0]
+    return base
+
+
+def fuse_repeated_kv_attention(graph: fx.Graph) -> int:
+    """sdpa(q, repeat(k), repeat(v)) -> sdpa(q, k, v, enable_gqa=True); returns the count."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
+            continue
+        if node_arg(node, 7, "enable_gqa", False) or len(node.args) > 7:
+            continue
+        key, value = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
+        if key is None or value is None:
+            continue
+        old = node.args[1:3]
+        node.args = (node.args[0], key, value, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        for dead in old:
+            _erase_chain(graph, dead)
+        count += 1
+    return count
+
+
+def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and the producers only it read, while they have no other reader."""
+    while isinstance(node, fx.Node) and not node.users and node.op == "call_function" and \
+            node.target in (aten.reshape.default, aten.expand.default, aten.slice.Tensor,
+                            aten.unsqueeze.default):
+        producer = node.args[0]
+        graph.erase_node(node)
+        node = producer

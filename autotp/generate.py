@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - generation is for transformers models
 
 from autotp.capture import Captured, capture
 from autotp.collectives import gather
+from autotp.fusion import fuse_repeated_kv_attention
 from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
 from autotp.materialize import Weights
 from autotp.planner.plan import Plan
@@ -205,6 +206,9 @@ def build_program(sharded: Any, prompt: bool, logits_to_keep: int) -> Program:
     captured, plan, step, cache_inputs = _planned_step(sharded, prompt, logits_to_keep)
     module, _ = rewrite(captured, plan, sharded.rank, sharded.comm,
                         weights=SharedWeights(sharded, step), device=sharded._device())
+    if fuse_repeated_kv_attention(module.graph):  # no backward here: GQA kernel, no copies
+        module.graph.lint()
+        module.recompile()
     module.eval()
     return Program(captured, plan, module, cache_inputs)
 

@@ -11,6 +11,8 @@ For each tp, ``tp`` gloo processes build from the same weights (a transformers
                 the embedding row-wise and the head column-wise with replicated outputs;
                 attention runs on local heads, the model's own cache holds them
     autotp      ``autotp.parallelize(model, tp)``
+    hf-tp-plan  transformers' own tensor parallelism, ``from_pretrained(dir, tp_plan="auto")``
+                (the model saved once by rank 0; needs the accelerate package, else skipped)
 
 and runs transformers' ``generate`` (greedy) on each, interleaved round-robin. A decode step's
 time is (t(prompt + N new tokens) - t(prompt + 1 new token)) / (N - 1), the slowest rank's:
@@ -75,6 +77,27 @@ def dtensor_model(model: Any, tp: int) -> Any:
     return parallelize_module(copy_, mesh, plan)
 
 
+def hf_tp_plan(model: Any, rank: int, world: int, args: argparse.Namespace) -> Any:
+    """transformers' ``tp_plan="auto"`` load of the same weights, or None without accelerate."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("accelerate") is None:
+        return None
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    directory = os.path.join(tempfile.gettempdir(), f"autotp-decode-{os.getppid()}")
+    if rank == 0:
+        model.save_pretrained(directory)
+    dist.barrier()
+    loaded = type(model).from_pretrained(directory, tp_plan="auto").eval()
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    return loaded
+
+
 def local_bytes(module: torch.nn.Module) -> int:
     total = 0
     for p in module.parameters():
@@ -104,6 +127,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         impls["unsharded"] = model
     impls["dtensor"] = dtensor_model(model, world)
     impls["autotp"] = autotp.parallelize(model, tp=world)
+    hf = hf_tp_plan(model, rank, world, args)
+    if hf is not None:
+        impls["hf-tp-plan"] = hf
     generator = torch.Generator().manual_seed(1)
     rows = []
     for batch in args.batch:

@@ -50,17 +50,24 @@ def kv_bound(config: Any, tp: int, batch: int, length: int, element: int = 4) ->
     return 2 * layers * batch * local * length * head_dim * element
 
 
-def generate_case(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+def generate_case(rank: int, world_size: int, names: list[str],
+                  mesh: bool = False) -> dict[str, Any]:
     """Per model: seeded sampling (first, so that building the decoding programs inside
     ``generate`` is part of what must not disturb the random stream), greedy decoding, the
-    cache's bytes and the collectives of one decode step."""
+    cache's bytes and the collectives of one decode step. ``mesh``: the group is given as a
+    1-D DeviceMesh."""
     import autotp
 
     torch.set_num_threads(1)
+    group = None
+    if mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))["tp"]
     out: dict[str, Any] = {}
     for name in names:
         reference = model(name)
-        sharded = autotp.parallelize(model(name), tp=world_size)
+        sharded = autotp.parallelize(model(name), tp=world_size, group=group)
         out[name] = compare_generation(reference, sharded)
     return out
 

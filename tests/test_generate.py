@@ -35,8 +35,9 @@ def _check(name: str, result: dict, tp: int, config) -> None:
 @pytest.mark.parametrize(("tp", "names"), [(2, ["gpt2", "llama", "qwen2"]), (4, ["llama"])])
 def test_generate_in_processes(tp: int, names: list[str]) -> None:
     """gloo processes: GPT-2 (tied, learned positions), LLaMA with 2 k/v heads (replicated
-    at tp=4: every rank keeps both k/v heads), Qwen2 (q/k/v biases)."""
-    results = run_processes(gc.generate_case, tp, names, timeout=300)
+    at tp=4: every rank keeps both k/v heads), Qwen2 (q/k/v biases). At tp=2 the group is
+    given as a 1-D DeviceMesh."""
+    results = run_processes(gc.generate_case, tp, names, tp == 2, timeout=300)
     for name in names:
         config = gc.BUILDERS[name]().config
         for rank, result in enumerate(results):
@@ -90,8 +91,13 @@ def test_decoding_is_captured_once(llama_sim) -> None:
 
         for got in sim.run(run):
             assert torch.equal(got, want)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for rank in sim.ranks:
         assert sorted(rank._decoder.programs) == [(False, 1), (True, 1)]
+        # the k/v heads are read from the cache as they are, not repeated to the query heads
+        decode = rank._decoder.programs[(False, 1)].module.graph
+        calls = [n for n in decode.nodes if n.target == sdpa]
+        assert len(calls) == LAYERS and all(n.kwargs.get("enable_gqa") for n in calls)
 
 
 def test_generate_errors(llama_sim) -> None:
