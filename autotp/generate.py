@@ -420,23 +420,28 @@ class Decoder:
         self._check_plan()
         prompt = tokens > 1
         program = self.program(prompt, int(logits_to_keep or 0) if prompt else 1)
-        cache.reserve(batch, past + tokens, program.cache_layouts)
+        # the programs see the filled slots only (a view: the writes land in the cache), so
+        # attention reads past + new tokens, not the whole capacity; at least 2 slots, the
+        # smallest cache length the programs were captured for (the spare one masked)
+        length = max(past + tokens, 2)
+        cache.reserve(batch, length, program.cache_layouts)
         device = self.device
-        mask = torch.zeros(batch, cache.capacity, dtype=torch.long, device=device)
-        if attention_mask is None:
-            mask[:, : past + tokens] = 1
-        elif attention_mask.dim() != 2 or attention_mask.shape[1] != past + tokens:
+        if attention_mask is not None and (attention_mask.dim() != 2 or
+                                           attention_mask.shape[1] != past + tokens):
             raise ConfigError(
                 f"attention_mask must be [batch, past + new tokens] = [{batch}, "
                 f"{past + tokens}], got {list(attention_mask.shape)}")
-        else:
-            mask[:, : past + tokens] = attention_mask.to(device)
+        mask = attention_mask.to(device) if attention_mask is not None else \
+            torch.ones(batch, past + tokens, dtype=torch.long, device=device)
+        if length > past + tokens:
+            mask = torch.cat([mask, mask.new_zeros(batch, length - past - tokens)], dim=1)
         positions = torch.arange(past, past + tokens, device=device)
         if position_ids is None:
             position_ids = positions.unsqueeze(0).expand(batch, tokens)
         logits = program(input_ids=input_ids.to(device), attention_mask=mask,
                          position_ids=position_ids.to(device).contiguous(),
-                         cache_position=positions, key_values=cache.tensors)
+                         cache_position=positions,
+                         key_values=[t[:, :, :length] for t in cache.tensors])
         cache.seen = past + tokens
         return CausalLMOutputWithPast(logits=logits,
                                       past_key_values=cache if use_cache is not False else None)
