@@ -42,7 +42,7 @@ from autotp.capture import Captured, capture
 from autotp.collectives import gather
 from autotp.fusion import fuse_repeated_kv_attention
 from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
-from autotp.materialize import Weights
+from autotp.materialize import Weights, model_tensor
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.rewrite import rewrite
@@ -141,27 +141,14 @@ class SharedWeights(Weights):
                           "does not hold")
 
     def buffer(self, target: str, like: torch.Tensor) -> torch.Tensor:
-        own = _attr(self.sharded.program, target.removeprefix("model."))
-        if isinstance(own, torch.Tensor):
-            return own
-        return super().buffer(target, like)
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value
+        own = model_tensor(self.sharded.program, target.removeprefix("model."))
+        return own if own is not None else super().buffer(target, like)
 
 
 class Program:
     """One captured, planned and rewritten step (prefill or decode) of this rank."""
 
-    def __init__(self, captured: Captured, plan: Plan, module: nn.Module,
-                 cache_inputs: list[str]):
-        self.captured = captured
+    def __init__(self, plan: Plan, module: nn.Module, cache_inputs: list[str]):
         self.plan = plan
         self.module = module
         self.cache_layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
@@ -170,16 +157,18 @@ class Program:
         return self.module(**inputs)
 
 
+def weights_dtype(sharded: Any) -> torch.dtype:
+    return next((p.dtype for p in sharded.program.parameters() if p.is_floating_point()),
+                torch.float32)
+
+
 def _replica(sharded: Any) -> nn.Module:
     """The model's structure on the meta device, in the dtype of the sharded weights: what
     the step programs are captured from (the sharded model keeps no full copy)."""
     info = sharded.source
-    config = copy.deepcopy(info.config)
-    dtype = next((p.dtype for p in sharded.program.parameters() if p.is_floating_point()),
-                 torch.float32)
     with torch.device("meta"):
-        model = info.model_class(config)
-    return model.to(dtype).eval()
+        model = info.model_class(copy.deepcopy(info.config))
+    return model.to(weights_dtype(sharded)).eval()
 
 
 def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
@@ -201,31 +190,33 @@ def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     return shapes
 
 
-def build_program(sharded: Any, prompt: bool, logits_to_keep: int) -> Program:
-    """Capture, plan and rewrite one step of ``sharded``'s model for this rank."""
-    captured, plan, step, cache_inputs = _planned_step(sharded, prompt, logits_to_keep)
+def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
+                  logits_to_keep: int) -> Program:
+    """Capture, plan and rewrite one step of ``sharded``'s model for this rank; ``shapes``:
+    the model's per-layer key and value shapes (``cache_shapes``)."""
+    captured, plan, step, cache_inputs = _planned_step(sharded, shapes, prompt, logits_to_keep)
     module, _ = rewrite(captured, plan, sharded.rank, sharded.comm,
                         weights=SharedWeights(sharded, step), device=sharded._device())
     if fuse_repeated_kv_attention(module.graph):  # no backward here: GQA kernel, no copies
         module.graph.lint()
         module.recompile()
     module.eval()
-    return Program(captured, plan, module, cache_inputs)
+    return Program(plan, module, cache_inputs)
 
 
 # ranks simulated in one process share one training plan, and so one capture of each step
 _PLANNED: dict[tuple[int, bool, int], tuple[Any, ...]] = {}
 
 
-def _planned_step(sharded: Any, prompt: bool, logits_to_keep: int) -> tuple[Any, ...]:
+def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
+                  logits_to_keep: int) -> tuple[Any, ...]:
     key = (id(sharded.plan), prompt, logits_to_keep)
     with _TRACING:  # torch.export is not thread-safe (simulated ranks are threads)
         found = _PLANNED.get(key)
         if found is not None and found[0]() is sharded.plan:
             return found[1:]
         model = _replica(sharded)
-        shapes = cache_shapes(model)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = weights_dtype(sharded)
         batch, tokens, slots = 2, (3 if prompt else 1), 8
         meta = torch.device("meta")
         example = {
@@ -363,14 +354,13 @@ class Decoder:
         self.programs: dict[tuple[bool, int], Program] = {}
         self.shapes = cache_shapes(_replica(sharded))
         self.device = sharded._device()
-        self.dtype = next((p.dtype for p in sharded.program.parameters()
-                           if p.is_floating_point()), torch.float32)
+        self.dtype = weights_dtype(sharded)
         self.host = _host(self)
 
     def program(self, prompt: bool, logits_to_keep: int) -> Program:
         key = (prompt, logits_to_keep if prompt else 1)
         if key not in self.programs:
-            self.programs[key] = build_program(self.sharded, prompt, key[1])
+            self.programs[key] = build_program(self.sharded, self.shapes, prompt, key[1])
         return self.programs[key]
 
     def allocate(self, batch: int, capacity: int, layouts: list[Any]) -> list[torch.Tensor]:

@@ -98,7 +98,7 @@ class Weights:
         """Buffers are replicated: the model's own value where it is real, else recomputed."""
         if not is_meta(like):
             return self._place(like.detach().clone(), like)
-        own = _model_tensor(self.model, target)
+        own = model_tensor(self.model, target)
         if own is not None and not is_meta(own):
             return self._place(own.detach().clone(), like)
         value = self._stored_buffer(target, like)
@@ -120,7 +120,8 @@ class Weights:
         pass
 
 
-def _model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+def model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The tensor at dotted path ``name`` of ``model``, or None."""
     try:
         value = _get(model, name)
     except AttributeError:

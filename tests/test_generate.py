@@ -128,9 +128,9 @@ def test_cached_forward(llama_sim) -> None:
     reference, sim = llama_sim
     ids, mask = gc.prompts()
     more = torch.randint(1, gc.VOCAB, (3, 4))
-    steps = [(ids, mask), (more[:, :1], torch.ones(3, 8, dtype=torch.long).index_copy(
-        1, torch.arange(7), mask)), (more[:, 1:], None)]
-    steps[2] = (more[:, 1:], torch.cat([steps[1][1], torch.ones(3, 3, dtype=torch.long)], 1))
+    ones = torch.ones(3, 4, dtype=torch.long)
+    steps = [(ids, mask), (more[:, :1], torch.cat([mask, ones[:, :1]], 1)),
+             (more[:, 1:], torch.cat([mask, ones], 1))]
 
     def run(model):
         past, out = None, []
@@ -140,9 +140,12 @@ def test_cached_forward(llama_sim) -> None:
                                use_cache=True)
                 past = result.past_key_values
                 out.append(result.logits)
-        return out
+        return out, past
 
-    want = run(reference)
-    for got in sim.run(run):
+    want, _ = run(reference)
+    for got, cache in sim.run(run):
+        assert len(got) == len(want)
         for a, b in zip(got, want):
             assert a.shape == b.shape and float((a - b).abs().max()) < 1e-5
+        # room for the 7-token prompt, doubled for the next token, enough for the last three
+        assert (cache.allocations, cache.capacity, cache.seen) == (2, 14, 11)
