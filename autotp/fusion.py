@@ -175,7 +175,8 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
         tuple(va.shape) == tuple(vb.shape)
 
 
-def _full_slice(node: fx.Node) -> bool:
+def full_slice(node: fx.Node) -> bool:
+    """``node`` slices a whole dim: the same tensor, as a view."""
     return (node.op == "call_function" and node.target == aten.slice.Tensor
             and node_arg(node, 2, "start", 0) in (0, None)
             and node_arg(node, 3, "end", None) in (None, 2**63 - 1)
@@ -192,12 +193,12 @@ def _repeated_heads(node: Any) -> Optional[fx.Node]:
             len(expand.args[1]) != 5 or len(node.args[1]) != 4:
         return None
     inner = expand.args[0]
-    while _full_slice(inner):
+    while full_slice(inner):
         inner = inner.args[0]
     if inner.target != aten.unsqueeze.default or inner.args[1] != 2:
         return None
     base = inner.args[0]
-    while _full_slice(base):
+    while full_slice(base):
         base = base.args[0]
     return base
 

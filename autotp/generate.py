@@ -6,9 +6,10 @@ static cache whose key/value tensors are inputs of the program, written in place
 positions (``index_copy_``). They are captured once with symbolic batch, prompt and cache
 lengths, planned by the same rules, and rewritten per rank like the training program. The
 cache is *state* to the planner: stored in whatever layout the plan gives it, which is the
-layout of the k/v heads that write it (sharded by heads, or whole when tp exceeds the k/v
-heads and their projections are replicated). The programs read the weights the training
-program already holds: no second copy.
+layout of the k/v heads that write it: sharded by heads, or, when tp exceeds the k/v heads
+and their projections are whole, narrowed to the k/v heads this rank's query heads read
+(``narrow_cache_heads``). The programs read the weights the training program already holds:
+no second copy, and no backward (layout changes that only mark gradients are dropped).
 
 transformers' own generation loop drives them. ``ShardedModule.generate`` runs
 ``GenerationMixin.generate`` on a stand-in of the model's class whose forward runs these
@@ -28,6 +29,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.export import Dim
 
@@ -39,14 +41,15 @@ except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
 from autotp.capture import Captured, capture
-from autotp.collectives import gather
-from autotp.fusion import fuse_repeated_kv_attention
+from autotp.collectives import DeferredGradReduce, Redistribute, gather
+from autotp.fusion import full_slice, fuse_repeated_kv_attention
 from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
 from autotp.materialize import Weights, model_tensor
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.rewrite import rewrite
+from autotp.rewrite import erase_input_guards, rewrite
 
+aten = torch.ops.aten
 CACHE = "key_values"  # the step programs' input holding the key/value tensors, layer by layer
 _TRACING = threading.Lock()
 
@@ -146,12 +149,19 @@ class SharedWeights(Weights):
 
 
 class Program:
-    """One captured, planned and rewritten step (prefill or decode) of this rank."""
+    """One captured, planned and rewritten step (prefill or decode) of this rank.
+    ``cache_heads``: per cache tensor, the k/v heads ``(first, count)`` this rank stores
+    when the cache's layout is whole but its attention reads fewer (None: as laid out)."""
 
-    def __init__(self, plan: Plan, module: nn.Module, cache_inputs: list[str]):
+    def __init__(self, plan: Plan, module: nn.Module, cache_layouts: list[Any],
+                 cache_heads: list[Optional[tuple[int, int]]]):
         self.plan = plan
         self.module = module
-        self.cache_layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
+        self.cache_layouts = cache_layouts
+        self.cache_heads = cache_heads
+
+    def cache_spec(self) -> list[tuple[Any, Optional[tuple[int, int]]]]:
+        return list(zip(self.cache_layouts, self.cache_heads))
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         return self.module(**inputs)
@@ -197,11 +207,14 @@ def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
     captured, plan, step, cache_inputs = _planned_step(sharded, shapes, prompt, logits_to_keep)
     module, _ = rewrite(captured, plan, sharded.rank, sharded.comm,
                         weights=SharedWeights(sharded, step), device=sharded._device())
+    drop_identities(module)
+    layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
+    heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.tp)
     if fuse_repeated_kv_attention(module.graph):  # no backward here: GQA kernel, no copies
         module.graph.lint()
         module.recompile()
     module.eval()
-    return Program(plan, module, cache_inputs)
+    return Program(plan, module, layouts, heads)
 
 
 # ranks simulated in one process share one training plan, and so one capture of each step
@@ -263,6 +276,137 @@ def _name_cache_dim(captured: Captured, name: str) -> None:
                 captured.dim_names[size.node.expr] = "S"
 
 
+def drop_identities(gm: fx.GraphModule) -> None:
+    """Layout changes between replicated forms (R -> R*, a parameter's deferred gradient)
+    are the identity in forward, and the decoding programs have no backward: not run."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, DeferredGradReduce) or (
+                isinstance(module, Redistribute) and isinstance(module.src, Replicate) and
+                isinstance(module.dst, Replicate)):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+# ---- the k/v heads a rank reads -------------------------------------------------------------
+
+
+def narrow_cache_heads(gm: fx.GraphModule, cache_inputs: list[str], layouts: list[Any],
+                       rank: int, tp: int) -> list[Optional[tuple[int, int]]]:
+    """When tp exceeds the k/v heads, the k/v projections and so the cache are whole on every
+    rank, yet a rank's attention reads only the k/v heads of its query heads: the cache is
+    read through ``repeat_kv`` (unsqueeze, expand, reshape) and then this rank's slice of
+    the repeated heads. Such a cache stores and writes only those k/v heads. Returns, per
+    cache input, ``(first, count)`` of the heads kept, or None where it is left as it was."""
+    placeholders = {str(n.target): n for n in gm.graph.nodes if n.op == "placeholder"}
+    heads = [_narrow_heads(gm, placeholders[name], rank, tp)
+             if isinstance(layout, Replicate) else None
+             for name, layout in zip(cache_inputs, layouts)]
+    if any(h is not None for h in heads):
+        erase_input_guards(gm.graph)  # they check the whole cache's sizes
+        gm.graph.lint()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return heads
+
+
+def _narrow_heads(gm: fx.GraphModule, cache: fx.Node, rank: int,
+                  tp: int) -> Optional[tuple[int, int]]:
+    writes = [u for u in cache.users if u.target == aten.index_copy_.default]
+    if len(writes) != 1 or any(u not in writes and not _reads_size(u) for u in cache.users):
+        return None
+    write = writes[0]
+    kv = cache.meta["val"].shape[1]
+    if write.args[0] is not cache or write.args[1] != 2 or not isinstance(kv, int):
+        return None
+    chains = []
+    for user in write.users:
+        if _reads_size(user):
+            continue
+        chain = _repeated_then_sliced(gm, user, kv)
+        if chain is None:
+            return None
+        chains.append(chain)
+    if not chains:
+        return None
+    blocks = []
+    for expand, _, _ in chains:
+        repeats = expand.args[1][2]
+        total = kv * repeats
+        if total % tp:
+            return None
+        start = rank * (total // tp)
+        blocks.append((start, start + total // tp, repeats))
+    first = min(start // repeats for start, _, repeats in blocks)
+    last = max((end - 1) // repeats for _, end, repeats in blocks)
+    count = last - first + 1
+    if count >= kv:
+        return None
+    graph = gm.graph
+    with graph.inserting_before(write):
+        kept = graph.call_function(aten.slice.Tensor, (write.args[3], 1, first, first + count))
+    write.args = (*write.args[:3], kept, *write.args[4:])
+    for (expand, reshape, redistribute), (start, end, repeats) in zip(chains, blocks):
+        sizes, flat = list(expand.args[1]), list(reshape.args[1])
+        read = reshape
+        if count == 1:  # every query head of this rank reads the one k/v head kept
+            sizes[1:3], flat[1] = [1, end - start], end - start
+        else:
+            sizes[1], flat[1] = count, count * repeats
+            offset = start - first * repeats
+            if offset or end - start != count * repeats:
+                with graph.inserting_after(reshape):
+                    read = graph.call_function(aten.slice.Tensor,
+                                               (reshape, 1, offset, offset + end - start))
+        expand.args = (expand.args[0], sizes, *expand.args[2:])
+        reshape.args = (reshape.args[0], flat, *reshape.args[2:])
+        redistribute.replace_all_uses_with(read)
+        graph.erase_node(redistribute)
+    return first, count
+
+
+def _reads_size(node: fx.Node) -> bool:
+    """A shape read that is not of the heads (dim 1), or torch.export's input guards."""
+    if node.op == "call_module" and node.target == "_guards_fn":
+        return True
+    return node.target == aten.sym_size.int and node.args[1] != 1
+
+
+def _repeated_then_sliced(gm: fx.GraphModule, node: fx.Node,
+                          kv: int) -> Optional[tuple[fx.Node, ...]]:
+    """``(expand, reshape, redistribute)`` where ``node`` starts ``repeat_kv``
+    (full slices, unsqueeze at 2, full slices, expand to [B, kv, n, S, D], reshape to
+    [B, kv * n, S, D]) whose result is then sliced to this rank's heads."""
+    while full_slice(node) and len(node.users) == 1:
+        node = next(iter(node.users))
+    if node.target != aten.unsqueeze.default or node.args[1] != 2 or len(node.users) != 1:
+        return None
+    node = next(iter(node.users))
+    while full_slice(node) and len(node.users) == 1:
+        node = next(iter(node.users))
+    expand = node
+    if expand.target != aten.expand.default or len(expand.args[1]) != 5 or \
+            expand.args[1][1] != kv or not isinstance(expand.args[1][2], int) or \
+            len(expand.users) != 1:
+        return None
+    reshape = next(iter(expand.users))
+    if reshape.target != aten.reshape.default or len(reshape.args[1]) != 4 or \
+            len(reshape.users) != 1:
+        return None
+    redistribute = next(iter(reshape.users))
+    if redistribute.op != "call_module":
+        return None
+    module = gm.get_submodule(str(redistribute.target))
+    if not isinstance(module, Redistribute) or not isinstance(module.src, Replicate) or \
+            module.dst != Shard(1):
+        return None
+    return expand, reshape, redistribute
+
+
 # ---- the cache -----------------------------------------------------------------------------
 
 
@@ -307,7 +451,7 @@ class KVCache(Cache):
         self.tensors: list[torch.Tensor] = []
         self.allocations = 0  # how many times the tensors were (re)allocated
 
-    def reserve(self, batch: int, length: int, layouts: list[Any]) -> None:
+    def reserve(self, batch: int, length: int, program: Program) -> None:
         if self.tensors and self.tensors[0].shape[0] != batch:
             raise ConfigError(f"the cache holds a batch of {self.tensors[0].shape[0]}, this "
                               f"call has {batch}")
@@ -318,7 +462,7 @@ class KVCache(Cache):
             self.capacity = max(length, 2 * self.capacity)
         if self.tensors and self.tensors[0].shape[2] == self.capacity:
             return
-        new = self.decoder.allocate(batch, self.capacity, layouts)
+        new = self.decoder.allocate(batch, self.capacity, program)
         self.allocations += 1
         for old, fresh in zip(self.tensors, new):
             fresh[:, :, : old.shape[2]].copy_(old)
@@ -360,14 +504,20 @@ class Decoder:
     def program(self, prompt: bool, logits_to_keep: int) -> Program:
         key = (prompt, logits_to_keep if prompt else 1)
         if key not in self.programs:
-            self.programs[key] = build_program(self.sharded, self.shapes, prompt, key[1])
+            built = build_program(self.sharded, self.shapes, prompt, key[1])
+            for other in self.programs.values():  # one cache serves every program
+                if other.cache_spec() != built.cache_spec():
+                    raise AssertionError(
+                        f"the decoding programs store the cache differently: "
+                        f"{other.cache_spec()} and {built.cache_spec()}")
+            self.programs[key] = built
         return self.programs[key]
 
-    def allocate(self, batch: int, capacity: int, layouts: list[Any]) -> list[torch.Tensor]:
+    def allocate(self, batch: int, capacity: int, program: Program) -> list[torch.Tensor]:
         tp = self.sharded.plan.tp
         out = []
-        for shape, layout in zip(self.shapes, layouts):
-            full = (batch, shape[1], capacity, shape[3])
+        for shape, (layout, heads) in zip(self.shapes, program.cache_spec()):
+            full = (batch, heads[1] if heads else shape[1], capacity, shape[3])
             local = local_shape(full, layout, tp) if isinstance(layout, Shard) else full
             out.append(torch.zeros(local, dtype=self.dtype, device=self.device))
         return out
@@ -414,7 +564,7 @@ class Decoder:
         # attention reads past + new tokens, not the whole capacity; at least 2 slots, the
         # smallest cache length the programs were captured for (the spare one masked)
         length = max(past + tokens, 2)
-        cache.reserve(batch, length, program.cache_layouts)
+        cache.reserve(batch, length, program)
         device = self.device
         if attention_mask is not None and (attention_mask.dim() != 2 or
                                            attention_mask.shape[1] != past + tokens):

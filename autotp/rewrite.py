@@ -23,7 +23,7 @@ from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
-from autotp.layout import Replicate, Shard, parse_layout
+from autotp.layout import Layout, Replicate, Shard, parse_layout
 from autotp.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
@@ -186,6 +186,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     count = 0
     for edge in plan.edges:
         value, consumer = nodes[edge.value], nodes[edge.consumer]
+        if _reads_unchanged_size(consumer, parse_layout(edge.src), parse_layout(edge.dst)):
+            continue
         key = (edge.value, edge.dst)
         if key not in made:
             src, dst = parse_layout(edge.src), parse_layout(edge.dst)
@@ -214,6 +216,19 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             count += 1
         consumer.replace_input_with(value, made[key])
     return count
+
+
+def _reads_unchanged_size(consumer: fx.Node, src: Layout, dst: Layout) -> bool:
+    """``consumer`` reads one size of a replicated value, a size the layout change keeps:
+    it reads the value as it is (no slice copied to read a shape)."""
+    if consumer.op != "call_function" or consumer.target != torch.ops.aten.sym_size.int or \
+            not isinstance(src, Replicate):
+        return False
+    dim = consumer.args[1]
+    ndim = getattr(consumer.args[0].meta.get("val"), "ndim", None)
+    if not isinstance(dim, int) or ndim is None:
+        return False
+    return not (isinstance(dst, Shard) and dst.dim == dim % ndim)
 
 
 def _last_placeholder(graph: fx.Graph) -> fx.Node:
@@ -292,8 +307,11 @@ def views_to_reshapes(graph: fx.Graph) -> None:
 def drop_input_guards(graph: fx.Graph, plan: Plan) -> None:
     """torch.export's input guards check global sizes; a state input (a KV cache) arrives as
     this rank's shard, so a program with sharded state inputs does not run them."""
-    if not any(isinstance(parse_layout(x), Shard) for x in plan.states.values()):
-        return
+    if any(isinstance(parse_layout(x), Shard) for x in plan.states.values()):
+        erase_input_guards(graph)
+
+
+def erase_input_guards(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
             graph.erase_node(node)

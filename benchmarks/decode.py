@@ -15,11 +15,12 @@ For each tp, ``tp`` gloo processes build from the same weights (a transformers
                 (the model saved once by rank 0; needs the accelerate package, else skipped)
 
 and runs transformers' ``generate`` (greedy) on each, interleaved round-robin. A decode step's
-time is (t(prompt + N new tokens) - t(prompt + 1 new token)) / (N - 1), the slowest rank's:
-the prefill and generate's setup cancel out. Also reported: tokens per second over the decode
-steps (batch x steps / time), per-rank weight and KV-cache bytes, and whether the tokens
-equal the unsharded model's. On CPU the ranks share this machine's cores, one thread each
-when there are more ranks than cores.
+time is the median interval between consecutive steps' logits (a logits processor notes
+them), over every step of every repetition, the slowest rank's: the prefill and generate's
+setup are not in it, and the median keeps a burst of other work on the machine out. Also
+reported: tokens per second over the decode steps (batch / step time), per-rank weight and
+KV-cache bytes, and whether the tokens equal the unsharded model's. On CPU the ranks share
+this machine's cores, one thread each when there are more ranks than cores.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -117,8 +119,25 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+class StepClock:
+    """A logits processor that notes when each step's logits arrive: the intervals are the
+    decode steps (the model's forward plus generate's own work, the same for every
+    implementation)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def steps(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     import autotp
+    from transformers import LogitsProcessorList
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model = build_model(args)
@@ -137,15 +156,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         mask = torch.ones_like(ids)
 
         def generate(module: Any, new: int, ids: torch.Tensor = ids,
-                     mask: torch.Tensor = mask) -> tuple[float, Any]:
+                     mask: torch.Tensor = mask) -> tuple[list[float], Any]:
+            clock = StepClock()
             dist.barrier()
-            start = time.perf_counter()
             out = module.generate(ids, attention_mask=mask, max_new_tokens=new,
                                   min_new_tokens=new, do_sample=False,
+                                  logits_processor=LogitsProcessorList([clock]),
                                   return_dict_in_generate=True)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            return float(elapsed), out
+            return clock.steps(), out
 
         for module in impls.values():  # warm-up: builds the decoding programs
             generate(module, 2)
@@ -153,13 +171,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         outputs: dict[str, Any] = {}
         for _ in range(args.reps):
             for name, module in impls.items():
-                full, out = generate(module, args.new_tokens)
-                first, _ = generate(module, 1)
-                times[name].append((full - first) / (args.new_tokens - 1))
-                outputs[name] = out
+                steps, outputs[name] = generate(module, args.new_tokens)
+                times[name] += steps
+        medians = torch.tensor([statistics.median(times[name]) for name in impls],
+                               dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
         reference = outputs.get("unsharded", outputs["dtensor"]).sequences
-        for name, module in impls.items():
-            step = min(times[name])
+        for (name, module), step in zip(impls.items(), medians.tolist()):
             rows.append({
                 "tp": world, "batch": batch, "impl": name, "step_ms": 1e3 * step,
                 "tokens_per_s": batch / step,

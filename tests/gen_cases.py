@@ -39,13 +39,20 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def kv_bound(config: Any, tp: int, batch: int, length: int, element: int = 4) -> int:
-    """Bytes of this rank's cache: its k/v heads (all of them when tp does not divide them)."""
+def kv_bound(config: Any, tp: int, rank: int, batch: int, length: int,
+             element: int = 4) -> int:
+    """Bytes of ``rank``'s cache: its k/v heads, 1/tp of them when tp divides them, else the
+    k/v heads that the rank's query heads read."""
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    local = kv_heads // tp if kv_heads % tp == 0 else kv_heads
+    if kv_heads % tp == 0:
+        local = kv_heads // tp
+    else:
+        group, block = heads // kv_heads, heads // tp
+        first, last = rank * block, (rank + 1) * block - 1
+        local = last // group - first // group + 1
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     return 2 * layers * batch * local * length * head_dim * element
 

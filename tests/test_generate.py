@@ -19,11 +19,11 @@ from autotp.launch import run_processes
 LAYERS = 2
 
 
-def _check(name: str, result: dict, tp: int, config) -> None:
+def _check(name: str, result: dict, tp: int, rank: int, config) -> None:
     assert result["sampled"], f"{name}: seeded sampling differs from the unsharded model"
     assert result["greedy"], f"{name}: greedy decoding differs from the unsharded model"
     assert result["prefill_diff"] < 1e-5 and result["logits_diff"] < 1e-5, result
-    assert result["cache_bytes"] == gc.kv_bound(config, tp, 3, result["cache_length"])
+    assert result["cache_bytes"] == gc.kv_bound(config, tp, rank, 3, result["cache_length"])
     events = result["step_events"]
     for layer in range(LAYERS):
         assert events.count(("all_reduce", layer)) == 2, (name, events)
@@ -34,14 +34,15 @@ def _check(name: str, result: dict, tp: int, config) -> None:
 
 @pytest.mark.parametrize(("tp", "names"), [(2, ["gpt2", "llama", "qwen2"]), (4, ["llama"])])
 def test_generate_in_processes(tp: int, names: list[str]) -> None:
-    """gloo processes: GPT-2 (tied, learned positions), LLaMA with 2 k/v heads (replicated
-    at tp=4: every rank keeps both k/v heads), Qwen2 (q/k/v biases). At tp=2 the group is
+    """gloo processes: GPT-2 (tied, learned positions), LLaMA with 2 k/v heads (at tp=4 the
+    k/v projections are whole, and each rank's cache keeps the one k/v head its query heads
+    read), Qwen2 (q/k/v biases). At tp=2 the group is
     given as a 1-D DeviceMesh."""
     results = run_processes(gc.generate_case, tp, names, tp == 2, timeout=300)
     for name in names:
         config = gc.BUILDERS[name]().config
         for rank, result in enumerate(results):
-            _check(name, result[name], tp, config)
+            _check(name, result[name], tp, rank, config)
             assert result[name]["tokens"] == results[0][name]["tokens"], (name, rank)
 
 
@@ -77,7 +78,7 @@ def test_beam_search_and_generate_outputs(llama_sim) -> None:
         cache = got.past_key_values
         # allocated once, for the prompt and every new token, 3 beams per prompt
         assert cache.allocations == 1 and cache.capacity == ids.shape[1] + 4
-        assert cache.nbytes == gc.kv_bound(reference.config, 2, 9, cache.capacity)
+        assert cache.nbytes == gc.kv_bound(reference.config, 2, 0, 9, cache.capacity)
 
 
 def test_decoding_is_captured_once(llama_sim) -> None:
@@ -149,3 +150,29 @@ def test_cached_forward(llama_sim) -> None:
             assert a.shape == b.shape and float((a - b).abs().max()) < 1e-5
         # room for the 7-token prompt, doubled for the next token, enough for the last three
         assert (cache.allocations, cache.capacity, cache.seen) == (2, 14, 11)
+
+
+def test_cache_keeps_the_heads_a_rank_reads() -> None:
+    """3 k/v heads for 6 query heads at tp=2: the k/v projections stay whole, rank 0's
+    query heads 0-2 read k/v heads 0-1 and rank 1's heads 3-5 read k/v heads 1-2, so each
+    rank's cache keeps two of the three k/v heads."""
+    import transformers as tf
+
+    def build():
+        torch.manual_seed(0)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(
+            num_hidden_layers=2, hidden_size=48, intermediate_size=96, num_attention_heads=6,
+            num_key_value_heads=3, vocab_size=gc.VOCAB, max_position_embeddings=64,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+    reference = build()
+    sim = autotp.simulate(build(), 2)
+    ids, mask = gc.prompts()
+    kwargs = dict(attention_mask=mask, max_new_tokens=gc.NEW_TOKENS, pad_token_id=0,
+                  return_dict_in_generate=True)
+    want = reference.generate(ids, do_sample=False, **kwargs)
+    for rank, got in enumerate(sim.run(lambda m: m.generate(ids, do_sample=False, **kwargs))):
+        assert torch.equal(got.sequences, want.sequences)
+        cache = got.past_key_values
+        assert [t.shape[1] for t in cache.tensors] == [2] * 4
+        assert cache.nbytes == gc.kv_bound(reference.config, 2, rank, 3, cache.capacity)
