@@ -22,6 +22,7 @@ from autotp.capture import Captured, capture, sequence_symbols, size_expr
 from autotp.collectives import GradBucket, GradSync, gather
 from autotp.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
+from autotp.layers import split_layers
 from autotp.layout import Shard
 from autotp.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
                                 has_meta_parameters)
@@ -81,7 +82,11 @@ def plan(
 
 
 class ShardedModule(nn.Module):
-    """One rank's part of a tensor-parallel model. Call it like the original model."""
+    """One rank's part of a tensor-parallel model. Call it like the original model.
+
+    Its program keeps the original model's layers as submodules under their own paths
+    (``sharded.model.layers[3]``): FSDP2's ``fully_shard``, activation checkpointing and
+    ``torch.compile`` apply per layer (``autotp.layers``)."""
 
     plan: Plan
     comm: Communicator
@@ -122,6 +127,18 @@ class ShardedModule(nn.Module):
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    def __getattr__(self, name: str) -> Any:
+        """The original model's top-level modules, as the program holds them:
+        ``sharded.model.layers[3]``, ``sharded.get_submodule("model.layers.3")``."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            program = self._modules.get("program")
+            if program is not None and not name.startswith("autotp_") and \
+                    name in program._modules:
+                return program._modules[name]
+            raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
@@ -276,6 +293,7 @@ def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
                           f"{type(compile).__name__}")
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device)
+    split_layers(program)
     return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile)
 
 
@@ -429,6 +447,7 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
         tensor = local.grad if grads else local.detach()
         if tensor is None:
             tensor = torch.zeros_like(local)
+        tensor = _whole_over_dp(tensor)
         layout = plan.param_layout(target)
         if isinstance(layout, Shard):
             tensor = gather(sharded.comm, tensor.contiguous(), layout)
@@ -439,8 +458,17 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
         for part in name.split("."):
             module = getattr(module, part)
         tensor = module.grad if grads else module.detach()
-        out[name] = (tensor if tensor is not None else torch.zeros_like(module)).detach().clone()
+        tensor = tensor if tensor is not None else torch.zeros_like(module)
+        out[name] = _whole_over_dp(tensor).detach().clone()
     return out
+
+
+def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel piece of a parameter that FSDP2 holds sharded over the
+    data-parallel ranks (a DTensor): gathered over them (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass

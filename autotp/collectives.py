@@ -256,7 +256,21 @@ class DeferredGradReduce(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.bucket.params.get(self.key):
+            # the program reads another tensor than the parameter registered: a wrapper
+            # holds it (FSDP2 swaps in its unsharded parameter for the forward) and reduces
+            # the gradient it gets through autograd, so the partial gradient is summed there,
+            # at this use
+            return self._per_use()(x)
         return _DeferredFn.apply(x, self)
+
+    def _per_use(self) -> "Redistribute":
+        found = getattr(self, "_fallback", None)
+        if found is None:
+            found = Redistribute(self.bucket.comm, Replicate(), Replicate(grad_partial=True),
+                                 layer=None, bwd_layer=None, label=f"grad sync {self.key}")
+            object.__setattr__(self, "_fallback", found)  # not a submodule: no state
+        return found
 
 
 class _DeferredFn(torch.autograd.Function):

@@ -181,6 +181,8 @@ def place_on_device(graph: fx.Graph, root: nn.Module, device: Optional[torch.dev
 def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
                        bucket: GradBucket, grad_sync: GradSync = GradSync.BUCKET) -> int:
     """Redistribute each value once per target layout; returns the modules inserted."""
+    if plan.tp == 1:  # one rank holds every layout whole: nothing to change or sum
+        return 0
     nodes = {n.name: n for n in graph.nodes}
     made: dict[tuple[str, str], fx.Node] = {}
     count = 0

@@ -92,15 +92,24 @@ def layer_counts(log: CollectiveLog) -> dict[Optional[int], dict[str, int]]:
 
 
 class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule):
+    """Runs a program node by node, keeping every tensor it makes by node name (the nodes of
+    the layers it calls too)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, values: Optional[dict[str, Any]] = None):
         super().__init__(gm)
-        self.values: dict[str, Any] = {}
+        self.values: dict[str, Any] = {} if values is None else values
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             self.values[n.name] = out.detach()
         return out
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.fetch_attr(target)
+        if isinstance(module, torch.fx.GraphModule):  # a layer: record inside it
+            return _Recorder(module, self.values).run(*args, **kwargs)
+        return super().call_module(target, args, kwargs)
 
 
 @dataclass

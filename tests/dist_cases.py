@@ -116,3 +116,78 @@ def reduce_scatter_case(rank: int, world_size: int, native: bool = True,
                 [torch.full((2, 3), float(r), device=device) for r in range(world_size)],
                 dim=1)))}
 
+
+
+def mqa_llama() -> Any:
+    """transformers' LLaMA with one k/v head: at tp=2 the k/v projections are whole and
+    their gradients partial on each rank."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=96, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
+
+
+def fsdp_case(rank: int, world_size: int, steps: int = 3) -> dict[bool, dict[str, Any]]:
+    """dp2 x tp2 on a DeviceMesh: autotp over "tp", FSDP2 per layer and at the root over "dp",
+    AdamW steps on each dp rank's half of the batch, against the unsharded model trained on
+    the whole batch; without and with per-layer activation checkpointing."""
+    return {checkpointing: _fsdp_run(world_size, checkpointing, steps)
+            for checkpointing in (False, True)}
+
+
+def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any]:
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import autotp
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    model = mqa_llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 96, (4, 12), generator=torch.Generator().manual_seed(3))
+    mine = ids.chunk(2)[mesh["dp"].get_local_rank()]
+    sharded = autotp.parallelize(model, group=mesh["tp"],
+                                 example_kwargs={"input_ids": mine, "labels": mine})
+    layers = sharded.model.layers
+    for i, layer in enumerate(layers):
+        if checkpointing:
+            layers[i] = layer = checkpoint_wrapper(layer)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(sharded, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    losses, ref_losses, grad_diff = [], [], 0.0
+    for step in range(steps):
+        loss = sharded(input_ids=mine, labels=mine).loss
+        loss.backward()
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        if step == 0:  # FSDP2 averaged the dp ranks' gradients: the whole batch's
+            grads = autotp.full_state_dict(sharded, grads=True)
+            grad_diff = max(float((grads[n] - p.grad).abs().max())
+                            for n, p in reference.named_parameters())
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        losses.append(float(mean) / 2)
+        ref_losses.append(float(ref_loss.detach()))
+    full = autotp.full_state_dict(sharded)
+    want = dict(reference.named_parameters())
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "grad_diff": grad_diff,
+        "losses": losses,
+        "param_diff": max(float((full[k] - want[k]).abs().max()) for k in want),
+        "names": sorted(full) == sorted(want),
+        "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
+    }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.layers import program_nodes
 from models import VOCAB, batch, randomize_vectors
 
 
@@ -39,7 +40,7 @@ def test_replicated_values_stay_replicated_with_dropout() -> None:
     model = _gpt2_with_dropout(0.3)
     ids = batch()
     sim = autotp.simulate(model, 2, example_kwargs={"input_ids": ids})
-    kinds = {type(m).__name__ for m in sim.ranks[0].program.children()}
+    kinds = {type(m).__name__ for m in sim.ranks[0].program.modules()}
     assert {"TrackedDropout", "TrackedAttention"} <= kinds
     (out0, grads0), (out1, grads1) = _step(sim, ids)
     assert torch.equal(out0, out1), "logits (replicated) differ across ranks"
@@ -76,9 +77,9 @@ def _record_masks(sim) -> list[dict[str, list[torch.Tensor]]]:
     for module in sim.ranks:
         masks: dict[str, list[torch.Tensor]] = {}
         recorded.append(masks)
-        for name, child in module.program.named_children():
+        for name, child in module.program.named_modules():  # in the layers too
             if isinstance(child, TrackedDropout):
-                node = name[len("autotp_random_"):]
+                node = name.rsplit(".", 1)[-1][len("autotp_random_"):]
 
                 def hook(_mod, args, out, node=node, masks=masks):
                     # where the input is 0 (masked attention scores) the mask is unknown
@@ -122,7 +123,7 @@ def _full_masks(sim, recorded) -> list[torch.Tensor]:
     """The whole model's masks, in the order the dropouts run (shards put back together)."""
     from autotp.layout import parse_layout, unshard_tensor
 
-    nodes = [n for n in sim.ranks[0].program.graph.nodes
+    nodes = [n for n in program_nodes(sim.ranks[0].program)
              if n.op == "call_module" and n.target.startswith("autotp_random_")]
     full = []
     for node in nodes:

@@ -1,0 +1,110 @@
+"""Data x tensor parallelism: autotp inside a tensor-parallel group, FSDP2 across them.
+
+    torchrun --nproc-per-node 4 examples/train_2d.py --dp 2 --tp 2
+    torchrun --nproc-per-node 4 examples/train_2d.py --dp 2 --tp 2 --checkpointing --check
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/train_2d.py --dp 2 --tp 8
+
+A (dp, tp) DeviceMesh: autotp shards an unmodified transformers LLaMA over "tp"; FSDP2 shards
+each of the sharded model's layers (``sharded.model.layers``, the original names) and the rest
+over "dp"; optionally each layer is wrapped in activation checkpointing first. Each dp rank
+trains on its slice of the global batch. ``--check`` also trains the unsharded model on the
+whole batch on every rank and prints the largest loss difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autotp  # noqa: E402
+
+
+def main() -> None:
+    import transformers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (split over dp)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+
+    transformers.logging.set_verbosity_error()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if dist.get_world_size() != args.dp * args.tp:
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} must equal the world size "
+                         f"{dist.get_world_size()}")
+    if args.batch % args.dp:
+        raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp}")
+    mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256,
+                                      intermediate_size=688, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=1024,
+                                      max_position_embeddings=args.seq)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    reference = copy.deepcopy(model) if args.check else None
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    mine = ids.chunk(args.dp)[mesh["dp"].get_local_rank()]
+
+    sharded = autotp.parallelize(model, group=mesh["tp"],
+                                 example_kwargs={"input_ids": mine, "labels": mine})
+    layers = sharded.model.layers
+    for i, layer in enumerate(layers):
+        if args.checkpointing:
+            layers[i] = layer = checkpoint_wrapper(layer)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(sharded, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3) if reference else None
+
+    worst = 0.0
+    for step in range(args.steps):
+        loss = sharded(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        mean /= args.dp
+        line = f"step {step}: loss {float(mean):.5f}"
+        if reference is not None and ref_opt is not None:
+            ref_loss = reference(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            worst = max(worst, abs(float(mean) - float(ref_loss.detach())))
+            line += f" (unsharded {float(ref_loss.detach()):.5f})"
+        if dist.get_rank() == 0:
+            print(line)
+    if dist.get_rank() == 0:
+        print(f"dp={args.dp} x tp={args.tp}, activation checkpointing "
+              f"{'on' if args.checkpointing else 'off'}; local parameters on rank 0: "
+              f"{sum(p.to_local().numel() for p in sharded.parameters())}")
+        if args.check:
+            print(f"largest loss difference to the unsharded model: {worst:.2e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
