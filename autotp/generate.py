@@ -277,19 +277,32 @@ def _name_cache_dim(captured: Captured, name: str) -> None:
 
 
 def drop_identities(gm: fx.GraphModule) -> None:
-    """Layout changes between replicated forms (R -> R*, a parameter's deferred gradient)
-    are the identity in forward, and the decoding programs have no backward: not run."""
+    """What does nothing in a forward without backward is not run, one op call less per node
+    and step: layout changes between replicated forms (R -> R*, a parameter's deferred
+    gradient), torch.export's metadata asserts, casts to the dtype a value already has and
+    slices of a whole dim."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(str(node.target))
-        if isinstance(module, DeferredGradReduce) or (
-                isinstance(module, Redistribute) and isinstance(module.src, Replicate) and
-                isinstance(module.dst, Replicate)):
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if isinstance(module, DeferredGradReduce) or (
+                    isinstance(module, Redistribute) and isinstance(module.src, Replicate) and
+                    isinstance(module.dst, Replicate)):
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+        elif node.target == aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+        elif (node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs
+              and _dtype(node.args[0]) == node.args[1]) or full_slice(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+    gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
+
+
+def _dtype(node: Any) -> Optional[torch.dtype]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 # ---- the k/v heads a rank reads -------------------------------------------------------------
