@@ -51,7 +51,7 @@ def split_layers(gm: fx.GraphModule) -> list[str]:
             members.setdefault(path, []).append(node)
     if not members:
         return []
-    # the layers' containers must be plain modules holding only layers (ModuleList entries)
+    # the layers' containers must exist in the program (they hold the layers' parameters)
     containers = {_ENTRY.match(p).group("list") for p in members}  # type: ignore[union-attr]
     for container in containers:
         try:
