@@ -150,18 +150,14 @@ class SharedWeights(Weights):
 
 class Program:
     """One captured, planned and rewritten step (prefill or decode) of this rank.
-    ``cache_heads``: per cache tensor, the k/v heads ``(first, count)`` this rank stores
-    when the cache's layout is whole but its attention reads fewer (None: as laid out)."""
+    ``cache``: per cache tensor, its layout and the k/v heads ``(first, count)`` this rank
+    stores when the layout is whole but its attention reads fewer (None: as laid out)."""
 
-    def __init__(self, plan: Plan, module: nn.Module, cache_layouts: list[Any],
-                 cache_heads: list[Optional[tuple[int, int]]]):
+    def __init__(self, plan: Plan, module: nn.Module,
+                 cache: list[tuple[Any, Optional[tuple[int, int]]]]):
         self.plan = plan
         self.module = module
-        self.cache_layouts = cache_layouts
-        self.cache_heads = cache_heads
-
-    def cache_spec(self) -> list[tuple[Any, Optional[tuple[int, int]]]]:
-        return list(zip(self.cache_layouts, self.cache_heads))
+        self.cache = cache
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
         return self.module(**inputs)
@@ -210,11 +206,12 @@ def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
     drop_identities(module)
     layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
     heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.tp)
-    if fuse_repeated_kv_attention(module.graph):  # no backward here: GQA kernel, no copies
-        module.graph.lint()
-        module.recompile()
+    fuse_repeated_kv_attention(module.graph)  # no backward here: GQA kernel, no copies
+    module.graph.lint()
+    module.delete_all_unused_submodules()
+    module.recompile()
     module.eval()
-    return Program(plan, module, layouts, heads)
+    return Program(plan, module, list(zip(layouts, heads)))
 
 
 # ranks simulated in one process share one training plan, and so one capture of each step
@@ -295,9 +292,6 @@ def drop_identities(gm: fx.GraphModule) -> None:
               and _dtype(node.args[0]) == node.args[1]) or full_slice(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
 
 
 def _dtype(node: Any) -> Optional[torch.dtype]:
@@ -314,16 +308,14 @@ def narrow_cache_heads(gm: fx.GraphModule, cache_inputs: list[str], layouts: lis
     rank, yet a rank's attention reads only the k/v heads of its query heads: the cache is
     read through ``repeat_kv`` (unsqueeze, expand, reshape) and then this rank's slice of
     the repeated heads. Such a cache stores and writes only those k/v heads. Returns, per
-    cache input, ``(first, count)`` of the heads kept, or None where it is left as it was."""
+    cache input, ``(first, count)`` of the heads kept, or None where it is left as it was.
+    Runs after ``drop_identities`` (no whole-dim slices left on the way)."""
     placeholders = {str(n.target): n for n in gm.graph.nodes if n.op == "placeholder"}
     heads = [_narrow_heads(gm, placeholders[name], rank, tp)
              if isinstance(layout, Replicate) else None
              for name, layout in zip(cache_inputs, layouts)]
     if any(h is not None for h in heads):
         erase_input_guards(gm.graph)  # they check the whole cache's sizes
-        gm.graph.lint()
-        gm.delete_all_unused_submodules()
-        gm.recompile()
     return heads
 
 
@@ -391,17 +383,12 @@ def _reads_size(node: fx.Node) -> bool:
 
 def _repeated_then_sliced(gm: fx.GraphModule, node: fx.Node,
                           kv: int) -> Optional[tuple[fx.Node, ...]]:
-    """``(expand, reshape, redistribute)`` where ``node`` starts ``repeat_kv``
-    (full slices, unsqueeze at 2, full slices, expand to [B, kv, n, S, D], reshape to
-    [B, kv * n, S, D]) whose result is then sliced to this rank's heads."""
-    while full_slice(node) and len(node.users) == 1:
-        node = next(iter(node.users))
+    """``(expand, reshape, redistribute)`` where ``node`` starts ``repeat_kv`` (unsqueeze at
+    2, expand to [B, kv, n, S, D], reshape to [B, kv * n, S, D]) whose result is then
+    sliced to this rank's heads."""
     if node.target != aten.unsqueeze.default or node.args[1] != 2 or len(node.users) != 1:
         return None
-    node = next(iter(node.users))
-    while full_slice(node) and len(node.users) == 1:
-        node = next(iter(node.users))
-    expand = node
+    expand = next(iter(node.users))
     if expand.target != aten.expand.default or len(expand.args[1]) != 5 or \
             expand.args[1][1] != kv or not isinstance(expand.args[1][2], int) or \
             len(expand.users) != 1:
@@ -519,17 +506,16 @@ class Decoder:
         if key not in self.programs:
             built = build_program(self.sharded, self.shapes, prompt, key[1])
             for other in self.programs.values():  # one cache serves every program
-                if other.cache_spec() != built.cache_spec():
-                    raise AssertionError(
-                        f"the decoding programs store the cache differently: "
-                        f"{other.cache_spec()} and {built.cache_spec()}")
+                if other.cache != built.cache:
+                    raise AssertionError(f"the decoding programs store the cache differently: "
+                                         f"{other.cache} and {built.cache}")
             self.programs[key] = built
         return self.programs[key]
 
     def allocate(self, batch: int, capacity: int, program: Program) -> list[torch.Tensor]:
         tp = self.sharded.plan.tp
         out = []
-        for shape, (layout, heads) in zip(self.shapes, program.cache_spec()):
+        for shape, (layout, heads) in zip(self.shapes, program.cache):
             full = (batch, heads[1] if heads else shape[1], capacity, shape[3])
             local = local_shape(full, layout, tp) if isinstance(layout, Shard) else full
             out.append(torch.zeros(local, dtype=self.dtype, device=self.device))

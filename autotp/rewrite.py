@@ -188,11 +188,11 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     count = 0
     for edge in plan.edges:
         value, consumer = nodes[edge.value], nodes[edge.consumer]
-        if _reads_unchanged_size(consumer, parse_layout(edge.src), parse_layout(edge.dst)):
+        src, dst = parse_layout(edge.src), parse_layout(edge.dst)
+        if _reads_unchanged_size(consumer, src, dst):
             continue
         key = (edge.value, edge.dst)
         if key not in made:
-            src, dst = parse_layout(edge.src), parse_layout(edge.dst)
             name = f"autotp_{edge.value}_to_{_slug(edge.dst)}"
             if value.op == "get_attr" and isinstance(src, Replicate) and \
                     isinstance(dst, Replicate) and dst.grad_partial and \
