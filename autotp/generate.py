@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -33,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 from torch.export import Dim
 
-from autotp.errors import ConfigError
+from autotp.errors import ConfigError, TraceError
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -204,6 +205,7 @@ def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
     module, _ = rewrite(captured, plan, sharded.rank, sharded.comm,
                         weights=SharedWeights(sharded, step), device=sharded._device())
     drop_identities(module)
+    erase_input_guards(module.graph)  # the decoder builds the inputs; no check per step
     layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
     heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.tp)
     fuse_repeated_kv_attention(module.graph)  # no backward here: GQA kernel, no copies
@@ -237,15 +239,19 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
             CACHE: [torch.zeros(batch, s[1], slots, s[3], dtype=dtype, device=meta)
                     for s in shapes],
         }
-        b, s = Dim("B", min=1), Dim("S", min=2)
-        t: Any = Dim("T", min=2) if prompt else Dim.STATIC
-        dynamic = {
-            "input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s},
-            "position_ids": {0: b, 1: t}, "cache_position": {0: t},
-            CACHE: [{0: b, 2: s} for _ in shapes],
-        }
         step = Step(model, logits_to_keep)
-        captured = capture(step, example_kwargs=example, dynamic_shapes=dynamic)
+        try:
+            captured = capture(step, example_kwargs=example,
+                               dynamic_shapes=_step_dims(len(shapes), prompt, named=True))
+        except TraceError as exc:
+            if "Constraints violated" not in str(exc.__cause__):
+                raise
+            # Older torch (2.11) cannot prove some guards that hold for every size, such as
+            # min(32*S, 128*S) == 32*S, and refuses named dims; automatic dims keep them as
+            # checks, and the sizes must still come out symbolic.
+            captured = capture(step, example_kwargs=example,
+                               dynamic_shapes=_step_dims(len(shapes), prompt, named=False))
+            _check_symbolic(captured, _step_dims(len(shapes), prompt, named=False))
         cache_inputs = _cache_placeholders(captured, len(shapes))
         _name_cache_dim(captured, cache_inputs[0])
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs))
@@ -255,6 +261,34 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
             del _PLANNED[stale]
         _PLANNED[key] = (weakref.ref(sharded.plan), captured, plan, step, cache_inputs)
         return captured, plan, step, cache_inputs
+
+
+def _step_dims(count: int, prompt: bool, named: bool) -> dict[str, Any]:
+    """torch.export's dynamic shapes of a step's inputs: batch B, cache length S and, for
+    prefill, prompt length T symbolic (``named``: as named dims, else automatic ones)."""
+    if named:
+        b, s, t = Dim("B", min=1), Dim("S", min=2), Dim("T", min=2) if prompt else Dim.STATIC
+    else:
+        b, s, t = Dim.AUTO, Dim.AUTO, Dim.AUTO if prompt else Dim.STATIC
+    return {
+        "input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s},
+        "position_ids": {0: b, 1: t}, "cache_position": {0: t},
+        CACHE: [{0: b, 2: s} for _ in range(count)],
+    }
+
+
+def _check_symbolic(captured: Captured, dims: dict[str, Any]) -> None:
+    wanted = {name: spec for name, spec in dims.items() if name != CACHE}
+    wanted.update({f"{CACHE}_{i}": spec for i, spec in enumerate(dims[CACHE])})
+    for node in captured.gm.graph.nodes:
+        spec = wanted.get(str(node.target)) if node.op == "placeholder" else None
+        for d, dim in (spec or {}).items():
+            size = node.meta["val"].shape[d]
+            if dim is not Dim.STATIC and not isinstance(size, torch.SymInt):
+                raise TraceError(
+                    f"torch {torch.__version__} fixed dim {d} of the decoding step's "
+                    f"{node.target} to {size}: autotp needs it symbolic to decode any "
+                    "length without a new capture (torch >= 2.13 captures it)")
 
 
 def _cache_placeholders(captured: Captured, count: int) -> list[str]:
@@ -314,8 +348,6 @@ def narrow_cache_heads(gm: fx.GraphModule, cache_inputs: list[str], layouts: lis
     heads = [_narrow_heads(gm, placeholders[name], rank, tp)
              if isinstance(layout, Replicate) else None
              for name, layout in zip(cache_inputs, layouts)]
-    if any(h is not None for h in heads):
-        erase_input_guards(gm.graph)  # they check the whole cache's sizes
     return heads
 
 
@@ -442,11 +474,13 @@ class KVCache(Cache):
     layer, allocated at the first step (when the batch is known). ``capacity`` None: room
     for the first call's tokens, doubled whenever a later call needs more."""
 
-    def __init__(self, decoder: "Decoder", capacity: Optional[int]):
+    def __init__(self, decoder: "Decoder", capacity: Optional[int], graphs: bool = True):
         super().__init__(layers=[LocalLayer(self) for _ in range(len(decoder.shapes) // 2)])
         self.decoder = decoder
         self.capacity = capacity or 0
         self.fixed = capacity is not None
+        self.graphs = graphs  # decode steps may replay a CUDA graph (Decoder._graphs)
+        self.graph: Optional[GraphedStep] = None
         self.seen = 0
         self.tensors: list[torch.Tensor] = []
         self.allocations = 0  # how many times the tensors were (re)allocated
@@ -477,6 +511,49 @@ class KVCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class GraphedStep:
+    """The decode program recorded as a CUDA graph for one cache (its tensors, batch and
+    capacity). A step copies its inputs into the graph's own buffers and replays the graph:
+    the host issues one launch instead of one per op, and the writes land in the cache.
+
+    Recorded at the cache's first decode step with that step's real inputs: the warm-up runs
+    (on a side stream, as CUDA graphs need) are that step itself, writing the same keys and
+    values into the same slots, so the cache is left as an eager step leaves it."""
+
+    def __init__(self, graph: Any, buffers: dict[str, torch.Tensor], out: torch.Tensor):
+        self.graph = graph
+        self.buffers = buffers
+        self.out = out
+
+    @staticmethod
+    def capture(program: Program,
+                inputs: dict[str, Any]) -> tuple[Optional["GraphedStep"], torch.Tensor]:
+        buffers = {name: value.clone() for name, value in inputs.items() if name != CACHE}
+        static = dict(buffers, **{CACHE: inputs[CACHE]})
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # allocator and library warm-up outside the recording
+                logits = program(**static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = program(**static)
+        except RuntimeError as exc:  # an op of this model that a graph cannot hold
+            warnings.warn(f"autotp: the decode step runs without a CUDA graph ({exc}); "
+                          "pass generate(..., cuda_graphs=False) to skip the attempt",
+                          stacklevel=2)
+            return None, logits
+        return GraphedStep(graph, buffers, out), logits
+
+    def __call__(self, inputs: dict[str, Any]) -> torch.Tensor:
+        for name, buffer in self.buffers.items():
+            buffer.copy_(inputs[name])
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites the graph's output
 
 
 # ---- the decoder ---------------------------------------------------------------------------
@@ -559,11 +636,16 @@ class Decoder:
         self._check_plan()
         prompt = tokens > 1
         program = self.program(prompt, int(logits_to_keep or 0) if prompt else 1)
-        # the programs see the filled slots only (a view: the writes land in the cache), so
-        # attention reads past + new tokens, not the whole capacity; at least 2 slots, the
-        # smallest cache length the programs were captured for (the spare one masked)
+        # On the CPU the programs see the filled slots only (a view: the writes land in the
+        # cache), so attention reads past + new tokens, not the whole capacity; at least 2
+        # slots, the smallest cache length the programs were captured for (the spare one
+        # masked). On a GPU a cache of fixed capacity is read whole, the free slots masked:
+        # every step has the same shapes, so kernels' plans (cuDNN attention) are reused and
+        # the decode step can be replayed as a CUDA graph.
         length = max(past + tokens, 2)
         cache.reserve(batch, length, program)
+        if self.device.type == "cuda" and cache.fixed:
+            length = cache.capacity
         device = self.device
         if attention_mask is not None and (attention_mask.dim() != 2 or
                                            attention_mask.shape[1] != past + tokens):
@@ -577,15 +659,33 @@ class Decoder:
         positions = torch.arange(past, past + tokens, device=device)
         if position_ids is None:
             position_ids = positions.unsqueeze(0).expand(batch, tokens)
-        logits = program(input_ids=input_ids.to(device), attention_mask=mask,
-                         position_ids=position_ids.to(device).contiguous(),
-                         cache_position=positions,
-                         key_values=[t[:, :, :length] for t in cache.tensors])
+        inputs = dict(input_ids=input_ids.to(device), attention_mask=mask,
+                      position_ids=position_ids.to(device).contiguous(),
+                      cache_position=positions,
+                      key_values=[t[:, :, :length] for t in cache.tensors])
+        if not prompt and self._graphs(cache) and length == cache.capacity:
+            if cache.graph is None:
+                cache.graph, logits = GraphedStep.capture(program, inputs)
+                cache.graphs = cache.graph is not None
+            else:
+                logits = cache.graph(inputs)
+        else:
+            logits = program(**inputs)
         cache.seen = past + tokens
         return CausalLMOutputWithPast(logits=logits,
                                       past_key_values=cache if use_cache is not False else None)
 
+    def _graphs(self, cache: "KVCache") -> bool:
+        """Whether this cache's decode steps replay a CUDA graph: on a GPU, for a cache of
+        fixed capacity (generate's), unless turned off, and where the collectives can be
+        captured (NCCL, or none at tp = 1)."""
+        if not cache.graphs or self.device.type != "cuda" or not cache.fixed:
+            return False
+        comm = self.sharded.comm
+        return self.sharded.plan.tp == 1 or getattr(comm, "backend", "gloo") != "gloo"
+
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        graphs = kwargs.pop("cuda_graphs", True)
         if kwargs.get("past_key_values") is not None:
             raise ConfigError("generate() on a sharded model makes its own cache: leave "
                               "past_key_values out")
@@ -602,7 +702,7 @@ class Decoder:
                 f"a prompt of {ids.shape[-1]} tokens plus the new tokens needs {total} "
                 f"positions, more than the model's {limit} (max_position_embeddings): "
                 "lower max_new_tokens or shorten the prompt")
-        kwargs["past_key_values"] = KVCache(self, total)
+        kwargs["past_key_values"] = KVCache(self, total, graphs=bool(graphs))
         self._check_plan()
         return self.host.generate(inputs, **kwargs)
 

@@ -51,10 +51,17 @@ def build_model(args: argparse.Namespace) -> Any:
         max_position_embeddings=args.prompt + args.new_tokens + 8, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    return tf.LlamaForCausalLM(config).eval()
+    model = tf.LlamaForCausalLM(config).eval()
+    return model.to(device(args), getattr(torch, args.dtype))
 
 
-def dtensor_model(model: Any, tp: int) -> Any:
+def device(args: argparse.Namespace) -> torch.device:
+    if args.device == "cuda":
+        return torch.device("cuda", dist.get_rank() if dist.is_initialized() else 0)
+    return torch.device("cpu")
+
+
+def dtensor_model(model: Any, tp: int, kind: str) -> Any:
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,7 +69,7 @@ def dtensor_model(model: Any, tp: int) -> Any:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    mesh = init_device_mesh("cpu", (tp,))
+    mesh = init_device_mesh(kind, (tp,))
     copy_ = copy.deepcopy(model)
     plan: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
@@ -91,7 +98,7 @@ def hf_tp_plan(model: Any, rank: int, world: int, args: argparse.Namespace) -> A
     if rank == 0:
         model.save_pretrained(directory)
     dist.barrier()
-    loaded = type(model).from_pretrained(directory, tp_plan="auto").eval()
+    loaded = type(model).from_pretrained(directory, tp_plan="auto", dtype=model.dtype).eval()
     dist.barrier()
     if rank == 0:
         import shutil
@@ -119,6 +126,19 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+class Eager:
+    """A sharded model whose decode steps run op by op (no CUDA graph)."""
+
+    def __init__(self, sharded: Any):
+        self.sharded = sharded
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.sharded.generate(*args, cuda_graphs=False, **kwargs)
+
+    def parameters(self) -> Any:
+        return self.sharded.parameters()
+
+
 class StepClock:
     """A logits processor that notes when each step's logits arrive: the intervals are the
     decode steps (the model's forward plus generate's own work, the same for every
@@ -139,20 +159,27 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     import autotp
     from transformers import LogitsProcessorList
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model = build_model(args)
     impls: dict[str, Any] = {}
     if world == 1:
         impls["unsharded"] = model
-    impls["dtensor"] = dtensor_model(model, world)
+    impls["dtensor"] = dtensor_model(model, world, args.device)
     impls["autotp"] = autotp.parallelize(model, tp=world)
-    hf = hf_tp_plan(model, rank, world, args)
+    if args.device == "cuda":  # autotp's decode step without its CUDA graph
+        impls["autotp-eager"] = Eager(impls["autotp"])
+    hf = hf_tp_plan(model, rank, world, args) if "hf-tp-plan" in args.impls else None
     if hf is not None:
         impls["hf-tp-plan"] = hf
+    impls = {name: module for name, module in impls.items() if name in args.impls}
     generator = torch.Generator().manual_seed(1)
     rows = []
     for batch in args.batch:
         ids = torch.randint(3, args.vocab, (batch, args.prompt), generator=generator)
+        ids = ids.to(device(args))
         mask = torch.ones_like(ids)
 
         def generate(module: Any, new: int, ids: torch.Tensor = ids,
@@ -174,9 +201,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
                 steps, outputs[name] = generate(module, args.new_tokens)
                 times[name] += steps
         medians = torch.tensor([statistics.median(times[name]) for name in impls],
-                               dtype=torch.float64)
+                               dtype=torch.float64, device=device(args))
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
-        reference = outputs.get("unsharded", outputs["dtensor"]).sequences
+        reference = outputs.get("unsharded", outputs.get("dtensor", outputs["autotp"])).sequences
         for (name, module), step in zip(impls.items(), medians.tolist()):
             rows.append({
                 "tp": world, "batch": batch, "impl": name, "step_ms": 1e3 * step,
@@ -202,18 +229,28 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--impls", type=lambda text: text.split(","),
+                        default=["unsharded", "dtensor", "autotp", "autotp-eager", "hf-tp-plan"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default=None, help="append one JSON line per row")
     args = parser.parse_args()
 
     from autotp.launch import run_processes
 
     rows: list[dict[str, Any]] = []
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda" and max(args.tp) > torch.cuda.device_count():
+        raise SystemExit(f"--tp {max(args.tp)} needs that many GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     for tp in args.tp:
-        rows += run_processes(worker, tp, args, timeout=3600)[0]
+        rows += run_processes(worker, tp, args, backend=backend, timeout=3600)[0]
     by_key = {(r["tp"], r["batch"], r["impl"]): r for r in rows}
     print(f"LLaMA h={args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} "
           f"k/v heads, vocab {args.vocab}; prompt {args.prompt}, {args.new_tokens} new tokens; "
-          f"{os.cpu_count()} cores")
+          f"{args.dtype}; " + (torch.cuda.get_device_name() if args.device == "cuda" else
+                               f"{os.cpu_count()} cores"))
     print(f"{'tp':>3} {'batch':>5} {'impl':>10} {'step ms':>8} {'tok/s':>7} {'vs dtensor':>10} "
           f"{'vs tp1':>7} {'weights MiB':>11} {'cache MiB':>9} {'same':>5}")
     fmt: Callable[[float], str] = lambda x: f"{x:.2f}"  # noqa: E731

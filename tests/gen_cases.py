@@ -113,3 +113,34 @@ def compare_generation(reference: Any, sharded: Any) -> dict[str, Any]:
         "cache_length": cache.capacity,
         "step_events": events,
     }
+
+
+def cuda_case(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+    """On this rank's GPU (NCCL): generate with the decode step replayed as a CUDA graph, and
+    op by op, against the unsharded model on the same GPU."""
+    import autotp
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    ids, mask = (t.to(device) for t in prompts())
+    common = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                  return_dict_in_generate=True)
+    out: dict[str, Any] = {}
+    for name in names:
+        reference = model(name).to(device)
+        sharded = autotp.parallelize(model(name).to(device), tp=world_size)
+        want = reference.generate(ids, do_sample=False, **common).sequences
+        graphed = sharded.generate(ids, do_sample=False, **common)
+        eager = sharded.generate(ids, do_sample=False, cuda_graphs=False, **common)
+        torch.manual_seed(11)
+        sampled_want = reference.generate(ids, do_sample=True, top_p=0.9, **common).sequences
+        torch.manual_seed(11)
+        sampled = sharded.generate(ids, do_sample=True, top_p=0.9, **common).sequences
+        out[name] = {
+            "graph": torch.equal(graphed.sequences, want),
+            "graph_used": graphed.past_key_values.graph is not None,
+            "eager": torch.equal(eager.sequences, want),
+            "eager_graph_used": eager.past_key_values.graph is not None,
+            "sampled": torch.equal(sampled, sampled_want),
+        }
+    return out

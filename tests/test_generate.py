@@ -59,6 +59,18 @@ def test_greedy_at_tp4(name: str) -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_generate_on_cuda_with_graphs() -> None:
+    """NCCL on one or two GPUs: the decode step replayed as a CUDA graph (the default on a
+    GPU) and op by op (``cuda_graphs=False``) give the unsharded model's tokens."""
+    world = min(2, torch.cuda.device_count())
+    for result in run_processes(gc.cuda_case, world, ["llama", "gpt2"], backend="nccl",
+                                timeout=300):
+        for name, got in result.items():
+            assert got["graph_used"] and not got["eager_graph_used"], (name, got)
+            assert got["graph"] and got["eager"] and got["sampled"], (name, got)
+
+
 @pytest.fixture(scope="module")
 def llama_sim():
     reference = gc.model("llama")
@@ -99,6 +111,38 @@ def test_decoding_is_captured_once(llama_sim) -> None:
         decode = rank._decoder.programs[(False, 1)].module.graph
         calls = [n for n in decode.nodes if n.target == sdpa]
         assert len(calls) == LAYERS and all(n.kwargs.get("enable_gqa") for n in calls)
+
+
+def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
+    """Some torch releases (2.11) cannot prove guards such as min(32*S, 128*S) == 32*S and
+    refuse the step's named dims: the capture is retried with automatic dims, whose sizes
+    must come out symbolic; the programs then decode any length as before."""
+    import autotp.generate as generate
+    from autotp.errors import TraceError
+
+    real, refused = generate.capture, []
+
+    def capture(step, example_kwargs, dynamic_shapes):
+        named = dynamic_shapes["attention_mask"][1] is not torch.export.Dim.AUTO
+        if named:
+            refused.append(True)
+            try:
+                raise RuntimeError("Constraints violated (S)! Not all values of S ...")
+            except RuntimeError as exc:
+                raise TraceError("torch.export could not trace Step") from exc
+        return real(step, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes)
+
+    monkeypatch.setattr(generate, "capture", capture)
+    reference = gc.model("gpt2")
+    sim = autotp.simulate(gc.model("gpt2"), 2)
+    generator = torch.Generator().manual_seed(3)
+    for batch, length in ((3, 7), (1, 4)):
+        ids = torch.randint(1, gc.VOCAB, (batch, length), generator=generator)
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        want = reference.generate(ids, **kwargs)
+        for got in sim.run(lambda m, ids=ids, kwargs=kwargs: m.generate(ids, **kwargs)):
+            assert torch.equal(got, want)
+    assert len(refused) == 2  # prefill and decode, each captured once
 
 
 def test_generate_errors(llama_sim) -> None:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On a machine with one or more NVIDIA GPUs: the CUDA tests, the examples with NCCL
+# (torchrun, one process per GPU) and the GPU benchmarks, each step bounded in time.
+#
+#     bash benchmarks/gpu_check.sh [LOG_DIR]
+#     ONLY="generate decode" bash benchmarks/gpu_check.sh    # some steps only
+#     REPS=1 IMPLS=unsharded,autotp ONLY=decode bash benchmarks/gpu_check.sh
+#
+# Every step's output goes to LOG_DIR/<step>.log; a summary line per step is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-gpu-logs}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+TP=$(( GPUS >= 2 ? 2 : 1 ))
+DEMO=$(mktemp -d)/demo-llama
+REPS=${REPS:-2}  # decode benchmark repetitions
+IMPLS=${IMPLS:-unsharded,dtensor,autotp,autotp-eager,hf-tp-plan}
+declare -a SUMMARY
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))")
+  tail -n 15 "$LOG/$name.log"
+}
+
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
+transformers.__version__, torch.cuda.get_device_name(), 'x', torch.cuda.device_count())" \
+  | tee "$LOG/versions.log"
+python3 -c "import autotp" 2>/dev/null || python3 -m pip install -q --no-deps \
+  --no-build-isolation -e . >"$LOG/install.log" 2>&1
+
+step tests 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or nccl" \
+  tests/test_distributed.py tests/test_equivalence.py tests/test_robustness.py \
+  tests/test_generate.py
+step hf_llama 120 torchrun --nproc-per-node "$TP" examples/hf_llama.py
+step nanogpt 120 torchrun --nproc-per-node "$TP" examples/train_nanogpt.py --steps 10
+step train_2d 120 torchrun --nproc-per-node "$TP" examples/train_2d.py --dp 1 --tp "$TP" --check
+step make_demo 60 python3 examples/train_from_checkpoint.py --make-demo "$DEMO"
+step checkpoint 120 torchrun --nproc-per-node "$TP" examples/train_from_checkpoint.py \
+  --model "$DEMO" --steps 3 --checkpoint "$DEMO-ckpt"
+step generate 120 torchrun --nproc-per-node "$TP" examples/generate.py --model "$DEMO" --check
+step generate_bf16 120 torchrun --nproc-per-node "$TP" examples/generate.py --model "$DEMO" \
+  --check --dtype bfloat16
+step decode 300 python3 benchmarks/decode.py --device cuda --tp "$TP" --reps "$REPS" \
+  --impls "$IMPLS" --out "$LOG/decode.jsonl"
+step decode_bf16 300 python3 benchmarks/decode.py --device cuda --tp "$TP" --reps "$REPS" \
+  --impls "$IMPLS" --dtype bfloat16 --out "$LOG/decode.jsonl"
+step train_bench 300 python3 benchmarks/tp_bench.py --device cuda --tp "$TP" \
+  --dtype bfloat16 --reps 10 --out "$LOG/tp_bench.jsonl"
+
+printf '%s\n' "${SUMMARY[@]}" | tee "$LOG/summary.log"
