@@ -19,6 +19,7 @@ from autotp.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint
 from autotp.errors import AutotpError, ConfigError, NoRuleError, PlanError, TraceError
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
 from autotp.materialize import empty_weights
+from autotp.pipeline import pipeline_stages
 from autotp.planner.plan import Plan
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "P",
     "Partial",
     "Plan",
+    "pipeline_stages",
     "PlanError",
     "R",
     "R_STAR",

@@ -191,3 +191,90 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
         "names": sorted(full) == sorted(want),
         "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
     }
+
+
+def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
+                  ) -> dict[str, dict[str, Any]]:
+    """pp2 x tp2: per model, Schedule1F1B with one stage per rank and
+    ScheduleInterleaved1F1B with two, 4 microbatches, AdamW: the losses of every step and
+    each local gradient of the first step against the unsharded model on the whole batch."""
+    import copy
+
+    import transformers as tf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    import autotp
+    from autotp.layout import Shard, shard_tensor
+
+    torch.set_num_threads(1)
+    tf.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp_rank = mesh["tp"].get_local_rank()
+    builders = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+            num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+            max_position_embeddings=64)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
+            n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    }
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        torch.manual_seed(0)
+        original = builders[name]()
+        reference = copy.deepcopy(original)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        ref_losses, ref_grads = [], {}
+        for step in range(steps):
+            loss = loss_fn(reference(ids).logits, labels)
+            loss.backward()
+            if step == 0:
+                ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+            ref_losses.append(float(loss.detach()))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for kind, per_rank in (("1f1b", 1), ("interleaved", 2)):
+            stages = autotp.pipeline_stages(copy.deepcopy(original), mesh,
+                                            stages_per_rank=per_rank,
+                                            example_kwargs={"input_ids": ids[:2]})
+            params = [p for s in stages for p in s.submod.parameters()]
+            opt = torch.optim.AdamW(params, lr=1e-2)
+            cls = Schedule1F1B if per_rank == 1 else ScheduleInterleaved1F1B
+            schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
+                           loss_fn=loss_fn)
+            losses, grad_diff = [], 0.0
+            for step in range(steps):
+                mb_losses: list[torch.Tensor] = []
+                if mesh["pp"].get_local_rank() == 0:
+                    schedule.step(ids)
+                else:
+                    schedule.step(target=labels, losses=mb_losses)
+                total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
+                torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
+                losses.append(float(total))
+                if step == 0:
+                    autotp.pipeline.wait_tied_grads()  # before reading gradients by hand
+                    plan = stages[0]._autotp_plan
+                    for stage in stages:
+                        for pname, p in stage.submod.named_parameters():
+                            layout = plan.param_layout(pname)
+                            want = ref_grads[pname]
+                            if isinstance(layout, Shard):
+                                want = shard_tensor(want, layout, tp_rank, 2)
+                            grad_diff = max(grad_diff, float((p.grad - want).abs().max()))
+                opt.step()
+                opt.zero_grad()
+            out[f"{name}-{kind}"] = {"losses": losses, "reference": ref_losses,
+                                     "grad_diff": grad_diff,
+                                     "stage_params": sum(p.numel() for p in params),
+                                     "full_params": sum(p.numel()
+                                                        for p in original.parameters())}
+    return out

@@ -1,0 +1,486 @@
+"""Pipeline stages: the rank program cut between its layers, one pipelining stage per part.
+
+``autotp.pipeline_stages`` builds this rank's tensor-parallel program over the mesh's "tp"
+dim (``parallelize``), cuts the root graph between the calls of its layers (``split_layers``
+gives them) and returns this rank's parts as ``torch.distributed.pipelining``
+``PipelineStage``s over the "pp" dim. Any of torch's schedules runs them; autotp writes no
+schedule of its own.
+
+    mesh = init_device_mesh("cuda", (pp, tp), mesh_dim_names=("pp", "tp"))
+    stages = autotp.pipeline_stages(model, mesh, stages_per_rank=2, example_kwargs=...)
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
+    schedule.step(input_ids, target=labels)       # first stage: inputs; last: the loss
+
+What a stage computes is where the program computes it: glue between layers runs where its
+inputs are ready, so the embedding and everything derived from the inputs alone (position
+embeddings, masks) run in the first stage, and the final norm and head in the last. Every
+tensor a later stage reads travels with the activations, passed on by the stages between.
+Sizes (SymInts) never travel: a stage re-reads them from a tensor it holds that has the same
+size. Parameters go to the stages that read them; one read by two stages on different
+ranks (tied embeddings) is held by both, and its gradients are summed over them after the
+last backward of a step (``perform_reduce_grad``).
+
+Stage boundaries: ``split_points`` (the index of the first layer of each stage but the
+first), or chosen so that the heaviest stage does the least work, counted as the weight
+elements its matrix products read (the first and last stages carry the embedding and head).
+The stages are checked once on construction: chained on the example, they give the
+program's own first output.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autotp.errors import ConfigError
+from autotp.layers import program_nodes
+
+
+def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
+                    split_points: Optional[Sequence[int]] = None,
+                    example_args: Optional[tuple[Any, ...]] = None,
+                    example_kwargs: Optional[dict[str, Any]] = None,
+                    **parallelize_options: Any) -> list[Any]:
+    """This rank's pipeline stages of ``model``, tensor-parallel over ``mesh["tp"]``.
+
+    ``mesh``: a DeviceMesh with dims "pp" and "tp" (and "dp", which the stages leave to the
+    caller's FSDP2). ``stages_per_rank``: virtual stages per rank, for the interleaved and
+    looped schedules (stage ``s`` on pp rank ``s % pp``). ``split_points``: the first layer
+    of every stage but the first (``[4, 8, 12]`` for four stages of 16 layers); default:
+    balanced by the cost model. The example (``example_args``/``example_kwargs``, default:
+    from the model's config) is one microbatch: its shapes are the shapes the stages send.
+    The first stage takes the model's tensor inputs positionally, in the order of
+    ``forward``'s signature; the last returns the model's first output (logits).
+    ``parallelize_options`` go to ``autotp.parallelize`` (default ``grad_sync="per_use"``:
+    partial gradients are summed inside autograd, which pipelining's backward runs).
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    from autotp.api import parallelize
+
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names or "tp" not in names:
+        raise ConfigError(f"pipeline_stages needs a DeviceMesh with dims 'pp' and 'tp', got "
+                          f"{names or type(mesh).__name__}: init_device_mesh(device, (pp, tp), "
+                          "mesh_dim_names=('pp', 'tp'))")
+    if stages_per_rank < 1:
+        raise ConfigError(f"stages_per_rank must be at least 1, got {stages_per_rank}")
+    pp_mesh, tp_mesh = mesh["pp"], mesh["tp"]
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    count = pp * stages_per_rank
+    parallelize_options.setdefault("grad_sync", "per_use")
+    parallelize_options.setdefault("check_plan", True)
+    sharded = parallelize(model, group=tp_mesh, example_args=example_args,
+                          example_kwargs=example_kwargs, **parallelize_options)
+    if not sharded._plan_checked:
+        sharded.check_plan()
+    program = sharded.program
+    layers = _layer_calls(program)
+    if len(layers) < count:
+        raise ConfigError(
+            f"{count} pipeline stages (pp={pp} x stages_per_rank={stages_per_rank}) need at "
+            f"least {count} layers; the model has {len(layers)} "
+            f"{'(its blocks are not an nn.ModuleList)' if not layers else ''}".rstrip())
+    bounds = _bounds(program, layers, count, split_points)
+    parts = cut(program, layers, bounds, sharded._example)
+    metas = _check_and_measure(sharded, parts)
+    mine = [pp_rank + i * pp for i in range(stages_per_rank)]
+    ties = _tie_groups(parts, mesh, pp, stages_per_rank)
+    device = _device(sharded)
+    stages = []
+    for index in mine:
+        inputs, outputs = metas[index]
+        stage = PipelineStage(parts[index], index, count, device, input_args=inputs,
+                              output_args=outputs, group=pp_mesh.get_group())
+        stage.__class__ = _stage_class(type(stage))
+        stage._autotp_ties = [(p, g) for name, (g, holders) in ties.items()
+                              if index == min(s for s in holders if s % pp == pp_rank)
+                              for p in [_param(parts[index], name)]]
+        stage._autotp_plan = sharded.plan
+        stages.append(stage)
+    return stages
+
+
+# ---- cutting the program -------------------------------------------------------------------
+
+
+def _layer_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module"
+            and isinstance(gm.get_submodule(str(n.target)), fx.GraphModule)]
+
+
+def _bounds(gm: fx.GraphModule, layers: list[fx.Node], count: int,
+            split_points: Optional[Sequence[int]]) -> list[int]:
+    """The index of each stage's first layer (the first is 0)."""
+    if split_points is not None:
+        points = [int(p) for p in split_points]
+        if len(points) != count - 1 or points != sorted(set(points)) or \
+                points[0] <= 0 or points[-1] >= len(layers):
+            raise ConfigError(
+                f"split_points must be {count - 1} increasing layer indices in 1..."
+                f"{len(layers) - 1} (the first layer of every stage but the first), got "
+                f"{list(split_points)}")
+        return [0, *points]
+    work = [_matmul_weights(gm.get_submodule(str(n.target))) for n in layers]
+    head = _matmul_weights(gm, root_only=True)  # embedding and head: split between the ends
+    work[0] += head / 2
+    work[-1] += head / 2
+    return _balanced(work, count)
+
+
+def _matmul_weights(gm: fx.GraphModule, root_only: bool = False) -> float:
+    """Elements of the parameters that the module's matrix products and lookups read."""
+    total = 0
+    for node in (gm.graph.nodes if root_only else program_nodes(gm)):
+        if node.op != "get_attr":
+            continue
+        value = _fetch(gm, str(node.target))
+        if isinstance(value, nn.Parameter) and value.dim() >= 2:
+            total += value.numel()
+    return float(total)
+
+
+def _balanced(work: list[float], count: int) -> list[int]:
+    """Contiguous split of ``work`` into ``count`` non-empty parts minimizing the largest."""
+    n = len(work)
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut_at = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0.0
+    for k in range(1, count + 1):
+        for end in range(k, n - (count - k) + 1):
+            for start in range(k - 1, end):
+                cost = max(best[k - 1][start], prefix[end] - prefix[start])
+                if cost < best[k][end]:
+                    best[k][end], cut_at[k][end] = cost, start
+    bounds, end = [], n
+    for k in range(count, 0, -1):
+        end = cut_at[k][end]
+        bounds.append(end)
+    return bounds[::-1]
+
+
+def cut(gm: fx.GraphModule, layers: list[fx.Node], bounds: list[int],
+        example: dict[str, Any]) -> list[fx.GraphModule]:
+    """``gm``'s root graph as ``len(bounds)`` stage programs: stage ``k`` calls layers
+    ``bounds[k]`` up to the next bound. Stage 0 takes the tensor inputs, each stage returns
+    what later stages read, the last the program's first output tensor."""
+    count = len(bounds)
+    _layer_values(gm, layers)
+    layer_stage = {}
+    for k, start in enumerate(bounds):
+        end = bounds[k + 1] if k + 1 < count else len(layers)
+        for node in layers[start:end]:
+            layer_stage[node] = k
+    order = [n for n in gm.graph.nodes
+             if not (n.op == "call_module" and n.target == "_guards_fn")]
+    result = _first_tensor(gm)
+    stage: dict[fx.Node, int] = {}  # where a tensor is computed (absent: copied where used)
+    for node in order:
+        if node.op == "placeholder":
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                stage[node] = 0
+        elif node in layer_stage:
+            stage[node] = layer_stage[node]
+        elif node.op in ("call_function", "call_module") and _is_tensor(node):
+            anchored = [stage[x] for x in node.all_input_nodes if x in stage]
+            if anchored:
+                stage[node] = max(anchored)
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                node.args[0] in stage:
+            stage[node] = stage[node.args[0]]
+    if stage.get(result) != count - 1:
+        raise ConfigError("the model's first output is not computed after the last layer: "
+                          "it cannot be the last pipeline stage's output")
+    # the tensors each stage reads from earlier stages, and what each boundary carries
+    needs: list[list[fx.Node]] = [[] for _ in range(count)]
+    for node in order:
+        if node in stage and node.op != "placeholder":
+            for x in _anchors(node, stage):
+                if stage[x] < stage[node] and x not in needs[stage[node]]:
+                    needs[stage[node]].append(x)
+    carried: list[list[fx.Node]] = [[] for _ in range(count)]  # boundary k: into stage k + 1
+    for k in range(1, count):
+        for x in needs[k]:
+            for boundary in range(stage[x], k):
+                if x not in carried[boundary]:
+                    carried[boundary].append(x)
+    parts = []
+    for k in range(count):
+        inputs = [n for n in order if n.op == "placeholder" and n in stage] if k == 0 \
+            else carried[k - 1]
+        outputs = carried[k] if k + 1 < count else [result]
+        mine = [n for n in order if stage.get(n) == k and n.op != "placeholder"]
+        parts.append(_stage_module(gm, k, inputs, mine, outputs, stage, example))
+    return parts
+
+
+def _layer_values(gm: fx.GraphModule, layers: list[fx.Node]) -> None:
+    """The example values (shapes with their size symbols) of what the layer calls return,
+    from the layers' own graphs."""
+    for call in layers:
+        inner = gm.get_submodule(str(call.target))
+        result = next(n for n in inner.graph.nodes if n.op == "output").args[0]
+        if isinstance(result, fx.Node):
+            call.meta.setdefault("val", result.meta.get("val"))
+            continue
+        for user in call.users:
+            if user.target is operator.getitem and isinstance(result[user.args[1]], fx.Node):
+                user.meta.setdefault("val", result[user.args[1]].meta.get("val"))
+
+
+def _anchors(node: fx.Node, stage: dict[fx.Node, int]) -> list[fx.Node]:
+    """The computed tensors ``node`` depends on through values copied where used."""
+    out, todo, seen = [], list(node.all_input_nodes), set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in stage:
+            out.append(x)
+        elif x.op not in ("get_attr", "placeholder") and not _is_size(x):
+            todo.extend(x.all_input_nodes)  # sizes are re-read where used, not carried
+    return out
+
+
+def _stage_module(gm: fx.GraphModule, k: int, inputs: list[fx.Node], mine: list[fx.Node],
+                  outputs: list[fx.Node], stage: dict[fx.Node, int],
+                  example: dict[str, Any]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for x in inputs:
+        env[x] = graph.placeholder(x.name)
+        env[x].meta = dict(x.meta)
+    attrs: dict[str, Any] = {}
+
+    def value(x: fx.Node) -> Any:
+        if x in env:
+            return env[x]
+        if x.op == "placeholder":  # a non-tensor input: the example's value
+            env[x] = example.get(str(x.target))
+        elif x in stage:
+            raise AssertionError(f"stage {k} reads {x.name} of stage {stage[x]}, not carried")
+        elif _is_size(x) and x.target is torch.ops.aten.sym_size.int and \
+                stage.get(x.args[0], k) != k and x.args[0] not in env:
+            env[x] = _reread_size(graph, x, env)
+        else:  # parameters, constants and what is computed from them alone: copied here
+            _keep(gm, x, attrs)
+            env[x] = graph.node_copy(x, value)
+        return env[x]
+
+    for node in mine:
+        _keep(gm, node, attrs)
+        env[node] = graph.node_copy(node, value)
+    outs = tuple(value(x) for x in outputs)
+    graph.output(outs[0] if len(outs) == 1 else outs)
+    module = fx.GraphModule(attrs, graph, class_name=f"Stage{k}")
+    module.graph.eliminate_dead_code()
+    module.delete_all_unused_submodules()
+    module.recompile()
+    return module
+
+
+def _reread_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """A size of a tensor this stage does not hold, read from one it holds with a dim of the
+    same size (the batch and sequence sizes travel in the activations' shapes)."""
+    want = node.meta["val"]
+    expr = want.node.expr if isinstance(want, torch.SymInt) else want
+    for source, copy in list(env.items()):
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(copy, fx.Node):
+            continue
+        for d, size in enumerate(val.shape):
+            if (size.node.expr if isinstance(size, torch.SymInt) else size) == expr:
+                read = graph.call_function(torch.ops.aten.sym_size.int, (copy, d))
+                read.meta = dict(node.meta)
+                return read
+    raise ConfigError(f"a stage needs the size {expr} ({node.name}) and holds no tensor of "
+                      "that size: pass split_points that keep its reader with its source")
+
+
+def _keep(gm: fx.GraphModule, node: fx.Node, attrs: dict[str, Any]) -> None:
+    if node.op in ("get_attr", "call_module"):
+        attrs[str(node.target)] = _fetch(gm, str(node.target))
+
+
+def _fetch(gm: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    return node.op == "call_module" and not _is_size(node)
+
+
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, int, bool))
+
+
+def _first_tensor(gm: fx.GraphModule) -> fx.Node:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = [x for x in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(x, fx.Node)]
+    tensors = [x for x in leaves if isinstance(x.meta.get("val"), torch.Tensor)
+               or x.op == "call_module"]
+    if not tensors:
+        raise ConfigError("the model returns no tensor for the last stage to give the loss")
+    return tensors[0]
+
+
+# ---- metadata, check and ties --------------------------------------------------------------
+
+
+def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]) -> list[tuple[Any, Any]]:
+    """Chain every stage on the example (all ranks of the tp group do, so its collectives
+    match), compare with the program's own output, and keep each stage's inputs and outputs
+    as meta tensors for PipelineStage (shapes, dtypes, whether they carry gradients)."""
+    example = sharded._example
+    names = [n for n in parts[0].graph.nodes if n.op == "placeholder"]
+    args = tuple(example[str(n.target)] for n in names)
+    trackers = {id(m.tracker): m.tracker for m in sharded.program.modules()
+                if hasattr(m, "tracker")}
+    saved = _rng_state(trackers.values())
+    with torch.random.fork_rng(devices=[_device(sharded)] if _device(sharded).type == "cuda"
+                               else []):
+        with torch.no_grad():
+            want = _first(sharded.program(**example))
+        _rng_restore(saved)  # dropout draws the same masks in the chain
+        metas = _chain(parts, args)
+    _rng_restore(saved)  # training starts from the streams as they were
+    got = metas.pop()
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-4,
+                                                     atol=1e-5):
+        raise AssertionError("the pipeline stages chained do not compute the program's output "
+                             f"(largest difference {(got.float() - want.float()).abs().max()})")
+    return metas
+
+
+def _chain(parts: list[fx.GraphModule], args: tuple[Any, ...]) -> list[Any]:
+    """Each stage's (inputs, outputs) as meta tensors, and last the final output."""
+    metas: list[Any] = []
+    current: Any = args
+    with torch.enable_grad():
+        for part in parts:
+            inputs = tuple(_meta(x) for x in current)
+            out = part(*current)
+            out = out if isinstance(out, tuple) else (out,)
+            metas.append((inputs, tuple(_meta(x) for x in out)))
+            current = tuple(x.detach().requires_grad_(x.requires_grad) for x in out)
+    metas.append(current[0].detach())
+    return metas
+
+
+def _rng_state(trackers: Any) -> list[tuple[Any, dict[Any, torch.Tensor]]]:
+    return [(t, {k: g.get_state() for k, g in t._generators.items()}) for t in trackers]
+
+
+def _rng_restore(saved: list[tuple[Any, dict[Any, torch.Tensor]]]) -> None:
+    for tracker, states in saved:
+        for key in list(tracker._generators):
+            if key not in states:
+                del tracker._generators[key]
+        for key, state in states.items():
+            tracker._generators[key].set_state(state)
+
+
+def _first(out: Any) -> torch.Tensor:
+    leaves = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return leaves[0]
+
+
+def _meta(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="meta").requires_grad_(
+        bool(x.requires_grad) and x.is_floating_point())
+
+
+def _device(sharded: Any) -> torch.device:
+    first = next(iter(sharded.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _param(module: nn.Module, name: str) -> nn.Parameter:
+    return _fetch(module, name)
+
+
+def _tie_groups(parts: list[fx.GraphModule], mesh: Any, pp: int,
+                per_rank: int) -> dict[str, tuple[Any, list[int]]]:
+    """Parameters held by stages on more than one pp rank: their group (the pp ranks holding
+    them, at this rank's position in the other mesh dims) and the stages holding them."""
+    holders: dict[str, list[int]] = {}
+    for index, part in enumerate(parts):
+        for name, param in part.named_parameters():
+            if param.requires_grad:
+                holders.setdefault(name, []).append(index)
+    ties: dict[str, tuple[Any, list[int]]] = {}
+    dims = list(mesh.mesh_dim_names)
+    grid = mesh.mesh.movedim(dims.index("pp"), 0).reshape(pp, -1)
+    me = dist.get_rank()
+    for name, stages in sorted(holders.items()):
+        ranks = sorted({s % pp for s in stages})
+        if len(ranks) < 2:
+            continue
+        mine = None
+        for column in range(grid.shape[1]):  # every rank creates every group, in order
+            group = dist.new_group([int(grid[r, column]) for r in ranks])
+            if me in [int(grid[r, column]) for r in ranks]:
+                mine = group
+        if mine is not None:
+            ties[name] = (mine, stages)
+    return ties
+
+
+_CLASSES: dict[type, type] = {}
+_PENDING: list[Any] = []  # tied-gradient sums still running (gloo)
+_HOOKED: list[Any] = []
+
+
+def wait_tied_grads() -> None:
+    """Wait for the sums of tied parameters' gradients over the pipeline ranks that the last
+    ``schedule.step`` started. Every optimizer's ``step`` does this first; call it before
+    reading such gradients yourself (``clip_grad_norm_``) with gloo. With NCCL the sums are
+    ordered on the GPU stream and this returns at once."""
+    while _PENDING:
+        _PENDING.pop().wait()
+
+
+def _stage_class(base: type) -> type:
+    """``base`` with the sum of tied parameters' gradients after a step's last backward.
+
+    The sum is started without waiting: the last stage reaches its last backward while the
+    first still waits for gradients the last has yet to send, and a blocking collective
+    there would never return. NCCL orders it on the stream; with gloo it completes in the
+    background and ``wait_tied_grads`` (run before every optimizer step) waits for it."""
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOKED.append(register_optimizer_step_pre_hook(
+            lambda *_: wait_tied_grads()))
+    if base not in _CLASSES:
+        def perform_reduce_grad(self: Any, grad_scale_factor: int) -> None:
+            base.perform_reduce_grad(self, grad_scale_factor)
+            for param, group in self._autotp_ties:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                work = dist.all_reduce(param.grad, group=group, async_op=True)
+                if param.grad.device.type == "cuda" and dist.get_backend(group) != "gloo":
+                    work.wait()  # the stream waits, not the host
+                else:
+                    _PENDING.append(work)
+
+        _CLASSES[base] = type(f"Autotp{base.__name__}", (base,),
+                              {"perform_reduce_grad": perform_reduce_grad})
+    return _CLASSES[base]
+
+
+__all__ = ["cut", "pipeline_stages", "wait_tied_grads"]
