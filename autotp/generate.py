@@ -249,9 +249,9 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
             # Older torch (2.11) cannot prove some guards that hold for every size, such as
             # min(32*S, 128*S) == 32*S, and refuses named dims; automatic dims keep them as
             # checks, and the sizes must still come out symbolic.
-            captured = capture(step, example_kwargs=example,
-                               dynamic_shapes=_step_dims(len(shapes), prompt, named=False))
-            _check_symbolic(captured, _step_dims(len(shapes), prompt, named=False))
+            automatic = _step_dims(len(shapes), prompt, named=False)
+            captured = capture(step, example_kwargs=example, dynamic_shapes=automatic)
+            _check_symbolic(captured, automatic)
         cache_inputs = _cache_placeholders(captured, len(shapes))
         _name_cache_dim(captured, cache_inputs[0])
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs))

@@ -100,7 +100,7 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
         stage.__class__ = _stage_class(type(stage))
         stage._autotp_ties = [(p, g) for name, (g, holders) in ties.items()
                               if index == min(s for s in holders if s % pp == pp_rank)
-                              for p in [_param(parts[index], name)]]
+                              for p in [_fetch(parts[index], name)]]
         stage._autotp_plan = sharded.plan
         stages.append(stage)
     return stages
@@ -194,9 +194,6 @@ def cut(gm: fx.GraphModule, layers: list[fx.Node], bounds: list[int],
             anchored = [stage[x] for x in node.all_input_nodes if x in stage]
             if anchored:
                 stage[node] = max(anchored)
-        elif node.op == "call_function" and node.target is operator.getitem and \
-                node.args[0] in stage:
-            stage[node] = stage[node.args[0]]
     if stage.get(result) != count - 1:
         raise ConfigError("the model's first output is not computed after the last layer: "
                           "it cannot be the last pipeline stage's output")
@@ -407,10 +404,6 @@ def _meta(x: torch.Tensor) -> torch.Tensor:
 def _device(sharded: Any) -> torch.device:
     first = next(iter(sharded.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def _param(module: nn.Module, name: str) -> nn.Parameter:
-    return _fetch(module, name)
 
 
 def _tie_groups(parts: list[fx.GraphModule], mesh: Any, pp: int,
