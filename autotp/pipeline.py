@@ -42,7 +42,7 @@ from autotp.layers import program_nodes
 
 
 def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
-                    split_points: Optional[Sequence[int]] = None,
+                    split_points: Optional[Sequence[int]] = None, placement: str = "loop",
                     example_args: Optional[tuple[Any, ...]] = None,
                     example_kwargs: Optional[dict[str, Any]] = None,
                     **parallelize_options: Any) -> list[Any]:
@@ -50,7 +50,10 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
 
     ``mesh``: a DeviceMesh with dims "pp" and "tp" (and "dp", which the stages leave to the
     caller's FSDP2). ``stages_per_rank``: virtual stages per rank, for the interleaved and
-    looped schedules (stage ``s`` on pp rank ``s % pp``). ``split_points``: the first layer
+    looped schedules. ``placement``: ``"loop"``, stage ``s`` on pp rank ``s % pp`` (GPipe,
+    1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), or ``"v"``, two stages per
+    rank folded back (rank ``r`` holds ``r`` and ``2 pp - 1 - r``: ZBVZeroBubble,
+    DualPipeV). ``split_points``: the first layer
     of every stage but the first (``[4, 8, 12]`` for four stages of 16 layers); default:
     balanced by the cost model. The example (``example_args``/``example_kwargs``, default:
     from the model's config) is one microbatch: its shapes are the shapes the stages send.
@@ -70,6 +73,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
                           "mesh_dim_names=('pp', 'tp'))")
     if stages_per_rank < 1:
         raise ConfigError(f"stages_per_rank must be at least 1, got {stages_per_rank}")
+    if placement not in ("loop", "v") or (placement == "v" and stages_per_rank != 2):
+        raise ConfigError(f"placement must be 'loop' or 'v' (with stages_per_rank=2), got "
+                          f"{placement!r} with stages_per_rank={stages_per_rank}")
     pp_mesh, tp_mesh = mesh["pp"], mesh["tp"]
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     count = pp * stages_per_rank
@@ -89,8 +95,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     bounds = _bounds(program, layers, count, split_points)
     parts = cut(program, layers, bounds, sharded._example)
     metas = _check_and_measure(sharded, parts)
-    mine = [pp_rank + i * pp for i in range(stages_per_rank)]
-    ties = _tie_groups(parts, mesh, pp, stages_per_rank)
+    rank_of = [_rank_of(s, pp, placement) for s in range(count)]
+    mine = [s for s in range(count) if rank_of[s] == pp_rank]
+    ties = _TiedGrads(parts, mine, mesh, rank_of)
     device = _device(sharded)
     stages = []
     for index in mine:
@@ -98,12 +105,17 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
         stage = PipelineStage(parts[index], index, count, device, input_args=inputs,
                               output_args=outputs, group=pp_mesh.get_group())
         stage.__class__ = _stage_class(type(stage))
-        stage._autotp_ties = [(p, g) for name, (g, holders) in ties.items()
-                              if index == min(s for s in holders if s % pp == pp_rank)
-                              for p in [_fetch(parts[index], name)]]
+        stage._autotp_ties = ties
         stage._autotp_plan = sharded.plan
         stages.append(stage)
     return stages
+
+
+def stage_layers(stage: Any) -> list[nn.Module]:
+    """The layers a stage calls, in order (for ``fully_shard`` or activation checkpointing
+    per layer): the original blocks, at their own paths inside ``stage.submod``."""
+    module = stage.submod if hasattr(stage, "submod") else stage
+    return [module.get_submodule(name) for name in module.meta["autotp_layers"]]
 
 
 # ---- cutting the program -------------------------------------------------------------------
@@ -216,7 +228,9 @@ def cut(gm: fx.GraphModule, layers: list[fx.Node], bounds: list[int],
             else carried[k - 1]
         outputs = carried[k] if k + 1 < count else [result]
         mine = [n for n in order if stage.get(n) == k and n.op != "placeholder"]
-        parts.append(_stage_module(gm, k, inputs, mine, outputs, stage, example))
+        part = _stage_module(gm, k, inputs, mine, outputs, stage, example)
+        part.meta["autotp_layers"] = [str(n.target) for n in mine if n in layer_stage]
+        parts.append(part)
     return parts
 
 
@@ -406,31 +420,88 @@ def _device(sharded: Any) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _tie_groups(parts: list[fx.GraphModule], mesh: Any, pp: int,
-                per_rank: int) -> dict[str, tuple[Any, list[int]]]:
-    """Parameters held by stages on more than one pp rank: their group (the pp ranks holding
-    them, at this rank's position in the other mesh dims) and the stages holding them."""
-    holders: dict[str, list[int]] = {}
-    for index, part in enumerate(parts):
-        for name, param in part.named_parameters():
-            if param.requires_grad:
-                holders.setdefault(name, []).append(index)
-    ties: dict[str, tuple[Any, list[int]]] = {}
-    dims = list(mesh.mesh_dim_names)
-    grid = mesh.mesh.movedim(dims.index("pp"), 0).reshape(pp, -1)
-    me = dist.get_rank()
-    for name, stages in sorted(holders.items()):
-        ranks = sorted({s % pp for s in stages})
-        if len(ranks) < 2:
-            continue
-        mine = None
-        for column in range(grid.shape[1]):  # every rank creates every group, in order
-            group = dist.new_group([int(grid[r, column]) for r in ranks])
-            if me in [int(grid[r, column]) for r in ranks]:
-                mine = group
-        if mine is not None:
-            ties[name] = (mine, stages)
-    return ties
+def _rank_of(stage: int, pp: int, placement: str) -> int:
+    """The pp rank that holds ``stage``: looped, or folded back as a V."""
+    if placement == "v" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+class _TiedGrads:
+    """Parameters that several stages read (a tied embedding and head). Every stage holds its
+    own copy (two stages of one rank too, so FSDP2 may shard each stage). After the last
+    ``perform_reduce_grad`` of a step on this rank, the copies' gradients are summed over
+    this rank's stages and then over the pp ranks that hold the parameter (at this rank's
+    position in the other mesh dims), and every copy gets the sum: the copies start equal
+    and stay equal under any optimizer."""
+
+    def __init__(self, parts: list[fx.GraphModule], mine: list[int], mesh: Any,
+                 rank_of: list[int]) -> None:
+        holders: dict[str, list[int]] = {}
+        for index, part in enumerate(parts):
+            for name, param in part.named_parameters():
+                if param.requires_grad:
+                    holders.setdefault(name, []).append(index)
+        dims = list(mesh.mesh_dim_names)
+        pp = mesh["pp"].size()
+        grid = mesh.mesh.movedim(dims.index("pp"), 0).reshape(pp, -1)
+        me = dist.get_rank()
+        self.count, self.seen = len(mine), 0
+        self.ties: list[tuple[str, list[nn.Module], Any]] = []
+        for name, stages in sorted(holders.items()):
+            if len(stages) < 2:
+                continue
+            ranks = sorted({rank_of[s] for s in stages})
+            group = None
+            if len(ranks) > 1:
+                for column in range(grid.shape[1]):  # every rank creates every group, in order
+                    members = [int(grid[r, column]) for r in ranks]
+                    created = dist.new_group(members)
+                    group = created if me in members else group
+            local = [parts[s] for s in stages if s in mine]
+            for part in local[1:]:  # a copy of its own for each further stage of this rank
+                owner, _, attr = name.rpartition(".")
+                param = _fetch(part, name)
+                setattr(part.get_submodule(owner) if owner else part, attr,
+                        nn.Parameter(param.detach().clone()))
+            if local:
+                self.ties.append((name, local, group))
+
+    def reduced(self) -> None:
+        """One stage of this rank has its gradients for the step; after the last, sum."""
+        self.seen += 1
+        if self.seen < self.count:
+            return
+        self.seen = 0
+        for name, parts, group in self.ties:
+            grads = []
+            for part in parts:
+                param = _fetch(part, name)  # by name: FSDP2 replaces parameters
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                # under FSDP2 each dp rank sums its shard (the same shard on every pp rank)
+                grads.append(_local(param.grad))
+            total, copies = grads[0], grads[1:]
+            for grad in copies:
+                total.add_(grad)
+            if group is None:
+                _copy_sum(total, copies)
+                continue
+            work = dist.all_reduce(total, group=group, async_op=True)
+            if total.device.type == "cuda" and dist.get_backend(group) != "gloo":
+                work.wait()  # the stream waits, not the host
+                _copy_sum(total, copies)
+            else:
+                _PENDING.append((work, total, copies))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _copy_sum(total: torch.Tensor, copies: list[torch.Tensor]) -> None:
+    for grad in copies:
+        grad.copy_(total)
 
 
 _CLASSES: dict[type, type] = {}
@@ -444,11 +515,14 @@ def wait_tied_grads() -> None:
     reading such gradients yourself (``clip_grad_norm_``) with gloo. With NCCL the sums are
     ordered on the GPU stream and this returns at once."""
     while _PENDING:
-        _PENDING.pop().wait()
+        work, total, copies = _PENDING.pop()
+        work.wait()
+        _copy_sum(total, copies)
 
 
 def _stage_class(base: type) -> type:
-    """``base`` with the sum of tied parameters' gradients after a step's last backward.
+    """``base`` with the sum of tied parameters' gradients after a step's last backward
+    (``_TiedGrads``).
 
     The sum is started without waiting: the last stage reaches its last backward while the
     first still waits for gradients the last has yet to send, and a blocking collective
@@ -462,18 +536,30 @@ def _stage_class(base: type) -> type:
     if base not in _CLASSES:
         def perform_reduce_grad(self: Any, grad_scale_factor: int) -> None:
             base.perform_reduce_grad(self, grad_scale_factor)
-            for param, group in self._autotp_ties:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                work = dist.all_reduce(param.grad, group=group, async_op=True)
-                if param.grad.device.type == "cuda" and dist.get_backend(group) != "gloo":
-                    work.wait()  # the stream waits, not the host
-                else:
-                    _PENDING.append(work)
+            self._autotp_ties.reduced()
+
+        def backward_weight_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _refuse_nested_fsdp(self.submod)
+            return base.backward_weight_one_chunk(self, *args, **kwargs)
 
         _CLASSES[base] = type(f"Autotp{base.__name__}", (base,),
-                              {"perform_reduce_grad": perform_reduce_grad})
+                              {"perform_reduce_grad": perform_reduce_grad,
+                               "backward_weight_one_chunk": backward_weight_one_chunk})
     return _CLASSES[base]
 
 
-__all__ = ["cut", "pipeline_stages", "wait_tied_grads"]
+def _refuse_nested_fsdp(module: nn.Module) -> None:
+    """Schedules that split the backward (input, then weight: the zero-bubble ones) leave
+    wrong weight gradients in layers that FSDP2 shards on their own inside a stage (torch
+    2.13, measured: plain modules too); FSDP2 on the whole stage module is right."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules() if m is not module):
+        raise ConfigError(
+            "a zero-bubble schedule (split input/weight backward) with fully_shard on the "
+            "layers inside a pipeline stage computes wrong weight gradients in "
+            f"torch {torch.__version__}: fully_shard only each stage's submod, or use a "
+            "schedule without the split backward (1F1B, Interleaved1F1B, GPipe)")
+
+
+__all__ = ["cut", "pipeline_stages", "stage_layers", "wait_tied_grads"]

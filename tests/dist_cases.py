@@ -195,14 +195,19 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
 
 def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
                   ) -> dict[str, dict[str, Any]]:
-    """pp2 x tp2: per model, Schedule1F1B with one stage per rank and
-    ScheduleInterleaved1F1B with two, 4 microbatches, AdamW: the losses of every step and
+    """pp2 x tp2: per model, Schedule1F1B with one stage per rank, ScheduleInterleaved1F1B
+    with two and ScheduleZBVZeroBubble with two placed as a V (GPT-2's tied embedding and
+    head then on one rank), 4 microbatches, AdamW: the losses of every step and
     each local gradient of the first step against the unsharded model on the whole batch."""
     import copy
 
     import transformers as tf
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
     import autotp
     from autotp.layout import Shard, shard_tensor
@@ -241,22 +246,23 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
             ref_losses.append(float(loss.detach()))
             ref_opt.step()
             ref_opt.zero_grad()
-        for kind, per_rank in (("1f1b", 1), ("interleaved", 2)):
+        for kind, per_rank, placement, cls in (
+                ("1f1b", 1, "loop", Schedule1F1B),
+                ("interleaved", 2, "loop", ScheduleInterleaved1F1B),
+                ("zbv", 2, "v", ScheduleZBVZeroBubble)):  # split backward; stages as a V
             stages = autotp.pipeline_stages(copy.deepcopy(original), mesh,
-                                            stages_per_rank=per_rank,
+                                            stages_per_rank=per_rank, placement=placement,
                                             example_kwargs={"input_ids": ids[:2]})
             params = [p for s in stages for p in s.submod.parameters()]
             opt = torch.optim.AdamW(params, lr=1e-2)
-            cls = Schedule1F1B if per_rank == 1 else ScheduleInterleaved1F1B
             schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
                            loss_fn=loss_fn)
+            first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
             losses, grad_diff = [], 0.0
             for step in range(steps):
                 mb_losses: list[torch.Tensor] = []
-                if mesh["pp"].get_local_rank() == 0:
-                    schedule.step(ids)
-                else:
-                    schedule.step(target=labels, losses=mb_losses)
+                schedule.step(*((ids,) if first else ()),
+                              **({"target": labels, "losses": mb_losses} if last else {}))
                 total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
                 torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
                 losses.append(float(total))
@@ -278,3 +284,83 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
                                      "full_params": sum(p.numel()
                                                         for p in original.parameters())}
     return out
+
+
+def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """pp2 x dp2 x tp2 on GPT-2 (tied embedding and head across the pp ranks):
+    ScheduleInterleaved1F1B with two stages per rank, FSDP2 over "dp" on every layer and
+    stage, each dp rank on its half of the batch in 2 microbatches, AdamW. The dp-mean
+    loss of every step and each rank's gradients (gathered over dp) of the first step against
+    the unsharded model on the whole batch."""
+    import copy
+
+    import transformers as tf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    from torch.distributed.tensor import DTensor
+
+    import autotp
+    from autotp.layout import Shard, shard_tensor
+
+    torch.set_num_threads(1)
+    tf.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    original = tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    mine, my_labels = ids.chunk(2)[dp_rank], labels.chunk(2)[dp_rank]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    reference = copy.deepcopy(original)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_losses, ref_grads = [], {}
+    for step in range(steps):
+        loss = loss_fn(reference(ids).logits, labels)
+        loss.backward()
+        if step == 0:
+            ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        ref_losses.append(float(loss.detach()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    stages = autotp.pipeline_stages(original, mesh, stages_per_rank=2,
+                                    example_kwargs={"input_ids": mine[:2]})
+    for stage in stages:
+        for layer in autotp.pipeline.stage_layers(stage):
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(stage.submod, mesh=mesh["dp"])
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss_fn)
+    losses, grad_diff = [], 0.0
+    for step in range(steps):
+        mb_losses: list[torch.Tensor] = []
+        if mesh["pp"].get_local_rank() == 0:
+            schedule.step(mine)
+        else:
+            schedule.step(target=my_labels, losses=mb_losses)
+        total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
+        torch.distributed.all_reduce(total)  # over pp (one rank has it) and dp, and tp
+        losses.append(float(total) / 4)  # 2 dp x 2 tp ranks hold the loss
+        if step == 0:
+            autotp.pipeline.wait_tied_grads()
+            plan = stages[0]._autotp_plan
+            for stage in stages:
+                for pname, p in stage.submod.named_parameters():
+                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    layout = plan.param_layout(pname)
+                    want = ref_grads[pname]
+                    if isinstance(layout, Shard):
+                        want = shard_tensor(want, layout, tp_rank, 2)
+                    grad_diff = max(grad_diff, float((grad - want).abs().max()))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "reference": ref_losses, "grad_diff": grad_diff,
+            "fsdp": all(isinstance(p, DTensor) for p in params)}

@@ -1,8 +1,10 @@
-"""Pipeline stages (autotp.pipeline_stages) on a (pp, tp) mesh, against the unsharded model.
+"""Pipeline stages (autotp.pipeline_stages) on (pp, tp) and (pp, dp, tp) meshes, against the
+unsharded model.
 
-4 gloo processes, pp2 x tp2, 4 microbatches, AdamW: Schedule1F1B with one stage per rank
-and ScheduleInterleaved1F1B with two, on transformers' LLaMA and GPT-2 (whose embedding and
-head are one tied parameter held by the first and last stages). The loss of each of two
+4 gloo processes, pp2 x tp2, 4 microbatches, AdamW: Schedule1F1B with one stage per rank,
+ScheduleInterleaved1F1B with two and ScheduleZBVZeroBubble (split backward) with two placed
+as a V, on transformers' LLaMA and GPT-2 (whose embedding and head are one tied parameter
+read by the first and last stages: on two pp ranks, or on one with the V). The loss of each of two
 steps equals the unsharded model's on the whole batch within 1e-5 (the second step checks
 the optimizer step), and every local gradient of the first step equals the matching slice
 of the unsharded gradient within 1e-6.
@@ -44,3 +46,16 @@ def test_needs_a_pp_and_tp_mesh() -> None:
 
     with pytest.raises(ConfigError, match="'pp' and 'tp'"):
         autotp.pipeline_stages(torch.nn.Linear(2, 2), object())
+
+
+def test_pipeline_with_fsdp_on_a_3d_mesh() -> None:
+    """8 processes, pp2 x dp2 x tp2 (GPT-2, tied embedding), FSDP2 per layer and per stage,
+    Interleaved1F1B: the losses of two AdamW steps equal the unsharded model's on the whole
+    batch within 1e-5, every gradient gathered over dp equals the unsharded slice within
+    1e-6 (the tied embedding's too, summed over the pp ranks on FSDP2's shards)."""
+    results = run_processes(dist_cases.pipeline_3d_case, 8, timeout=600)
+    for rank, got in enumerate(results):
+        assert got["fsdp"], (rank, got)
+        for loss, want in zip(got["losses"], got["reference"]):
+            assert abs(loss - want) < 1e-5, (rank, got)
+        assert got["grad_diff"] < 1e-6, (rank, got)
