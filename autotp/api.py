@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from autotp.errors import AutotpError, ConfigError
 from autotp.layers import split_layers
 from autotp.layout import Shard
 from autotp.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
-                                has_meta_parameters)
+                                has_meta_parameters, maybe_deferred)
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
@@ -188,7 +189,8 @@ class ShardedModule(nn.Module):
         self._plan_checked = True
 
     def _device(self) -> torch.device:
-        return next((p.device for p in self.program.parameters()), torch.device("cpu"))
+        tensors = itertools.chain(self.program.parameters(), self.program.buffers())
+        return next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature: Optional[inspect.Signature] = self._signature
@@ -404,7 +406,8 @@ def parallelize(
     if device is None and meta:
         device = default_device()
     device = torch.device(device) if device is not None else None
-    weights = _weights(model, captured, the_plan, comm.rank, checkpoint, init, device)
+    weights = maybe_deferred(
+        _weights(model, captured, the_plan, comm.rank, checkpoint, init, device))
     seed = None
     if checkpoint is not None:
         seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"

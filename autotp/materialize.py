@@ -9,6 +9,9 @@ each buffer the program reads; it never touches the source itself. Three sources
     InitWeights        the model's own initializer run on one module's full tensors at a
                        time, keeping only the local slices
 
+``deferred_weights()`` postpones the reads: every parameter is given as a meta tensor of its
+local shape, and the caller loads the ones it keeps (a pipeline stage's) afterwards.
+
 A model built on the meta device has no values: its buffers come from the model where they
 are real (``empty_weights`` builds parameters on meta and buffers for real), from the
 checkpoint, or from transformers' ``_init_weights`` of the module that owns them.
@@ -118,6 +121,56 @@ class Weights:
 
     def close(self) -> None:
         pass
+
+
+class DeferredWeights(Weights):
+    """``inner``'s parameters read later: ``parameter`` records the request and answers a
+    meta tensor of the local shape; ``load(target)`` reads it for real. Buffers are real."""
+
+    def __init__(self, inner: Weights):
+        super().__init__(inner.model, inner.device)
+        self.inner = inner
+        self.requests: dict[str, tuple[Any, ...]] = {}
+
+    def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
+                  like: torch.Tensor) -> torch.Tensor:
+        self.requests[target] = (names, layout, rank, tp, like)
+        return shard_tensor(like.to("meta"), layout, rank, tp)
+
+    def buffer(self, target: str, like: torch.Tensor) -> torch.Tensor:
+        return self.inner.buffer(target, like)
+
+    def load(self, target: str) -> torch.Tensor:
+        return self.inner.parameter(target, *self.requests[target])
+
+    def close(self) -> None:
+        pass  # the caller closes ``inner`` once it has loaded what it keeps
+
+
+_DEFERRING: list[list[DeferredWeights]] = []
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[list[DeferredWeights]]:
+    """Within it, ``parallelize`` builds its program with meta parameters and appends its
+    ``DeferredWeights`` to the yielded list; they are closed on exit."""
+    made: list[DeferredWeights] = []
+    _DEFERRING.append(made)
+    try:
+        yield made
+    finally:
+        _DEFERRING.remove(made)
+        for weights in made:
+            weights.inner.close()
+
+
+def maybe_deferred(weights: Weights) -> Weights:
+    """``weights``, deferred inside ``deferred_weights()``."""
+    if not _DEFERRING:
+        return weights
+    deferred = DeferredWeights(weights)
+    _DEFERRING[-1].append(deferred)
+    return deferred
 
 
 def model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:

@@ -29,6 +29,7 @@ program's own first output.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Optional, Sequence
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from autotp.errors import ConfigError
 from autotp.layers import program_nodes
+from autotp.materialize import DeferredWeights, deferred_weights, has_meta_parameters
 
 
 def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
@@ -81,24 +83,32 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     count = pp * stages_per_rank
     parallelize_options.setdefault("grad_sync", "per_use")
     parallelize_options.setdefault("check_plan", True)
-    sharded = parallelize(model, group=tp_mesh, example_args=example_args,
-                          example_kwargs=example_kwargs, **parallelize_options)
-    if not sharded._plan_checked:
-        sharded.check_plan()
-    program = sharded.program
-    layers = _layer_calls(program)
-    if len(layers) < count:
-        raise ConfigError(
-            f"{count} pipeline stages (pp={pp} x stages_per_rank={stages_per_rank}) need at "
-            f"least {count} layers; the model has {len(layers)} "
-            f"{'(its blocks are not an nn.ModuleList)' if not layers else ''}".rstrip())
-    bounds = _bounds(program, layers, count, split_points)
-    parts = cut(program, layers, bounds, sharded._example)
-    metas = _check_and_measure(sharded, parts)
-    rank_of = [_rank_of(s, pp, placement) for s in range(count)]
-    mine = [s for s in range(count) if rank_of[s] == pp_rank]
+    # a model without weights (empty_weights, checkpoint= or init=): the program is built
+    # with meta parameters and each rank then reads only its own stages' slices
+    deferring = has_meta_parameters(model)
+    with deferred_weights() if deferring else contextlib.nullcontext([]) as deferred:
+        sharded = parallelize(model, group=tp_mesh, example_args=example_args,
+                              example_kwargs=example_kwargs, **parallelize_options)
+        if not sharded._plan_checked:
+            sharded.check_plan()
+        program = sharded.program
+        layers = _layer_calls(program)
+        if len(layers) < count:
+            raise ConfigError(
+                f"{count} pipeline stages (pp={pp} x stages_per_rank={stages_per_rank}) need "
+                f"at least {count} layers; the model has {len(layers)} "
+                f"{'(its blocks are not an nn.ModuleList)' if not layers else ''}".rstrip())
+        bounds = _bounds(program, layers, count, split_points)
+        parts = cut(program, layers, bounds, sharded._example)
+        rank_of = [_rank_of(s, pp, placement) for s in range(count)]
+        mine = [s for s in range(count) if rank_of[s] == pp_rank]
+        if deferred:
+            _load(parts, mine, deferred[0])
+            metas = _measure_across(sharded, parts, rank_of, pp_mesh)
+        else:
+            metas = _check_and_measure(sharded, parts)
     ties = _TiedGrads(parts, mine, mesh, rank_of)
-    device = _device(sharded)
+    device = sharded._device()
     stages = []
     for index in mine:
         inputs, outputs = metas[index]
@@ -362,8 +372,8 @@ def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]) -> list[tuple[
     trackers = {id(m.tracker): m.tracker for m in sharded.program.modules()
                 if hasattr(m, "tracker")}
     saved = _rng_state(trackers.values())
-    with torch.random.fork_rng(devices=[_device(sharded)] if _device(sharded).type == "cuda"
-                               else []):
+    device = sharded._device()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.no_grad():
             want = _first(sharded.program(**example))
         _rng_restore(saved)  # dropout draws the same masks in the chain
@@ -374,6 +384,58 @@ def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]) -> list[tuple[
                                                      atol=1e-5):
         raise AssertionError("the pipeline stages chained do not compute the program's output "
                              f"(largest difference {(got.float() - want.float()).abs().max()})")
+    return metas
+
+
+def _load(parts: list[fx.GraphModule], mine: list[int], weights: DeferredWeights) -> None:
+    """Read the slices of the parameters this rank's stages hold (the rest stay on meta)."""
+    loaded: dict[str, nn.Parameter] = {}
+    for index in mine:
+        for name, param in list(parts[index].named_parameters()):
+            if not param.is_meta:
+                continue
+            if name not in loaded:
+                loaded[name] = nn.Parameter(weights.load(name),
+                                            requires_grad=param.requires_grad)
+            owner, _, attr = name.rpartition(".")
+            setattr(parts[index].get_submodule(owner) if owner else parts[index], attr,
+                    loaded[name])
+
+
+def _measure_across(sharded: Any, parts: list[fx.GraphModule], rank_of: list[int],
+                    pp_mesh: Any) -> dict[int, tuple[Any, Any]]:
+    """Each of this rank's stages' (inputs, outputs) as meta tensors, measured by running the
+    example through the stages where they live: a stage's outputs go to the next stage's pp
+    rank (no rank holds the weights of the others, so the whole program cannot run here)."""
+    device = sharded._device()
+    # a model without weights was captured on meta inputs: zeros of their shapes serve here
+    example = {k: torch.zeros(v.shape, dtype=v.dtype, device=device)
+               if isinstance(v, torch.Tensor) and v.is_meta else v
+               for k, v in sharded._example.items()}
+    names = [n for n in parts[0].graph.nodes if n.op == "placeholder"]
+    current: Any = tuple(example[str(n.target)] for n in names)
+    me, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    trackers = {id(m.tracker): m.tracker for part in parts for m in part.modules()
+                if hasattr(m, "tracker")}
+    saved = _rng_state(trackers.values())
+    metas: dict[int, tuple[Any, Any]] = {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.enable_grad():
+        for index, part in enumerate(parts):
+            if rank_of[index] != me:
+                continue
+            if index > 0 and rank_of[index - 1] != me:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, group=group, group_src=rank_of[index - 1])
+                current = tuple(x.to(device).requires_grad_(grad) for x, grad in box[0])
+            out = part(*current)
+            out = out if isinstance(out, tuple) else (out,)
+            metas[index] = (tuple(_meta(x) for x in current), tuple(_meta(x) for x in out))
+            current = tuple(x.detach().requires_grad_(x.requires_grad) for x in out)
+            if index + 1 < len(parts) and rank_of[index + 1] != me:
+                dist.send_object_list([[(x.detach().cpu(), x.requires_grad) for x in current]],
+                                      group=group, group_dst=rank_of[index + 1])
+    _rng_restore(saved)  # training starts from the streams as they were
     return metas
 
 
@@ -413,11 +475,6 @@ def _first(out: Any) -> torch.Tensor:
 def _meta(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device="meta").requires_grad_(
         bool(x.requires_grad) and x.is_floating_point())
-
-
-def _device(sharded: Any) -> torch.device:
-    first = next(iter(sharded.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 def _rank_of(stage: int, pp: int, placement: str) -> int:
