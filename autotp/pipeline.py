@@ -16,15 +16,20 @@ inputs are ready, so the embedding and everything derived from the inputs alone 
 embeddings, masks) run in the first stage, and the final norm and head in the last. Every
 tensor a later stage reads travels with the activations, passed on by the stages between.
 Sizes (SymInts) never travel: a stage re-reads them from a tensor it holds that has the same
-size. Parameters go to the stages that read them; one read by two stages on different
-ranks (tied embeddings) is held by both, and its gradients are summed over them after the
-last backward of a step (``perform_reduce_grad``).
+size. Parameters go to the stages that read them; one read by several stages (tied
+embeddings) has a copy in each, and the copies' gradients are summed after the last
+backward of a step (``perform_reduce_grad``, ``_TiedGrads``).
 
 Stage boundaries: ``split_points`` (the index of the first layer of each stage but the
 first), or chosen so that the heaviest stage does the least work, counted as the weight
 elements its matrix products read (the first and last stages carry the embedding and head).
-The stages are checked once on construction: chained on the example, they give the
-program's own first output.
+Stages sit on the pp ranks in a loop (``s % pp``) or folded back as a V (``placement="v"``).
+
+A model with real weights: the stages are checked once on construction, chained on the
+example they give the program's own first output. A model without weights (built under
+``autotp.empty_weights()``, with ``checkpoint=`` or ``init=True``): the program is built with
+meta parameters and each rank reads only its own stages' slices; the stages' shapes are then
+measured by running the example through the stages where they live.
 """
 
 from __future__ import annotations

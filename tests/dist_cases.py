@@ -195,9 +195,9 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
 
 def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
                   ) -> dict[str, dict[str, Any]]:
-    """pp2 x tp2: per model, Schedule1F1B with one stage per rank, ScheduleInterleaved1F1B
-    with two and ScheduleZBVZeroBubble with two placed as a V (GPT-2's tied embedding and
-    head then on one rank), 4 microbatches, AdamW: the losses of every step and
+    """pp2 x tp2: Schedule1F1B with one stage per rank (LLaMA), ScheduleInterleaved1F1B with
+    two and ScheduleZBVZeroBubble with two placed as a V (GPT-2, whose tied embedding and
+    head are then on one rank), 4 microbatches, AdamW: the losses of every step and
     each local gradient of the first step against the unsharded model on the whole batch."""
     import copy
 
@@ -231,6 +231,11 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
+    # LLaMA one stage per rank; GPT-2's tied embedding and head on two pp ranks (loop) and
+    # on one (the V of ZBVZeroBubble, whose backward is split into input and weight parts)
+    SCHEDULES = {"llama": [("1f1b", 1, "loop", Schedule1F1B)],
+                 "gpt2": [("interleaved", 2, "loop", ScheduleInterleaved1F1B),
+                          ("zbv", 2, "v", ScheduleZBVZeroBubble)]}
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         torch.manual_seed(0)
@@ -246,10 +251,7 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
             ref_losses.append(float(loss.detach()))
             ref_opt.step()
             ref_opt.zero_grad()
-        for kind, per_rank, placement, cls in (
-                ("1f1b", 1, "loop", Schedule1F1B),
-                ("interleaved", 2, "loop", ScheduleInterleaved1F1B),
-                ("zbv", 2, "v", ScheduleZBVZeroBubble)):  # split backward; stages as a V
+        for kind, per_rank, placement, cls in SCHEDULES[name]:
             stages = autotp.pipeline_stages(copy.deepcopy(original), mesh,
                                             stages_per_rank=per_rank, placement=placement,
                                             example_kwargs={"input_ids": ids[:2]})

@@ -1,11 +1,18 @@
-"""The ``autotp`` command line, through subprocesses as a user runs it."""
+"""The ``autotp`` command line: ``autotp.cli.main`` in this process as a user's argv runs it,
+and through subprocesses (``python -m autotp``, the console script) where the process
+matters: exit codes, byte-identical output across interpreters."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,12 +23,47 @@ SMALL_GPT2 = ["hf:gpt2", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n
 FACTORIES = os.path.join(HERE, "cli_factories.py")
 
 
-def autotp(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def autotp_process(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "autotp", *args, "-q"], capture_output=True,
                             text=True, timeout=300)
     if check and result.returncode != 0:
         raise AssertionError(f"autotp {' '.join(args)} failed:\n{result.stderr}")
     return result
+
+
+def autotp(*args: str, check: bool = True) -> Any:
+    """``autotp ARGS -q`` through ``autotp.cli.main``: returncode, stdout and stderr."""
+    import torch
+
+    from autotp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()  # the CLI sets its own; the tests after keep theirs
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            torch.random.fork_rng(), _restore_threads(threads):
+        try:
+            code = main([*args, "-q"])
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    if check and result.returncode != 0:
+        raise AssertionError(f"autotp {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+@contextlib.contextmanager
+def _restore_threads(threads: int) -> Any:
+    import torch
+
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def small_gpt2_json() -> str:
+    return str(autotp("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout)
 
 
 def _without_sources(data: dict) -> dict:
@@ -32,8 +74,8 @@ def _without_sources(data: dict) -> dict:
 
 
 def test_plan_json_matches_the_reviewed_golden_plan_and_is_deterministic() -> None:
-    first = autotp("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout
-    second = autotp("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout
+    first = autotp_process("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout
+    second = small_gpt2_json()  # another interpreter (another hash seed)
     assert first == second, "the same command must give byte-identical JSON"
     data = json.loads(first)
     if os.environ.get("AUTOTP_UPDATE_GOLDEN"):
@@ -51,7 +93,7 @@ def test_plan_json_is_megatron_for_gpt2() -> None:
     """The layouts Megatron-LM gives GPT-2 by hand, checked independently of the golden file:
     Conv1D weights are stored [in, out], so column parallel is dim 1 (blocked in 3 for the
     fused q|k|v) and row parallel is dim 0; row biases and norms are replicated."""
-    data = json.loads(autotp("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout)
+    data = json.loads(small_gpt2_json())
     params = data["params"]
     expected = {
         "attn.c_attn.weight": "S(1)x3", "attn.c_attn.bias": "S(0)x3",
@@ -103,7 +145,7 @@ def test_plan_writes_a_file(tmp_path) -> None:
 
 
 def test_unknown_model_type_lists_the_known_ones() -> None:
-    result = autotp("plan", "hf:not_a_model", "--tp", "2", check=False)
+    result = autotp_process("plan", "hf:not_a_model", "--tp", "2", check=False)
     assert result.returncode == 2
     assert "unknown model type 'not_a_model'" in result.stderr and "llama" in result.stderr
 
@@ -149,7 +191,7 @@ def test_python_m_and_console_script_agree() -> None:
     assert os.path.exists(script), f"no console script at {script}: pip install -e ."
     a = subprocess.run([script, "plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json",
                         "-q"], capture_output=True, text=True, timeout=120).stdout
-    b = autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json").stdout
+    b = autotp_process("plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "json").stdout
     assert a == b and a
 
 

@@ -1,10 +1,11 @@
 """Pipeline stages (autotp.pipeline_stages) on (pp, tp) and (pp, dp, tp) meshes, against the
 unsharded model.
 
-4 gloo processes, pp2 x tp2, 4 microbatches, AdamW: Schedule1F1B with one stage per rank,
-ScheduleInterleaved1F1B with two and ScheduleZBVZeroBubble (split backward) with two placed
-as a V, on transformers' LLaMA and GPT-2 (whose embedding and head are one tied parameter
-read by the first and last stages: on two pp ranks, or on one with the V). The loss of each of two
+4 gloo processes, pp2 x tp2, 4 microbatches, AdamW: Schedule1F1B with one stage per rank on
+transformers' LLaMA; ScheduleInterleaved1F1B with two stages per rank and
+ScheduleZBVZeroBubble (split backward) with two placed as a V on GPT-2, whose embedding and
+head are one tied parameter read by the first and last stages: on two pp ranks, or on one
+with the V. The loss of each of two
 steps equals the unsharded model's on the whole batch within 1e-5 (the second step checks
 the optimizer step), and every local gradient of the first step equals the matching slice
 of the unsharded gradient within 1e-6.
