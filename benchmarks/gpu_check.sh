@@ -42,6 +42,13 @@ step tests 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or nccl" \
 step hf_llama 120 torchrun --nproc-per-node "$TP" examples/hf_llama.py
 step nanogpt 120 torchrun --nproc-per-node "$TP" examples/train_nanogpt.py --steps 10
 step train_2d 120 torchrun --nproc-per-node "$TP" examples/train_2d.py --dp 1 --tp "$TP" --check
+if [ "$GPUS" -ge 8 ]; then  # pipeline x data x tensor on one node
+  step train_3d 300 torchrun --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 \
+    --checkpointing --check
+elif [ "$GPUS" -ge 2 ]; then
+  step train_3d 300 torchrun --nproc-per-node 2 examples/train_3d.py --pp 2 --dp 1 --tp 1 \
+    --stages-per-rank 2 --check
+fi
 step make_demo 60 python3 examples/train_from_checkpoint.py --make-demo "$DEMO"
 step checkpoint 120 torchrun --nproc-per-node "$TP" examples/train_from_checkpoint.py \
   --model "$DEMO" --steps 3 --checkpoint "$DEMO-ckpt"
