@@ -78,6 +78,11 @@ def _step(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, flo
     return out.logits.detach(), float(out.loss.detach())
 
 
+def load_cases(rank: int, world_size: int, directories: list[str]) -> list[dict[str, Any]]:
+    """``load_case`` for several checkpoints in one set of processes."""
+    return [load_case(rank, world_size, d) for d in directories]
+
+
 def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32",
               sequence_parallel: bool = False) -> dict[str, Any]:
     """from_pretrained at tp = world_size against transformers' own unsharded load. Every

@@ -32,9 +32,9 @@ from generic import (
 # What autotp leaves replicated it reports as a UserWarning per model: noise across 50 models.
 pytestmark = pytest.mark.filterwarnings("ignore:autotp:UserWarning")
 
-GENERIC_EXAMPLES = 25
-HF_EXAMPLES = 16
-SEQUENCE_PARALLEL_EXAMPLES = 16
+GENERIC_EXAMPLES = 18  # benchmarks/random_models.py --examples N runs more
+HF_EXAMPLES = 12
+SEQUENCE_PARALLEL_EXAMPLES = 12
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
