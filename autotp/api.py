@@ -190,7 +190,9 @@ class ShardedModule(nn.Module):
 
     def _device(self) -> torch.device:
         tensors = itertools.chain(self.program.parameters(), self.program.buffers())
-        return next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
+        found = next((t.device for t in tensors if t.device.type != "meta"), None)
+        # every parameter still on meta (loading deferred): where parallelize places them
+        return found or getattr(self, "placed_on", None) or torch.device("cpu")
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         signature: Optional[inspect.Signature] = self._signature
@@ -420,6 +422,7 @@ def parallelize(
         weights.close()
     sharded.source = ModelInfo.of(model)
     sharded.strict = strict
+    sharded.placed_on = device if meta else None
     return sharded
 
 

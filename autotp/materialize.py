@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -147,29 +148,31 @@ class DeferredWeights(Weights):
         pass  # the caller closes ``inner`` once it has loaded what it keeps
 
 
-_DEFERRING: list[list[DeferredWeights]] = []
+_DEFERRING = threading.local()  # this thread's open deferred_weights() lists
 
 
 @contextlib.contextmanager
 def deferred_weights() -> Iterator[list[DeferredWeights]]:
-    """Within it, ``parallelize`` builds its program with meta parameters and appends its
-    ``DeferredWeights`` to the yielded list; they are closed on exit."""
+    """Within it (on this thread), ``parallelize`` builds its program with meta parameters
+    and appends its ``DeferredWeights`` to the yielded list; they are closed on exit."""
     made: list[DeferredWeights] = []
-    _DEFERRING.append(made)
+    stack = _DEFERRING.__dict__.setdefault("stack", [])
+    stack.append(made)
     try:
         yield made
     finally:
-        _DEFERRING.remove(made)
+        stack.remove(made)
         for weights in made:
             weights.inner.close()
 
 
 def maybe_deferred(weights: Weights) -> Weights:
     """``weights``, deferred inside ``deferred_weights()``."""
-    if not _DEFERRING:
+    stack = getattr(_DEFERRING, "stack", None)
+    if not stack:
         return weights
     deferred = DeferredWeights(weights)
-    _DEFERRING[-1].append(deferred)
+    stack[-1].append(deferred)
     return deferred
 
 

@@ -25,11 +25,13 @@ first), or chosen so that the heaviest stage does the least work, counted as the
 elements its matrix products read (the first and last stages carry the embedding and head).
 Stages sit on the pp ranks in a loop (``s % pp``) or folded back as a V (``placement="v"``).
 
-A model with real weights: the stages are checked once on construction, chained on the
-example they give the program's own first output. A model without weights (built under
+A model with real weights: the stages are checked once on construction; chained on the
+example, they give the program's own first output. A model without weights (built under
 ``autotp.empty_weights()``, with ``checkpoint=`` or ``init=True``): the program is built with
-meta parameters and each rank reads only its own stages' slices; the stages' shapes are then
-measured by running the example through the stages where they live.
+meta parameters and each rank materializes only its own stages' slices (with
+``checkpoint=`` it reads only those; ``init=True`` runs the initializers of the whole
+modules it touches); the stages' shapes are then measured by running the example through
+the stages where they live.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
 
 
 def stage_layers(stage: Any) -> list[nn.Module]:
-    """The layers a stage calls, in order (for ``fully_shard`` or activation checkpointing
-    per layer): the original blocks, at their own paths inside ``stage.submod``."""
+    """The layer modules a stage calls, in order, at the original blocks' paths inside
+    ``stage.submod`` (for ``fully_shard`` or activation checkpointing per layer): each
+    layer's rank program, or what wraps it once it has been wrapped."""
     module = stage.submod if hasattr(stage, "submod") else stage
     return [module.get_submodule(name) for name in module.meta["autotp_layers"]]
 
@@ -367,7 +370,8 @@ def _first_tensor(gm: fx.GraphModule) -> fx.Node:
 # ---- metadata, check and ties --------------------------------------------------------------
 
 
-def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]) -> list[tuple[Any, Any]]:
+def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]
+                       ) -> dict[int, tuple[Any, Any]]:
     """Chain every stage on the example (all ranks of the tp group do, so its collectives
     match), compare with the program's own output, and keep each stage's inputs and outputs
     as meta tensors for PipelineStage (shapes, dtypes, whether they carry gradients)."""
@@ -389,7 +393,7 @@ def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]) -> list[tuple[
                                                      atol=1e-5):
         raise AssertionError("the pipeline stages chained do not compute the program's output "
                              f"(largest difference {(got.float() - want.float()).abs().max()})")
-    return metas
+    return dict(enumerate(metas))
 
 
 def _load(parts: list[fx.GraphModule], mine: list[int], weights: DeferredWeights) -> None:
@@ -414,8 +418,8 @@ def _measure_across(sharded: Any, parts: list[fx.GraphModule], rank_of: list[int
     rank (no rank holds the weights of the others, so the whole program cannot run here)."""
     device = sharded._device()
     # a model without weights was captured on meta inputs: zeros of their shapes serve here
-    example = {k: torch.zeros(v.shape, dtype=v.dtype, device=device)
-               if isinstance(v, torch.Tensor) and v.is_meta else v
+    example = {k: (torch.zeros(v.shape, dtype=v.dtype, device=device) if v.is_meta
+                   else v.to(device)) if isinstance(v, torch.Tensor) else v
                for k, v in sharded._example.items()}
     names = [n for n in parts[0].graph.nodes if n.op == "placeholder"]
     current: Any = tuple(example[str(n.target)] for n in names)
@@ -430,18 +434,51 @@ def _measure_across(sharded: Any, parts: list[fx.GraphModule], rank_of: list[int
             if rank_of[index] != me:
                 continue
             if index > 0 and rank_of[index - 1] != me:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, group=group, group_src=rank_of[index - 1])
-                current = tuple(x.to(device).requires_grad_(grad) for x, grad in box[0])
+                current = _recv_tensors(group, rank_of[index - 1], device)
             out = part(*current)
             out = out if isinstance(out, tuple) else (out,)
             metas[index] = (tuple(_meta(x) for x in current), tuple(_meta(x) for x in out))
             current = tuple(x.detach().requires_grad_(x.requires_grad) for x in out)
             if index + 1 < len(parts) and rank_of[index + 1] != me:
-                dist.send_object_list([[(x.detach().cpu(), x.requires_grad) for x in current]],
-                                      group=group, group_dst=rank_of[index + 1])
+                _send_tensors(current, group, rank_of[index + 1], device)
     _rng_restore(saved)  # training starts from the streams as they were
     return metas
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16]
+
+
+def _send_tensors(values: tuple[torch.Tensor, ...], group: Any, dst: int,
+                  device: torch.device) -> None:
+    """Tensors to pp rank ``dst``: a header of plain integers (count; per tensor dtype,
+    requires_grad, rank, sizes), then each tensor. Nothing is pickled."""
+    header = [len(values)]
+    for x in values:
+        header += [_DTYPES.index(x.dtype), int(x.requires_grad), x.dim(), *x.shape]
+    size = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    dist.send(size, group=group, group_dst=dst)
+    dist.send(torch.tensor(header, dtype=torch.int64, device=device), group=group,
+              group_dst=dst)
+    for x in values:
+        dist.send(x.detach().contiguous().to(device), group=group, group_dst=dst)
+
+
+def _recv_tensors(group: Any, src: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, group=group, group_src=src)
+    header_t = torch.zeros(int(size.item()), dtype=torch.int64, device=device)
+    dist.recv(header_t, group=group, group_src=src)
+    header = header_t.tolist()
+    count, at, out = header[0], 1, []
+    for _ in range(count):
+        code, grad, ndim = header[at:at + 3]
+        shape = header[at + 3:at + 3 + ndim]
+        at += 3 + ndim
+        x = torch.empty(shape, dtype=_DTYPES[code], device=device)
+        dist.recv(x, group=group, group_src=src)
+        out.append(x.requires_grad_(bool(grad)))
+    return tuple(out)
 
 
 def _chain(parts: list[fx.GraphModule], args: tuple[Any, ...]) -> list[Any]:
@@ -495,7 +532,9 @@ class _TiedGrads:
     ``perform_reduce_grad`` of a step on this rank, the copies' gradients are summed over
     this rank's stages and then over the pp ranks that hold the parameter (at this rank's
     position in the other mesh dims), and every copy gets the sum: the copies start equal
-    and stay equal under any optimizer."""
+    and stay equal under any optimizer. The sum covers the whole ``.grad``: clear gradients
+    between steps (``zero_grad``); accumulated over several steps, earlier sums would be
+    added again."""
 
     def __init__(self, parts: list[fx.GraphModule], mine: list[int], mesh: Any,
                  rank_of: list[int]) -> None:
@@ -601,7 +640,9 @@ def _stage_class(base: type) -> type:
             self._autotp_ties.reduced()
 
         def backward_weight_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _refuse_nested_fsdp(self.submod)
+            if not getattr(self, "_autotp_fsdp_checked", False):
+                _refuse_nested_fsdp(self.submod)
+                self._autotp_fsdp_checked = True
             return base.backward_weight_one_chunk(self, *args, **kwargs)
 
         _CLASSES[base] = type(f"Autotp{base.__name__}", (base,),
@@ -613,7 +654,9 @@ def _stage_class(base: type) -> type:
 def _refuse_nested_fsdp(module: nn.Module) -> None:
     """Schedules that split the backward (input, then weight: the zero-bubble ones) leave
     wrong weight gradients in layers that FSDP2 shards on their own inside a stage (torch
-    2.13, measured: plain modules too); FSDP2 on the whole stage module is right."""
+    2.13, measured: plain modules too); FSDP2 on the whole stage module is right. Raised on
+    the first weight backward of each rank; a peer already waiting on that rank then stops
+    at the process group's timeout."""
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in module.modules() if m is not module):

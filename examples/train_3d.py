@@ -7,7 +7,8 @@
 
 autotp shards an unmodified transformers LLaMA over "tp" and cuts it between its layers into
 pipeline stages over "pp" (``autotp.pipeline_stages``); FSDP2 shards every layer of every
-stage, and the rest of the stage, over "dp"; optionally each layer is wrapped in activation
+stage, and the rest of the stage, over "dp" (for the zero-bubble schedules, whose backward
+is split, the whole stage only); optionally each layer is wrapped in activation
 checkpointing first. torch's own schedules run the stages. Each dp rank trains on its slice
 of the global batch, cut into microbatches. ``--check`` also trains the unsharded model on the
 whole batch on every rank and prints the largest difference of the losses.

@@ -368,31 +368,32 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, An
             "fsdp": all(isinstance(p, DTensor) for p in params)}
 
 
-def tiny_llama() -> Any:
+def tiny_gpt2() -> Any:
     import transformers as tf
 
     tf.logging.set_verbosity_error()
     torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, max_position_embeddings=64))
+    return tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
+        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: int = 2
                              ) -> dict[str, Any]:
     """pp2 x tp2 from a model built without weights: each rank reads only its stages'
-    slices from ``directory`` (tiny_llama saved by transformers); Schedule1F1B, 4
+    slices from ``directory`` (tiny_gpt2 saved by transformers); ScheduleZBVZeroBubble with
+    the stages as a V (the tied embedding and head both on the first pp rank), 4
     microbatches, AdamW, against the unsharded model on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import Schedule1F1B
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
     import autotp
     from autotp import materialize
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    reference = tiny_llama()
-    with autotp.empty_weights():  # parameters on meta, buffers (RoPE) computed
+    reference = tiny_gpt2()
+    with autotp.empty_weights():  # parameters on meta, buffers computed
         model = type(reference)(reference.config)
     ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(ids, -1, dims=1)
@@ -409,20 +410,21 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
 
     materialize.CheckpointWeights.parameter = counting  # type: ignore[method-assign]
     try:
-        stages = autotp.pipeline_stages(model, mesh, checkpoint=directory,
-                                        example_kwargs={"input_ids": ids[:2]})
+        stages = autotp.pipeline_stages(model, mesh, checkpoint=directory, stages_per_rank=2,
+                                        placement="v", example_kwargs={"input_ids": ids[:2]})
     finally:
         materialize.CheckpointWeights.parameter = original  # type: ignore[method-assign]
     held = sorted(n for s in stages for n, _ in s.submod.named_parameters())
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=loss_fn)
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=4, loss_fn=loss_fn)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses, ref_losses = [], []
     for _ in range(steps):
         mb_losses: list[torch.Tensor] = []
-        schedule.step(*((ids,) if stages[0].is_first else ()),
-                      **({"target": labels, "losses": mb_losses} if stages[0].is_last else {}))
+        schedule.step(*((ids,) if first else ()),
+                      **({"target": labels, "losses": mb_losses} if last else {}))
         total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
         torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
         losses.append(float(total))
@@ -433,5 +435,5 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
         ref_losses.append(float(loss.detach()))
         ref_opt.step()
         ref_opt.zero_grad()
-    return {"losses": losses, "reference": ref_losses, "read": sorted(read), "held": held,
+    return {"losses": losses, "reference": ref_losses, "read": read, "held": held,
             "meta": any(p.is_meta for p in params)}

@@ -38,13 +38,12 @@ def autotp(*args: str, check: bool = True) -> Any:
     from autotp.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    threads = torch.get_num_threads()  # the CLI sets its own; the tests after keep theirs
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            torch.random.fork_rng(), _restore_threads(threads):
+            torch.random.fork_rng(), _process_state():
         try:
             code = main([*args, "-q"])
-        except SystemExit as exc:  # argparse
-            code = exc.code if isinstance(exc.code, int) else 2
+        except SystemExit as exc:  # argparse: an int, or None for success
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
     if check and result.returncode != 0:
         raise AssertionError(f"autotp {' '.join(args)} failed:\n{result.stderr}")
@@ -52,13 +51,24 @@ def autotp(*args: str, check: bool = True) -> Any:
 
 
 @contextlib.contextmanager
-def _restore_threads(threads: int) -> Any:
+def _process_state() -> Any:
+    """What a CLI run changes in the process, restored for the tests after it: torch's
+    threads, sys.path and the modules a factory file was imported as, transformers'
+    verbosity."""
     import torch
+    import transformers
 
+    threads, path, modules = torch.get_num_threads(), list(sys.path), set(sys.modules)
+    verbosity = transformers.logging.get_verbosity()
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if name.startswith("autotp_user_"):
+                del sys.modules[name]
+        transformers.logging.set_verbosity(verbosity)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,8 +85,9 @@ def _without_sources(data: dict) -> dict:
 
 def test_plan_json_matches_the_reviewed_golden_plan_and_is_deterministic() -> None:
     first = autotp_process("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout
-    second = small_gpt2_json()  # another interpreter (another hash seed)
+    second = autotp_process("plan", *SMALL_GPT2, "--tp", "2", "--format", "json").stdout
     assert first == second, "the same command must give byte-identical JSON"
+    assert small_gpt2_json() == first  # and in this process
     data = json.loads(first)
     if os.environ.get("AUTOTP_UPDATE_GOLDEN"):
         with open(GOLDEN, "w", encoding="utf-8") as handle:
