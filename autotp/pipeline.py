@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -378,16 +378,11 @@ def _check_and_measure(sharded: Any, parts: list[fx.GraphModule]
     example = sharded._example
     names = [n for n in parts[0].graph.nodes if n.op == "placeholder"]
     args = tuple(example[str(n.target)] for n in names)
-    trackers = {id(m.tracker): m.tracker for m in sharded.program.modules()
-                if hasattr(m, "tracker")}
-    saved = _rng_state(trackers.values())
-    device = sharded._device()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with _streams_kept(sharded.program.modules(), sharded._device()) as rewind:
         with torch.no_grad():
             want = _first(sharded.program(**example))
-        _rng_restore(saved)  # dropout draws the same masks in the chain
+        rewind()  # dropout draws the same masks in the chain
         metas = _chain(parts, args)
-    _rng_restore(saved)  # training starts from the streams as they were
     got = metas.pop()
     if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-4,
                                                      atol=1e-5):
@@ -424,11 +419,8 @@ def _measure_across(sharded: Any, parts: list[fx.GraphModule], rank_of: list[int
     names = [n for n in parts[0].graph.nodes if n.op == "placeholder"]
     current: Any = tuple(example[str(n.target)] for n in names)
     me, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    trackers = {id(m.tracker): m.tracker for part in parts for m in part.modules()
-                if hasattr(m, "tracker")}
-    saved = _rng_state(trackers.values())
     metas: dict[int, tuple[Any, Any]] = {}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+    with _streams_kept((m for part in parts for m in part.modules()), device), \
             torch.enable_grad():
         for index, part in enumerate(parts):
             if rank_of[index] != me:
@@ -441,7 +433,6 @@ def _measure_across(sharded: Any, parts: list[fx.GraphModule], rank_of: list[int
             current = tuple(x.detach().requires_grad_(x.requires_grad) for x in out)
             if index + 1 < len(parts) and rank_of[index + 1] != me:
                 _send_tensors(current, group, rank_of[index + 1], device)
-    _rng_restore(saved)  # training starts from the streams as they were
     return metas
 
 
@@ -496,17 +487,28 @@ def _chain(parts: list[fx.GraphModule], args: tuple[Any, ...]) -> list[Any]:
     return metas
 
 
-def _rng_state(trackers: Any) -> list[tuple[Any, dict[Any, torch.Tensor]]]:
-    return [(t, {k: g.get_state() for k, g in t._generators.items()}) for t in trackers]
+@contextlib.contextmanager
+def _streams_kept(modules: Any, device: torch.device) -> Iterator[Callable[[], None]]:
+    """Random streams as they were on entry, again on exit (training starts from them): the
+    global ones (forked) and the dropout trackers of ``modules``. Yields a function that
+    rewinds the trackers inside the block."""
+    trackers = {id(m.tracker): m.tracker for m in modules if hasattr(m, "tracker")}
+    saved = [(t, {k: g.get_state() for k, g in t._generators.items()})
+             for t in trackers.values()]
 
+    def rewind() -> None:
+        for tracker, states in saved:
+            for key in list(tracker._generators):
+                if key not in states:
+                    del tracker._generators[key]
+            for key, state in states.items():
+                tracker._generators[key].set_state(state)
 
-def _rng_restore(saved: list[tuple[Any, dict[Any, torch.Tensor]]]) -> None:
-    for tracker, states in saved:
-        for key in list(tracker._generators):
-            if key not in states:
-                del tracker._generators[key]
-        for key, state in states.items():
-            tracker._generators[key].set_state(state)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield rewind
+        finally:
+            rewind()
 
 
 def _first(out: Any) -> torch.Tensor:

@@ -25,10 +25,9 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
-    if cuda:
+    device = autotp.api.default_device()  # cuda:LOCAL_RANK where there is CUDA, else the CPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256,

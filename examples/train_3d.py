@@ -74,11 +74,9 @@ def main() -> None:
     args = parser.parse_args()
 
     transformers.logging.set_verbosity_error()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
-        torch.device("cpu")
-    if cuda:
+    device = autotp.api.default_device()  # cuda:LOCAL_RANK where there is CUDA, else the CPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.get_world_size() != args.pp * args.dp * args.tp:
         raise SystemExit(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} must equal the "

@@ -34,12 +34,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
-    if cuda:
+    device = autotp.api.default_device()  # cuda:LOCAL_RANK where there is CUDA, else the CPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    rank = dist.get_rank()
 
     torch.manual_seed(0)  # the same weights on every rank
     config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
@@ -61,7 +60,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             ms = 1e3 * (time.perf_counter() - start)

@@ -193,6 +193,87 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
     }
 
 
+def tiny_llama() -> Any:
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=64))
+
+
+def tiny_gpt2() -> Any:
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
+        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _token_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _reference_training(model: Any, ids: torch.Tensor, labels: torch.Tensor, steps: int
+                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A copy of ``model`` trained on the whole batch with AdamW: the loss of every step and
+    the gradients of the first."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = _next_token_loss(reference(ids).logits, labels)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _pipeline_step(schedule: Any, stages: list[Any], ids: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:
+    """One schedule step; the mean microbatch loss where this rank holds the last stage,
+    else zero."""
+    losses: list[torch.Tensor] = []
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    schedule.step(*((ids,) if first else ()),
+                  **({"target": labels, "losses": losses} if last else {}))
+    return torch.stack(losses).mean().detach() if losses else torch.tensor(0.0)
+
+
+def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: int,
+                     tp: int) -> float:
+    """The largest difference of the stages' gradients (gathered over dp where FSDP2 shards
+    them) to this tp rank's slices of the unsharded gradients."""
+    import autotp
+    from autotp.layout import Shard, shard_tensor
+
+    autotp.pipeline.wait_tied_grads()  # before reading gradients by hand
+    plan = stages[0]._autotp_plan
+    worst = 0.0
+    for stage in stages:
+        for name, p in stage.submod.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            layout = plan.param_layout(name)
+            expected = want[name]
+            if isinstance(layout, Shard):
+                expected = shard_tensor(expected, layout, tp_rank, tp)
+            worst = max(worst, float((grad - expected).abs().max()))
+    return worst
+
+
 def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
                   ) -> dict[str, dict[str, Any]]:
     """pp2 x tp2: Schedule1F1B with one stage per rank (LLaMA), ScheduleInterleaved1F1B with
@@ -201,7 +282,6 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
     each local gradient of the first step against the unsharded model on the whole batch."""
     import copy
 
-    import transformers as tf
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (
         Schedule1F1B,
@@ -210,74 +290,36 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
     )
 
     import autotp
-    from autotp.layout import Shard, shard_tensor
 
     torch.set_num_threads(1)
-    tf.logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    tp_rank = mesh["tp"].get_local_rank()
-    builders = {
-        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
-            num_hidden_layers=4, hidden_size=64, intermediate_size=128,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-            max_position_embeddings=64)),
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
-            n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    }
-    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, dims=1)
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
+    ids, labels = _token_batch()
     # LLaMA one stage per rank; GPT-2's tied embedding and head on two pp ranks (loop) and
     # on one (the V of ZBVZeroBubble, whose backward is split into input and weight parts)
-    SCHEDULES = {"llama": [("1f1b", 1, "loop", Schedule1F1B)],
-                 "gpt2": [("interleaved", 2, "loop", ScheduleInterleaved1F1B),
-                          ("zbv", 2, "v", ScheduleZBVZeroBubble)]}
+    cases = {"llama": (tiny_llama, [("1f1b", 1, "loop", Schedule1F1B)]),
+             "gpt2": (tiny_gpt2, [("interleaved", 2, "loop", ScheduleInterleaved1F1B),
+                                  ("zbv", 2, "v", ScheduleZBVZeroBubble)])}
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        torch.manual_seed(0)
-        original = builders[name]()
-        reference = copy.deepcopy(original)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        ref_losses, ref_grads = [], {}
-        for step in range(steps):
-            loss = loss_fn(reference(ids).logits, labels)
-            loss.backward()
-            if step == 0:
-                ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-            ref_losses.append(float(loss.detach()))
-            ref_opt.step()
-            ref_opt.zero_grad()
-        for kind, per_rank, placement, cls in SCHEDULES[name]:
+        build, schedules = cases[name]
+        original = build()
+        ref_losses, ref_grads = _reference_training(original, ids, labels, steps)
+        for kind, per_rank, placement, cls in schedules:
             stages = autotp.pipeline_stages(copy.deepcopy(original), mesh,
                                             stages_per_rank=per_rank, placement=placement,
                                             example_kwargs={"input_ids": ids[:2]})
             params = [p for s in stages for p in s.submod.parameters()]
             opt = torch.optim.AdamW(params, lr=1e-2)
             schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
-                           loss_fn=loss_fn)
-            first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+                           loss_fn=_next_token_loss)
             losses, grad_diff = [], 0.0
             for step in range(steps):
-                mb_losses: list[torch.Tensor] = []
-                schedule.step(*((ids,) if first else ()),
-                              **({"target": labels, "losses": mb_losses} if last else {}))
-                total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
+                total = _pipeline_step(schedule, stages, ids, labels)
                 torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
                 losses.append(float(total))
                 if step == 0:
-                    autotp.pipeline.wait_tied_grads()  # before reading gradients by hand
-                    plan = stages[0]._autotp_plan
-                    for stage in stages:
-                        for pname, p in stage.submod.named_parameters():
-                            layout = plan.param_layout(pname)
-                            want = ref_grads[pname]
-                            if isinstance(layout, Shard):
-                                want = shard_tensor(want, layout, tp_rank, 2)
-                            grad_diff = max(grad_diff, float((p.grad - want).abs().max()))
+                    grad_diff = _stage_grad_diff(stages, ref_grads,
+                                                 mesh["tp"].get_local_rank(), 2)
                 opt.step()
                 opt.zero_grad()
             out[f"{name}-{kind}"] = {"losses": losses, "reference": ref_losses,
@@ -294,43 +336,20 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, An
     stage, each dp rank on its half of the batch in 2 microbatches, AdamW. The dp-mean
     loss of every step and each rank's gradients (gathered over dp) of the first step against
     the unsharded model on the whole batch."""
-    import copy
-
-    import transformers as tf
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
     from torch.distributed.tensor import DTensor
 
     import autotp
-    from autotp.layout import Shard, shard_tensor
 
     torch.set_num_threads(1)
-    tf.logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
-    torch.manual_seed(0)
-    original = tf.GPT2LMHeadModel(tf.GPT2Config(
-        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, dims=1)
+    dp_rank = mesh["dp"].get_local_rank()
+    original = tiny_gpt2()
+    ids, labels = _token_batch()
     mine, my_labels = ids.chunk(2)[dp_rank], labels.chunk(2)[dp_rank]
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-    reference = copy.deepcopy(original)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ref_losses, ref_grads = [], {}
-    for step in range(steps):
-        loss = loss_fn(reference(ids).logits, labels)
-        loss.backward()
-        if step == 0:
-            ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-        ref_losses.append(float(loss.detach()))
-        ref_opt.step()
-        ref_opt.zero_grad()
+    ref_losses, ref_grads = _reference_training(original, ids, labels, steps)
 
     stages = autotp.pipeline_stages(original, mesh, stages_per_rank=2,
                                     example_kwargs={"input_ids": mine[:2]})
@@ -340,42 +359,18 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, An
         fully_shard(stage.submod, mesh=mesh["dp"])
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss_fn)
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=_next_token_loss)
     losses, grad_diff = [], 0.0
     for step in range(steps):
-        mb_losses: list[torch.Tensor] = []
-        if mesh["pp"].get_local_rank() == 0:
-            schedule.step(mine)
-        else:
-            schedule.step(target=my_labels, losses=mb_losses)
-        total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
+        total = _pipeline_step(schedule, stages, mine, my_labels)
         torch.distributed.all_reduce(total)  # over pp (one rank has it) and dp, and tp
         losses.append(float(total) / 4)  # 2 dp x 2 tp ranks hold the loss
         if step == 0:
-            autotp.pipeline.wait_tied_grads()
-            plan = stages[0]._autotp_plan
-            for stage in stages:
-                for pname, p in stage.submod.named_parameters():
-                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    layout = plan.param_layout(pname)
-                    want = ref_grads[pname]
-                    if isinstance(layout, Shard):
-                        want = shard_tensor(want, layout, tp_rank, 2)
-                    grad_diff = max(grad_diff, float((grad - want).abs().max()))
+            grad_diff = _stage_grad_diff(stages, ref_grads, mesh["tp"].get_local_rank(), 2)
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "grad_diff": grad_diff,
             "fsdp": all(isinstance(p, DTensor) for p in params)}
-
-
-def tiny_gpt2() -> Any:
-    import transformers as tf
-
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    return tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
-        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: int = 2
@@ -395,11 +390,8 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
     reference = tiny_gpt2()
     with autotp.empty_weights():  # parameters on meta, buffers computed
         model = type(reference)(reference.config)
-    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, dims=1)
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+    ids, labels = _token_batch()
+    ref_losses, _ = _reference_training(reference, ids, labels, steps)
 
     read: list[str] = []
     original = materialize.CheckpointWeights.parameter
@@ -417,23 +409,13 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
     held = sorted(n for s in stages for n, _ in s.submod.named_parameters())
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=4, loss_fn=loss_fn)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    losses, ref_losses = [], []
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=4, loss_fn=_next_token_loss)
+    losses = []
     for _ in range(steps):
-        mb_losses: list[torch.Tensor] = []
-        schedule.step(*((ids,) if first else ()),
-                      **({"target": labels, "losses": mb_losses} if last else {}))
-        total = torch.stack(mb_losses).mean().detach() if mb_losses else torch.tensor(0.0)
+        total = _pipeline_step(schedule, stages, ids, labels)
         torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
         losses.append(float(total))
         opt.step()
         opt.zero_grad()
-        loss = loss_fn(reference(ids).logits, labels)
-        loss.backward()
-        ref_losses.append(float(loss.detach()))
-        ref_opt.step()
-        ref_opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "read": read, "held": held,
             "meta": any(p.is_meta for p in params)}
