@@ -162,9 +162,18 @@ def capture(
             )
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise TraceError(_trace_failure_message(model, exc)) from exc
-    gm = ep.module()
-    merge_tied_parameters(gm)
-    out_of_place(gm)
+    gm = _normalized(ep)
+    if _unruled_mutations(gm):
+        # Writes through views or into inputs (a slice filled by ``copy_``): functionalize
+        # the whole program, so they become ``slice_scatter``/``index_put``/``copy`` and get
+        # the ordinary rules.
+        try:
+            gm = _normalized(ep.run_decompositions({}))
+        except Exception as exc:  # noqa: BLE001 - the unfunctionalized ops are named later
+            raise TraceError(f"torch.export could not functionalize {type(model).__name__}'s "
+                             f"in-place ops: {type(exc).__name__}: {exc}") from exc
+        copies_as_values(gm)
+    detach_factories(gm)
     split_biases(gm)
     sink_bias_adds(gm)
     decompose_cross_entropy(gm)
@@ -175,6 +184,40 @@ def capture(
     captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
                        if id(p) not in used}
     return captured
+
+
+def _normalized(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    gm = ep.module()
+    drop_metadata_asserts(gm)
+    merge_tied_parameters(gm)
+    out_of_place(gm)
+    return gm
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """torch.export's ``_assert_tensor_metadata`` (a dtype/device check of the traced run,
+    no value) is dropped: it would be a use of the tensor it checks, and a parameter's first
+    use is where the planner fixes the parameter's layout."""
+    for node in list(gm.graph.nodes):
+        if node.target == aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _unruled_mutations(gm: fx.GraphModule) -> list[fx.Node]:
+    """In-place ops left after ``out_of_place`` that no rule computes (a KV cache's
+    ``index_copy_`` has one)."""
+    registry = _default_registry()
+    return [node for node in gm.graph.nodes
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target._schema.is_mutable and node.target not in registry]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_registry() -> Any:
+    from autotp.rules.registry import Registry
+
+    return Registry.default()
 
 
 @contextlib.contextmanager
@@ -293,6 +336,55 @@ def _owns_storage(node: fx.Node) -> bool:
         return False
     returns = node.target._schema.returns
     return len(returns) == 1 and returns[0].alias_info is None
+
+
+_FACTORIES = {aten.new_empty.default: aten.empty.memory_format,
+              aten.new_zeros.default: aten.zeros.default,
+              aten.new_ones.default: aten.ones.default,
+              aten.new_full.default: aten.full.default}
+
+
+def detach_factories(gm: fx.GraphModule) -> None:
+    """``x.new_zeros(size)`` -> ``zeros(size, dtype=, device=)``: the tensor ``x`` lends only
+    its dtype and device, so the new tensor must not tie ``x``'s layout to its own (a buffer
+    filled with sharded heads, beside ``x``'s sharded projection)."""
+    for node in gm.graph.nodes:
+        factory = _FACTORIES.get(node.target)
+        val = node.meta.get("val")
+        if factory is None or not isinstance(val, torch.Tensor):
+            continue
+        node.target = factory
+        node.args = tuple(node.args[1:])
+        node.kwargs = {**{k: v for k, v in node.kwargs.items() if k != "layout"},
+                       "dtype": val.dtype, "device": val.device}
+    gm.recompile()
+
+
+def copies_as_values(gm: fx.GraphModule) -> None:
+    """``copy(dst, src)`` (functionalization's form of ``dst.copy_(src)``) -> ``src``, cast
+    to ``dst``'s dtype and expanded to its shape: the same value, and differentiable (ATen's
+    ``copy`` has no derivative). ``dst``'s values are never read."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target != aten.copy.default:
+            continue
+        dst, src = node.args[:2]
+        dv, sv = dst.meta["val"], src.meta["val"]
+        call = functools.partial(_emit, graph, node)
+        with graph.inserting_before(node):
+            value = src
+            if sv.dtype != dv.dtype:
+                value = call(aten._to_copy.default, value)
+                value.kwargs = {"dtype": dv.dtype}
+                value.meta["val"] = sv.to(dv.dtype)
+            if tuple(sv.shape) != tuple(dv.shape):
+                sizes = [d if isinstance(d, int) else call(aten.sym_size.int, dst, i)
+                         for i, d in enumerate(dv.shape)]
+                value = call(aten.expand.default, value, sizes)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
 
 
 def split_biases(gm: fx.GraphModule) -> None:

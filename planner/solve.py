@@ -206,9 +206,14 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
                           sequence_parallel=src_pn.sequence_step(have, want, options))
         if step is None:
             return None
+        # A replicated parameter's partial gradient joins the after-backward bucket: one
+        # collective for all of them, so it pays bandwidth but no latency of its own.
+        bucketed = src_pn.kind == "leaf" and isinstance(have, Replicate) and \
+            isinstance(want, Replicate)
         for kind in (step.forward, step.backward):
             if kind is not None:
-                cost += cost_model.collective_time(kind, src_pn.nbytes, tp)
+                cost += cost_model.collective_time(kind, src_pn.nbytes, tp) - \
+                    (cost_model.latency if bucketed else 0.0)
         if step.last_resort:
             cost += cost_model.last_resort
         if src_pn.kind != "input":

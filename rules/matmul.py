@@ -36,7 +36,9 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
     for spec, meta in zip(in_specs, metas):
         for letter, size in zip(spec, meta.shape):
             sizes.setdefault(letter, size)
-    extra = len(call.inputs) - len(in_specs)  # e.g. a bias operand, read replicated
+    # operands past the equation (a bias, MoE group offsets) are read replicated; callers
+    # keep only the strategies where that is exact
+    extra = len(call.inputs) - len(in_specs)
     for letter in dict.fromkeys(lhs.replace(",", "")):
         holders = [i for i, spec in enumerate(in_specs) if letter in spec]
         probe = TensorMeta((sizes[letter],), metas[holders[0]].dtype)
@@ -54,7 +56,7 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
                                Shard(out_spec.index(letter), blocks), name=name)
         elif len(holders) == 2 and probe.shardable(0, call.tp):
             inputs = [Shard(spec.index(letter)) for spec in in_specs]
-            yield Strategy(tuple(inputs), P, name="row")
+            yield Strategy(tuple(inputs) + (R,) * extra, P, name="row")
     if extra == 0 and all(m.floating for m in metas):
         for i in range(len(in_specs)):
             inputs = [P if j == i else R for j in range(len(in_specs))]
@@ -135,3 +137,23 @@ def baddbmm_rule(call: OpCall) -> Iterator[Strategy]:
     bias, b1, b2 = call.inputs
     if b1.shardable(0, call.tp) and bias.ndim == 3 and bias.shape[0] == b1.shape[0]:
         yield Strategy((Shard(0), Shard(0), Shard(0)), Shard(0), name="batch")
+
+
+GROUPED_MM: list = [aten._grouped_mm.default, "transformers::grouped_mm_fallback"]
+
+
+@rules.register(*GROUPED_MM)
+def grouped_mm_rule(call: OpCall) -> Iterator[Strategy]:
+    """Mixture-of-experts products: rows of ``x`` [S, k] sorted by expert, ``offs`` [E] their
+    cumulative counts, each group multiplied by its expert's ``W[e]`` [k, n]: "sk,ekn->sn"
+    per group. Column (n) and row (k) parallel are exact within every expert, as in a dense
+    MLP (Megatron's tensor parallelism inside the experts); the rows (tokens) are not, since
+    ``offs`` counts global rows."""
+    if len(call.inputs) != 3 or call.inputs[0].ndim != 2 or call.inputs[1].ndim != 3:
+        return  # batched (3-D x 3-D) or biased forms: computed replicated
+    for strategy in einsum_strategies("sk,ekn->sn", call):
+        if not (isinstance(strategy.inputs[0], Shard) and strategy.inputs[0].dim == 0):
+            yield strategy
+    if call.inputs[0].floating and call.inputs[1].floating:
+        yield Strategy((P, R, R), P, name="linear")
+        yield Strategy((R, P, R), P, name="linear")

@@ -175,18 +175,27 @@ class Registry:
             ]
         )
 
+    def _key(self, op: Any) -> Any:
+        """``op``, or its qualified name for rules registered by name (custom ops of other
+        libraries, such as ``"transformers::grouped_mm_fallback"``, which exist only once
+        that library is imported)."""
+        if op in self._rules or op in self._lowerings:
+            return op
+        schema = getattr(op, "_schema", None)
+        return schema.name if schema is not None else op
+
     def __contains__(self, op: Any) -> bool:
-        return op in self._rules
+        return self._key(op) in self._rules
 
     @property
     def ops(self) -> list[Any]:
         return sorted(self._rules, key=str)
 
     def lowering(self, op: Any) -> Optional[Lowering]:
-        return self._lowerings.get(op)
+        return self._lowerings.get(self._key(op))
 
     def base_strategies(self, call: OpCall) -> list[Strategy]:
-        return list(self._rules[call.op](call))
+        return list(self._rules[self._key(call.op)](call))
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         """All strategies of ``call``, with gradient semantics applied, deduplicated."""

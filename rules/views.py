@@ -321,3 +321,88 @@ def index_copy_rule(call: OpCall) -> Iterator[Strategy]:
         if d != dim and src.shape[d] == dst.shape[d]:
             yield Strategy((Shard(d, blocks), R, Shard(d, blocks)), Shard(d, blocks),
                            name="write shard")
+
+
+def _advanced_index(call: OpCall, indices: list) -> "Optional[tuple[int, int, int]]":
+    """(first indexed dim, number of indexed dims, ndim of the broadcast index) when the
+    non-None indices are one adjacent run (then the index dims replace them in place)."""
+    present = [i for i, index in enumerate(indices) if index is not None]
+    if not present or present != list(range(present[0], present[-1] + 1)):
+        return None
+    k = len(present)
+    index_ndim = call.out.ndim - (call.inputs[0].ndim - k)
+    return present[0], k, index_ndim
+
+
+@rules.register(aten.index.Tensor)
+def index_rule(call: OpCall) -> Iterator[Strategy]:
+    """``x[..., idx, ...]`` with replicated integer indices (a token gather, a position
+    lookup): linear in ``x``, and a shard of a dim that is not indexed stays a shard."""
+    src = call.inputs[0]
+    n_index = len(call.inputs) - 1
+    if src.floating:
+        yield Strategy((P,) + (R,) * n_index, P, name="linear")
+    run = _advanced_index(call, list(call.args[1]))
+    if run is None:
+        return
+    first, k, index_ndim = run
+    for d, blocks in shardable_dims(src, call):
+        if first <= d < first + k:
+            continue
+        out_dim = d if d < first else d - k + index_ndim
+        yield Strategy((Shard(d, blocks),) + (R,) * n_index, Shard(out_dim, blocks),
+                       name="gather rows")
+
+
+@rules.register(aten.index_put.default, aten.index_put_.default)
+def index_put_rule(call: OpCall) -> Iterator[Strategy]:
+    """``self[idx] = values`` (or ``+=`` with ``accumulate``): linear in (self, values)
+    jointly, and a shard of a dim that is not indexed stays a shard when ``values`` holds
+    that dim whole."""
+    dst, values = call.inputs[0], call.inputs[-1]
+    n_index = len(call.inputs) - 2
+    if dst.floating:
+        yield Strategy((P,) + (R,) * n_index + (P,), P, name="linear")
+    run = _advanced_index(call, list(call.args[1]))
+    if run is None:
+        return
+    first, k, _ = run
+    tail = dst.ndim - (first + k)
+    for d, blocks in shardable_dims(dst, call):
+        if first <= d < first + k or d < first:
+            continue
+        v = values.ndim - (dst.ndim - d)  # values broadcast from the right
+        if v < 0 or dst.ndim - d > tail or values.shape[v] != dst.shape[d]:
+            continue
+        yield Strategy((Shard(d, blocks),) + (R,) * n_index + (Shard(v, blocks),),
+                       Shard(d, blocks), name="write rows")
+
+
+@rules.register(aten.slice_scatter.default)
+def slice_scatter_rule(call: OpCall) -> Iterator[Strategy]:
+    """``self`` with ``src`` written into a slice along ``dim`` (what functionalization makes
+    of ``x[..., a:b].copy_(y)``): linear in (self, src), and any other dim sharded alike in
+    both stays sharded."""
+    dst, src = call.inputs
+    dim = normalize_dim(call.arg(2, "dim", 0), dst.ndim)
+    if dst.floating:
+        yield Strategy((P, P), P, name="linear")
+    for d, blocks in shardable_dims(dst, call):
+        if d != dim and src.ndim == dst.ndim and src.shape[d] == dst.shape[d]:
+            yield Strategy((Shard(d, blocks), Shard(d, blocks)), Shard(d, blocks),
+                           name="write shard")
+
+
+@rules.register(aten.copy.default)
+def copy_rule(call: OpCall) -> Iterator[Strategy]:
+    """``copy(self, src)`` is ``src`` broadcast to ``self``'s shape and dtype; ``self``'s
+    values are not read, so it takes the output's layout (a local slice of a fresh buffer)."""
+    dst, src = call.inputs
+    offset = dst.ndim - src.ndim
+    if dst.dtype == src.dtype and dst.floating and offset == 0:
+        yield Strategy((P, P), P, name="linear")
+    for d, blocks in shardable_dims(dst, call):
+        if d >= offset and src.shape[d - offset] == dst.shape[d] and \
+                src.shardable(d - offset, call.tp, blocks):
+            yield Strategy((Shard(d, blocks), Shard(d - offset, blocks)), Shard(d, blocks),
+                           name="copy shard")

@@ -213,10 +213,11 @@ def test_dot_of_layers_that_differ(llama_plan: Plan) -> None:
 
 
 def test_runtime_checks_are_not_drawn(llama_plan: Plan) -> None:
-    """torch.export's ``_assert_tensor_metadata`` nodes (dtype checks, no value) are in the
-    plan's graph but in neither picture; nothing else is left out."""
+    """torch.export's ``_assert_tensor_metadata`` nodes (dtype checks, no value) are dropped
+    at capture, so neither the plan nor the pictures hold one; run-time checks that remain
+    (``CHECK_OPS``) are not drawn; nothing else is left out."""
+    assert "aten._assert_tensor_metadata.default" not in set(llama_plan.ops.values())
     checks = {n for n, op in llama_plan.ops.items() if op in CHECK_OPS}
-    assert checks, "the traced LLaMA has dtype checks: this test must see some"
     dot, page = to_dot(llama_plan, COST), to_html(llama_plan, COST)
     assert "_assert_tensor_metadata" not in dot and "_assert_tensor_metadata" not in page
     outside = {n for n in llama_plan.choices if llama_plan.node_layers.get(n) is None}

@@ -313,6 +313,24 @@ def test_in_place_arithmetic_on_fresh_tensors_runs_out_of_place() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_in_place_write_through_a_view_is_refused_by_name() -> None:
-    with pytest.raises(autotp.AutotpError, match="no layout rule for aten.mul_"):
-        autotp.plan(InPlace("view"), 2, example_args=(torch.randn(2, 3, 16),))
+def test_in_place_write_through_a_view_is_functionalized() -> None:
+    """``h[..., :4].mul_(2)`` writes through a view: the program is functionalized (the write
+    becomes a ``slice_scatter``), planned with the ordinary rules and exact, gradients too."""
+    from autotp.verify import compare, reference_step, sharded_step
+
+    model, x = InPlace("view"), torch.randn(2, 3, 16)
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    assert "aten.slice_scatter.default" in set(sim.plan.ops.values())
+    assert not any(op.endswith("_.Tensor") or op.endswith("_.Scalar")
+                   for op in sim.plan.ops.values())
+    assert str(sim.plan.param_layout("up.weight")).startswith("S")
+
+    def call(m: nn.Module) -> torch.Tensor:
+        return m(x)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    reference = reference_step(model, call, loss, lambda out: out)
+    for result in sim.run(lambda m: sharded_step(m, call, loss, lambda out: out)):
+        assert compare(reference, result).ok(1e-6, 1e-5)

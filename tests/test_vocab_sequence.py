@@ -209,6 +209,7 @@ def test_a_value_gathered_both_for_replicated_and_sharded_readers() -> None:
                            norm="layer", prenorm=False, bias=True, tied=False,
                            fused_qkv=False, vocab=64, causal=False, use_sdpa=False,
                            rope=False, kv_repeat="expand", block_size=32)
-    with pytest.warns(UserWarning):  # the replicated k/v projections are reported
-        outcome = check_equivalence(config, 2, sequence_parallel=True)
+    # the replicated k/v projections ([4, 8] at tp = 2) are narrow: replicated by design,
+    # as when tp exceeds the k/v heads, so they are not reported as fallbacks
+    outcome = check_equivalence(config, 2, sequence_parallel=True)
     assert outcome.refused is None and outcome.ok, outcome
