@@ -28,7 +28,7 @@ from autotp.api import ShardedModule, parallelize
 from autotp.collectives import gather
 from autotp.comm import ProcessGroupComm
 from autotp.errors import ConfigError
-from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor
+from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor, unshard_tensor
 from autotp.materialize import empty_weights
 from autotp.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
                                write_file, write_index)
@@ -236,9 +236,11 @@ def _dcp_form(global_shape: list[int], saved: Layout, current: Layout, tp: int
     from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
 
     shape = list(global_shape)
-    split = isinstance(saved, Shard) and saved.blocks > 1
+    if _unequal(saved) or _unequal(current):  # unequal segments: stored whole
+        return shape, DReplicate(), shape
+    split = isinstance(saved, Shard) and saved.blocks != 1
     if split:
-        assert isinstance(saved, Shard)
+        assert isinstance(saved, Shard) and isinstance(saved.blocks, int)
         shape[saved.dim:saved.dim + 1] = [saved.blocks, shape[saved.dim] // saved.blocks]
     if isinstance(current, Shard) and (current == saved or (not split and current.blocks == 1)):
         dim = current.dim + 1 if split else current.dim
@@ -246,6 +248,18 @@ def _dcp_form(global_shape: list[int], saved: Layout, current: Layout, tp: int
         local[dim] //= tp
         return shape, DShard(dim), local
     return shape, DReplicate(), shape
+
+
+def _unequal(layout: Layout) -> bool:
+    """Blocked into unequal segments (q|k|v with fewer k/v heads): no rank's piece is a
+    plain shard of any stored form, so the tensor is stored whole."""
+    return isinstance(layout, Shard) and isinstance(layout.blocks, tuple)
+
+
+def _gathered(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    pieces = [torch.empty_like(local) for _ in range(sharded.plan.tp)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=_group(sharded))
+    return unshard_tensor(pieces, layout)
 
 
 def _describe(sharded: ShardedModule) -> dict[str, Any]:
@@ -303,6 +317,9 @@ def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
                                             shape=torch.Size(shape), stride=_strides(shape))
         elif local.numel() == math.prod(shape):  # a plain tensor is DCP's replicated value
             state[key] = local.detach().reshape(shape)  # loaded in place, like the shards
+        elif _unequal(layout):  # saved whole (gathered), loaded whole, then this rank's piece
+            state[key] = _gathered(sharded, local, layout)
+            entries.append(_Entry(local.detach(), state[key], layout))
         else:  # read whole, then keep this rank's piece
             state[key] = torch.empty(shape, dtype=local.dtype, device=local.device)
             entries.append(_Entry(local.detach(), state[key], layout))

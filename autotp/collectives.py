@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autotp.comm import Communicator
-from autotp.layout import Layout, Partial, Replicate, Shard
+from autotp.layout import Blocks, Layout, Partial, Replicate, Shard, segment_sizes
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
 
@@ -35,14 +35,26 @@ def _swap_groups(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Ten
     return y.reshape(shape)
 
 
-def _rank_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
+def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
     """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...]."""
-    return x if blocks == 1 else _swap_groups(x, dim, blocks, tp)
+    if blocks == 1:
+        return x
+    if isinstance(blocks, int):
+        return _swap_groups(x, dim, blocks, tp)
+    pieces = [seg.chunk(tp, dim=dim)
+              for seg in x.split(segment_sizes(x.shape[dim], blocks), dim=dim)]
+    return torch.cat([p[r] for r in range(tp) for p in pieces], dim=dim)
 
 
-def _segment_major(x: torch.Tensor, dim: int, blocks: int, tp: int) -> torch.Tensor:
+def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
     """Inverse of ``_rank_major``."""
-    return x if blocks == 1 else _swap_groups(x, dim, tp, blocks)
+    if blocks == 1:
+        return x
+    if isinstance(blocks, int):
+        return _swap_groups(x, dim, tp, blocks)
+    per_rank = [chunk.split(segment_sizes(chunk.shape[dim], blocks), dim=dim)
+                for chunk in x.chunk(tp, dim=dim)]
+    return torch.cat([per_rank[r][j] for j in range(len(blocks)) for r in range(tp)], dim=dim)
 
 
 def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
     S(d)   rank r holds the r-th of ``tp`` equal slices of dim ``d``
     S(d)x3 blocked: dim ``d`` is ``k = 3`` equal segments (fused q|k|v, gate|up), each
            sliced across the ranks; rank r holds slice r of every segment, concatenated
+    S(d)x2:1:1  blocked into unequal segments in proportions 2:1:1 (a fused q|k|v with half
+           as many k/v heads as query heads), each sliced across the ranks the same way
     P      every rank holds a tensor of the global shape; the global value is their sum
     P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
            over a sharded dim leaves one partial logsumexp per rank)
@@ -19,6 +21,7 @@ rewriter place Megatron's ``f``/``g`` pairs from forward layouts alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -33,19 +36,58 @@ class Replicate:
         return "R*" if self.grad_partial else "R"
 
 
-@dataclass(frozen=True, order=True)
+# Segments of a blocked dim: k equal ones (an int), or unequal ones in the given proportions
+# (a tuple of at least two coprime positive ints, never all equal).
+Blocks = Union[int, tuple[int, ...]]
+
+
+def block_weights(blocks: Blocks) -> tuple[int, ...]:
+    return (1,) * blocks if isinstance(blocks, int) else tuple(blocks)
+
+
+def block_units(blocks: Blocks) -> int:
+    """How many equal units the segments make: the dim must divide into units x tp."""
+    return blocks if isinstance(blocks, int) else sum(blocks)
+
+
+def segment_sizes(size: int, blocks: Blocks) -> list[int]:
+    unit = size // block_units(blocks)
+    return [weight * unit for weight in block_weights(blocks)]
+
+
+def proportions(sizes: Sequence[int]) -> Blocks:
+    """The ``blocks`` of segments of these sizes: their count if equal, else their ratios."""
+    if len(set(sizes)) == 1:
+        return len(sizes)
+    common = math.gcd(*sizes)
+    return tuple(size // common for size in sizes)
+
+
+@dataclass(frozen=True)
 class Shard:
     dim: int
-    blocks: int = 1
+    blocks: Blocks = 1
 
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"Shard.dim must be normalized (>= 0), got {self.dim}")
-        if self.blocks < 1:
-            raise ValueError(f"Shard.blocks must be >= 1, got {self.blocks}")
+        if isinstance(self.blocks, int):
+            if self.blocks < 1:
+                raise ValueError(f"Shard.blocks must be >= 1, got {self.blocks}")
+        elif (len(self.blocks) < 2 or min(self.blocks) < 1 or len(set(self.blocks)) == 1
+              or math.gcd(*self.blocks) != 1):
+            raise ValueError(f"unequal Shard.blocks must be coprime proportions, not all "
+                             f"equal, got {self.blocks}")
+
+    def __lt__(self, other: "Shard") -> bool:
+        return (self.dim, block_weights(self.blocks)) < (other.dim, block_weights(other.blocks))
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim})x{self.blocks}"
+        if self.blocks == 1:
+            return f"S({self.dim})"
+        if isinstance(self.blocks, int):
+            return f"S({self.dim})x{self.blocks}"
+        return f"S({self.dim})x" + ":".join(map(str, self.blocks))
 
 
 @dataclass(frozen=True, order=True)
@@ -92,7 +134,10 @@ def parse_layout(text: str) -> Layout:
             return Partial(reduce)
     if text.startswith("S(") and ")" in text:
         dim_text, _, rest = text[2:].partition(")")
-        blocks = int(rest[1:]) if rest.startswith("x") else 1
+        blocks: Blocks = 1
+        if rest.startswith("x"):
+            parts = tuple(int(p) for p in rest[1:].split(":"))
+            blocks = parts[0] if len(parts) == 1 else parts
         return Shard(int(dim_text), blocks)
     raise ValueError(f"not a layout: {text!r}")
 
@@ -106,7 +151,7 @@ def local_size(global_size: int, tp: int) -> int:
 def local_shape(global_shape: Sequence[int], layout: Layout, tp: int) -> tuple[int, ...]:
     shape = list(global_shape)
     if isinstance(layout, Shard):
-        if shape[layout.dim] % (tp * layout.blocks):
+        if shape[layout.dim] % (tp * block_units(layout.blocks)):
             raise ValueError(
                 f"dim {layout.dim} of size {shape[layout.dim]} cannot be split into "
                 f"{layout.blocks} block(s) x tp={tp}"
@@ -128,7 +173,7 @@ def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torc
             return full
         return torch.full_like(full, -torch.inf) if layout.reduce == "logsumexp" \
             else torch.zeros_like(full)
-    segments = full.chunk(layout.blocks, dim=layout.dim)
+    segments = full.split(segment_sizes(full.shape[layout.dim], layout.blocks), dim=layout.dim)
     pieces = [seg.chunk(tp, dim=layout.dim)[rank] for seg in segments]
     return torch.cat(pieces, dim=layout.dim).contiguous()
 
@@ -144,9 +189,10 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tens
         for piece in pieces[1:]:
             total = total + piece
         return total
-    per_rank = [piece.chunk(layout.blocks, dim=layout.dim) for piece in pieces]
+    per_rank = [piece.split(segment_sizes(piece.shape[layout.dim], layout.blocks),
+                            dim=layout.dim) for piece in pieces]
     segments = [
         torch.cat([per_rank[r][j] for r in range(len(pieces))], dim=layout.dim)
-        for j in range(layout.blocks)
+        for j in range(len(block_weights(layout.blocks)))
     ]
     return torch.cat(segments, dim=layout.dim)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autotp.errors import ConfigError
-from autotp.layout import Layout, Replicate, Shard, shard_tensor
+from autotp.layout import Layout, Replicate, Shard, segment_sizes, shard_tensor
 from autotp.tensorfile import TensorFiles
 
 
@@ -74,10 +74,12 @@ def _get(module: nn.Module, target: str) -> Any:
 
 def slice_ranges(global_size: int, layout: Shard, rank: int, tp: int) -> list[tuple[int, int]]:
     """The ranges of dim ``layout.dim`` that ``rank`` holds, one per block (as shard_tensor)."""
-    segment = global_size // layout.blocks
-    piece = segment // tp
-    return [(j * segment + rank * piece, j * segment + (rank + 1) * piece)
-            for j in range(layout.blocks)]
+    ranges, start = [], 0
+    for segment in segment_sizes(global_size, layout.blocks):
+        piece = segment // tp
+        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+        start += segment
+    return ranges
 
 
 class Weights:

@@ -53,7 +53,7 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> No
     tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
     of its use exists (a fused projection split into unequal parts). The first is an error
     with ``strict``; both are recorded in the plan with a warning otherwise: never silent.
-    Narrow matrices (one size at most the other / tp) are replicated by design."""
+    Narrow matrices (one size at most the other / (4 tp)) are replicated by design."""
     if plan.tp == 1:
         return  # nothing is sharded at tp = 1
     for node in gm.graph.nodes:
@@ -70,10 +70,10 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> No
         # when tp exceeds the k/v heads, replicated by design (their gradients are summed).
         if not products or (param.grad_sync and not odd):
             continue
-        if min(param.global_shape) * plan.tp <= max(param.global_shape):
-            # A narrow matrix (a router over few experts, a scalar gate, a low-rank down
-            # projection): replicated by design, as in Megatron; sharding it would cost
-            # more communication than the compute it saves.
+        if min(param.global_shape) * 4 * plan.tp <= max(param.global_shape):
+            # A narrow matrix (a router over a few experts, a scalar gate): replicated by
+            # design, as in Megatron; sharding it would cost more communication than the
+            # compute it saves.
             continue
         why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
                f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else

@@ -14,9 +14,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture import Captured, make_call, sequence_symbols, size_expr, tensor_inputs
+from autotp.capture import (Captured, make_call, node_arg, sequence_symbols, size_expr,
+                            tensor_inputs)
 from autotp.errors import NoRuleError, where
-from autotp.layout import R, R_STAR, Layout, Replicate, Shard
+from autotp.layout import R, R_STAR, Blocks, Layout, Replicate, Shard, proportions
 from autotp.planner.cost import CostModel
 from autotp.rules.registry import Registry, Strategy
 
@@ -77,17 +78,53 @@ def output_layout(have: Any, options: PlanOptions) -> Any:
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
 
 
-def block_counts(gm: fx.GraphModule) -> tuple[int, ...]:
-    """Segment counts worth considering for blocked shards: the arity of equal splits (a fused
-    q|k|v or gate|up projection is split into its parts)."""
-    counts = {1}
+def _sliced_segments(node: fx.Node) -> list[int]:
+    """The sizes of slices of ``node`` along one dim that tile it (``qkv[..., :q]``,
+    ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``), or [] when its slices do not."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return []
+    by_dim: dict[int, set] = {}
+    for user in node.users:
+        if user.target != aten.slice.Tensor or user.args[0] is not node:
+            continue
+        dim = node_arg(user, 1, "dim", 0) % val.ndim
+        size = val.shape[dim]
+        start, end = node_arg(user, 2, "start") or 0, node_arg(user, 3, "end")
+        if node_arg(user, 4, "step", 1) != 1 or not isinstance(size, int):
+            continue
+        end = size if end is None or (isinstance(end, int) and end >= size) else end
+        if isinstance(start, int) and isinstance(end, int):
+            by_dim.setdefault(dim, set()).add((start, end))
+    for dim, ranges in by_dim.items():
+        ordered = sorted(ranges)
+        if len(ordered) > 1 and ordered[0][0] == 0 and ordered[-1][1] == val.shape[dim] and \
+                all(a[1] == b[0] for a, b in zip(ordered, ordered[1:])):
+            return [end - start for start, end in ordered]
+    return []
+
+
+def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
+    """Segmentations worth considering for blocked shards: those of the graph's splits (a
+    fused q|k|v or gate|up projection split into its parts): their count when the parts
+    are equal, their proportions when not (q|k|v with fewer k/v heads)."""
+    counts: set = {1}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (
                 aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             val = node.meta.get("val")
-            if isinstance(val, (list, tuple)) and len(val) > 1:
+            if not isinstance(val, (list, tuple)) or len(val) < 2:
+                continue
+            dim = node_arg(node, 2, "dim", 0)
+            sizes = [v.shape[dim] for v in val if isinstance(v, torch.Tensor)]
+            if len(sizes) == len(val) and all(isinstance(size, int) for size in sizes):
+                counts.add(proportions(sizes))
+            else:
                 counts.add(len(val))
-    return tuple(sorted(counts))
+        tiling = _sliced_segments(node)
+        if tiling:
+            counts.add(proportions(tiling))
+    return tuple(sorted(counts, key=lambda b: (isinstance(b, tuple), b)))
 
 
 def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:

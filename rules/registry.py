@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import sympy
 import torch
 
-from autotp.layout import R, R_STAR, Layout, Partial, Replicate, Shard
+from autotp.layout import R, R_STAR, Blocks, Layout, Partial, Replicate, Shard, block_units
 
 Size = Union[int, sympy.Expr]
 
@@ -49,11 +49,11 @@ class TensorMeta:
             return int(size)
         return None
 
-    def shardable(self, dim: int, tp: int, blocks: int = 1) -> bool:
+    def shardable(self, dim: int, tp: int, blocks: Blocks = 1) -> bool:
         if self.shape[dim] in self.split:
             return blocks == 1
         size = self.static(dim)
-        return size is not None and size > 1 and size % (tp * blocks) == 0
+        return size is not None and size > 1 and size % (tp * block_units(blocks)) == 0
 
     @property
     def floating(self) -> bool:
@@ -103,7 +103,7 @@ class OpCall:
     inputs: tuple[TensorMeta, ...]
     output: Union[TensorMeta, tuple[Optional[TensorMeta], ...], None]
     tp: int
-    blocks: tuple[int, ...] = (1,)
+    blocks: tuple[Blocks, ...] = (1,)
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         if index < len(self.args):

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 import sympy
 import torch
 
-from autotp.layout import P, R, Shard
+from autotp.layout import P, R, Shard, proportions, segment_sizes
 from autotp.rules.registry import (
     OpCall,
     RuleSet,
@@ -97,7 +97,7 @@ def map_shard_through_view(
             return None
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
-        if layout.blocks > 1 and not identity:
+        if layout.blocks != 1 and not identity:
             return None
         if not dst.shardable(out_dim, tp, layout.blocks):
             return None
@@ -211,16 +211,51 @@ def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -
     return isinstance(end, int) and (end >= 2**62 or (size is not None and end >= size))
 
 
+def _block_of_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any,
+                    blocks: Any) -> bool:
+    """Whether ``x[start:end]`` along ``dim`` is exactly one segment of ``blocks``."""
+    size = src.static(dim)
+    if blocks == 1 or size is None or step not in (None, 1):
+        return False
+    start = 0 if start is None else start
+    end = size if end is None or (isinstance(end, int) and end >= size) else end
+    if not isinstance(start, int) or not isinstance(end, int):
+        return False
+    edges = [0]
+    for segment in segment_sizes(size, blocks):
+        edges.append(edges[-1] + segment)
+    return any(edges[j] == start and edges[j + 1] == end for j in range(len(edges) - 1))
+
+
 @rules.register(aten.slice.Tensor)
 def slice_rule(call: OpCall) -> Iterator[Strategy]:
+    """A slice keeps shards of other dims (and of its own dim when it takes all of it); a
+    slice that takes one segment of a blocked shard (Phi-3's ``qkv[..., :q_size]``) is a
+    plain shard of that segment."""
     src = call.inputs[0]
     dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
-    full = _is_full_slice(src, dim, call.arg(2, "start"), call.arg(3, "end"),
-                          call.arg(4, "step", 1))
+    start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1)
+    full = _is_full_slice(src, dim, start, end, step)
     yield Strategy((P,), P, name="linear")
     for d, blocks in shardable_dims(src, call):
         if d != dim or full:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="view")
+        elif _block_of_slice(src, dim, start, end, step, blocks):
+            yield Strategy((Shard(d, blocks),), Shard(d), name="slice block")
+
+
+@rules.lowering(aten.slice.Tensor)
+def localize_slice_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    """A segment of a blocked shard starts and ends at the global bounds / tp locally."""
+    if strategy.output == strategy.inputs[0] or not isinstance(strategy.output, Shard):
+        return
+    args = list(node.args) + [None] * (4 - len(node.args))
+    size = node.args[0].meta["val"].shape[strategy.output.dim]
+    start = args[2] or 0
+    end = size if args[3] is None or (isinstance(args[3], int) and args[3] >= size) \
+        else args[3]
+    node.args = (args[0], args[1], ctx.local_size_arg(start, node) if start else 0,
+                 ctx.local_size_arg(end, node), *node.args[4:])
 
 
 @rules.register(aten.select.int)
@@ -244,10 +279,13 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
     for d, blocks in shardable_dims(src, call):
         if d != dim:
             yield Strategy((Shard(d, blocks),), (Shard(d, blocks),) * n, name="view")
-    # A blocked shard with one block per piece splits into plain shards (fused q|k|v).
-    sizes = {o.shape[dim] for o in outputs if o is not None}
-    if n > 1 and len(sizes) == 1 and src.shardable(dim, call.tp, n):
-        yield Strategy((Shard(dim, n),), (Shard(dim),) * n, name="split blocks")
+    # A blocked shard with one block per piece splits into plain shards (fused q|k|v; with
+    # fewer k/v heads the pieces are unequal and the blocks are their proportions).
+    sizes = [o.shape[dim] for o in outputs if o is not None]
+    if n > 1 and len(sizes) == n and all(isinstance(size, int) for size in sizes):
+        blocks = proportions(sizes)
+        if src.shardable(dim, call.tp, blocks):
+            yield Strategy((Shard(dim, blocks),), (Shard(dim),) * n, name="split blocks")
 
 
 @rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)

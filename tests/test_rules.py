@@ -17,7 +17,7 @@ import sympy
 import torch
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
-from autotp.layout import R, R_STAR, Partial, Replicate, Shard
+from autotp.layout import R, R_STAR, Partial, Replicate, Shard, parse_layout
 from autotp.rules import misc
 from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta, output_layouts
 from autotp.rules.views import map_shard_through_view, view_groups
@@ -423,6 +423,52 @@ def test_strategies_are_exact(op: Any, index: int, tp: int) -> None:
         assert not sharded, f"{op} is replicated-only by design but offers {sharded}"
     else:
         assert sharded, f"{op} sample {index} at tp={tp} exercised no Shard/Partial strategy"
+
+
+# ---- unequal blocks: a fused q|k|v with fewer k/v heads ---------------------------------
+
+# q of 16 columns, k and v of 8 each: proportions 2:1:1, split or sliced into its parts
+UNEQUAL = [
+    (aten.split_with_sizes.default, (randn(4, 32), [16, 8, 8], 1)),
+    (aten.slice.Tensor, (randn(4, 32), 1, 0, 16)),
+    (aten.slice.Tensor, (randn(4, 32), 1, 16, 24)),
+    (aten.slice.Tensor, (randn(4, 32), 1, 24, MAX_INT)),
+    (aten.linear.default, (randn(3, 8), randn(32, 8))),
+    (aten.add.Tensor, (randn(4, 32), randn(32))),
+]
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(("op", "args"), UNEQUAL, ids=lambda v: str(v)[:40])
+def test_unequal_blocks_are_exact(op: Any, args: tuple, tp: int) -> None:
+    checks = check_op(op, _clone(args), tp=tp, blocks=(1, (2, 1, 1)))
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, "\n".join(failing)
+    blocked = [str(c.strategy) for c in checks if "x2:1:1" in str(c.strategy)]
+    assert blocked, [str(c.strategy) for c in checks]
+    if op in (aten.split_with_sizes.default, aten.slice.Tensor):  # the parts come out plain
+        assert any(str(c.strategy).endswith(("-> (S(1), S(1), S(1))  [split blocks]",
+                                             "-> S(1)  [slice block]")) for c in checks)
+
+
+def test_unequal_blocks_shard_gather_and_print() -> None:
+    from autotp.collectives import _rank_major, _segment_major, local_slice
+    from autotp.layout import shard_tensor, unshard_tensor
+
+    layout = parse_layout("S(1)x2:1:1")
+    assert layout == Shard(1, (2, 1, 1)) and str(layout) == "S(1)x2:1:1"
+    full = torch.arange(4 * 32.0).reshape(4, 32)
+    for tp in TPS:
+        pieces = [shard_tensor(full, layout, r, tp) for r in range(tp)]
+        # rank r: its slice of q, of k, of v
+        assert torch.equal(pieces[1][:, :16 // tp], full[:, 16 // tp:2 * 16 // tp])
+        assert torch.equal(unshard_tensor(pieces, layout), full)
+        assert all(torch.equal(local_slice(full, layout, r, tp), pieces[r]) for r in range(tp))
+        ordered = _rank_major(full, 1, (2, 1, 1), tp)
+        assert torch.equal(ordered, torch.cat(pieces, 1))
+        assert torch.equal(_segment_major(ordered, 1, (2, 1, 1), tp), full)
+    with pytest.raises(ValueError):
+        Shard(0, (2, 2))  # equal segments are an int
 
 
 # ---- the reshape algebra -------------------------------------------------------------------

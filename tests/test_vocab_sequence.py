@@ -181,7 +181,7 @@ def test_sequence_length_not_divisible_by_tp_is_refused() -> None:
         sim.run(lambda m: m(input_ids=ids, labels=ids))
 
 
-@pytest.mark.parametrize("text", ["R", "R*", "P", "P(lse)", "S(0)", "S(2)x3"])
+@pytest.mark.parametrize("text", ["R", "R*", "P", "P(lse)", "S(0)", "S(2)x3", "S(0)x2:1:1"])
 def test_layouts_print_and_parse_back(text: str) -> None:
     assert str(parse_layout(text)) == text
 
