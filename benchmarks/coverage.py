@@ -1,25 +1,48 @@
 """Which transformers families autotp runs exactly, and at which cost: the README's table.
 
-    python benchmarks/coverage.py                  # print the table (tp 2 and 4)
-    python benchmarks/coverage.py --write-readme   # and replace it in README.md
+    python benchmarks/coverage.py                       # print the table (tp 2 and 4)
+    python benchmarks/coverage.py --write-readme        # and replace it in README.md
+    python benchmarks/coverage.py --families Mixtral,T5 --tp 2 --json rows.json
 
-Each family is a small model from its transformers config, every weight perturbed (biases
-and norm scales too), run unsharded and in simulation at each tp on the same weights and
-inputs: logits (every floating output), a loss over them, and every gradient. A row says
-"exact" (within the tolerances below), "exact, N replicated" (exact, with matrices left
-replicated: the plan's fallbacks), "refused" (an AutotpError naming what to change) or
-"MISMATCH". The collectives column is the set of (forward, backward) counts per layer.
-tests/test_coverage.py runs every family at tp = 2 and checks the README's rows.
+Each family is a small model from its transformers config (hidden 64, 2 layers, 8 heads,
+vocabulary 128), every weight perturbed (biases and norm scales too), run unsharded and in
+simulation at each tp on the same weights and inputs: logits (every floating output), a loss
+over them, and every gradient. A row says "exact" (within the tolerances below), "exact, N
+replicated" (exact, with matrices left replicated: the plan's fallbacks), "refused" (an
+AutotpError naming what to change), "MISMATCH", or "CRASH: <type>: <message>" (any other
+exception, in the reference run, the plan or the simulation).
+
+The other columns are per transformer layer: the collectives rank 0 executed in one forward
+and backward, from its communicator's log, in the layers other than None (embeddings, head,
+the bucketed gradient sum) and -1; an encoder's layers and a decoder's are told apart by
+the module list the plan records for each collective. Every distinct value over the layers
+is listed, and where the tps differ, each tp's in tp order ("a / b"):
+
+- collectives (fwd, bwd): how many ran in the forward and the backward of a layer.
+- bytes (fwd, bwd): the bytes those collectives carried, as a multiple of Megatron's two
+  all-reduces of B x T x h (2*B*T*h elements at the model's dtype; B, T: the example's batch
+  and tokens, h: the hidden size). Each collective counts the bytes of the whole tensor the
+  log records for it: the tensor reduced (all-reduce, reduce-scatter) or the tensor gathered
+  (all-gather), whatever the tp and however the backend moves it.
+- largest replicated: the largest 2-D parameter whose plan layout is replicated (an
+  embedding too), as rows x columns.
+- fallbacks: how many entries the plan's fallbacks list has.
+
+tests/test_coverage.py reruns families at tp = 2 and checks the README's status words.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import re
 import sys
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -29,6 +52,9 @@ sys.path.insert(0, str(ROOT))
 ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 VOCAB = 128
+BATCH, TOKENS = 2, 12
+IMAGE, PATCH = 32, 8  # ViT: (32/8)^2 = 16 patches and the class token
+TIMEOUT = 60.0  # seconds a simulated rank waits at a collective before the row says CRASH
 
 
 def _tf() -> Any:
@@ -46,51 +72,113 @@ def _decoder(cls: str, config: str, **fields: Any) -> Callable[[], Any]:
     def build() -> Any:
         tf = _tf()
         return getattr(tf, cls)(getattr(tf, config)(**fields))
+    build.__name__ = cls
     return build
+
+
+def _ids(seed: int = 3, tokens: int = TOKENS) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (BATCH, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def text() -> dict[str, Any]:
+    return {"input_ids": _ids()}
+
+
+def seq2seq() -> dict[str, Any]:
+    """Encoder and decoder inputs of the same length, so that one T sizes both."""
+    return {"input_ids": _ids(), "decoder_input_ids": _ids(seed=4)}
+
+
+def image() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(3)
+    return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator)}
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[], Any]
+    inputs: Callable[[], dict[str, Any]] = text  # the example kwargs (fresh tensors each call)
+    tokens: tuple[int, int] = (BATCH, TOKENS)  # B and T of those inputs, for the bytes column
+
+
+def _family(cls: str, config: str, inputs: Callable[[], dict[str, Any]] = text,
+            tokens: tuple[int, int] = (BATCH, TOKENS), **fields: Any) -> Family:
+    return Family(_decoder(cls, config, **fields), inputs, tokens)
 
 
 LLAMA_LIKE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                   num_attention_heads=8, num_key_value_heads=4, **_small())
-FAMILIES: dict[str, Callable[[], Any]] = {
-    "GPT-2": _decoder("GPT2LMHeadModel", "GPT2Config", n_layer=2, n_embd=64, n_head=8,
-                      vocab_size=VOCAB, n_positions=64),
-    "LLaMA (GQA)": _decoder("LlamaForCausalLM", "LlamaConfig", **{**LLAMA_LIKE,
-                                                                 "num_key_value_heads": 2}),
-    "Mistral": _decoder("MistralForCausalLM", "MistralConfig", **LLAMA_LIKE),
-    "Qwen2": _decoder("Qwen2ForCausalLM", "Qwen2Config", **LLAMA_LIKE),
-    "Gemma": _decoder("GemmaForCausalLM", "GemmaConfig", head_dim=8, **LLAMA_LIKE),
-    "Starcoder2": _decoder("Starcoder2ForCausalLM", "Starcoder2Config", **LLAMA_LIKE),
-    "GPT-NeoX": _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", num_hidden_layers=2,
-                         hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                         **_small()),
-    "OPT": _decoder("OPTForCausalLM", "OPTConfig", num_hidden_layers=2, hidden_size=64,
-                    ffn_dim=128, num_attention_heads=8, word_embed_proj_dim=64, **_small()),
-    "Phi": _decoder("PhiForCausalLM", "PhiConfig", num_hidden_layers=2, hidden_size=64,
+FAMILIES: dict[str, Family] = {
+    "GPT-2": _family("GPT2LMHeadModel", "GPT2Config", n_layer=2, n_embd=64, n_head=8,
+                     vocab_size=VOCAB, n_positions=64),
+    "LLaMA (GQA)": _family("LlamaForCausalLM", "LlamaConfig", **{**LLAMA_LIKE,
+                                                                "num_key_value_heads": 2}),
+    "Mistral": _family("MistralForCausalLM", "MistralConfig", **LLAMA_LIKE),
+    "Qwen2": _family("Qwen2ForCausalLM", "Qwen2Config", **LLAMA_LIKE),
+    "Gemma": _family("GemmaForCausalLM", "GemmaConfig", head_dim=8, **LLAMA_LIKE),
+    "Starcoder2": _family("Starcoder2ForCausalLM", "Starcoder2Config", **LLAMA_LIKE),
+    "GPT-NeoX": _family("GPTNeoXForCausalLM", "GPTNeoXConfig", num_hidden_layers=2,
+                        hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                        **_small()),
+    "OPT": _family("OPTForCausalLM", "OPTConfig", num_hidden_layers=2, hidden_size=64,
+                   ffn_dim=128, num_attention_heads=8, word_embed_proj_dim=64, **_small()),
+    "Phi": _family("PhiForCausalLM", "PhiConfig", num_hidden_layers=2, hidden_size=64,
+                   intermediate_size=128, num_attention_heads=8, **_small()),
+    "GPT-J": _family("GPTJForCausalLM", "GPTJConfig", n_layer=2, n_embd=64, n_head=8,
+                     rotary_dim=4, vocab_size=VOCAB, n_positions=64),
+    "Bloom": _family("BloomForCausalLM", "BloomConfig", n_layer=2, hidden_size=64, n_head=8,
+                     vocab_size=VOCAB),
+    "BERT": _family("BertModel", "BertConfig", num_hidden_layers=2, hidden_size=64,
                     intermediate_size=128, num_attention_heads=8, **_small()),
-    "GPT-J": _decoder("GPTJForCausalLM", "GPTJConfig", n_layer=2, n_embd=64, n_head=8,
-                      rotary_dim=4, vocab_size=VOCAB, n_positions=64),
-    "Bloom": _decoder("BloomForCausalLM", "BloomConfig", n_layer=2, hidden_size=64, n_head=8,
-                      vocab_size=VOCAB),
-    "BERT": _decoder("BertModel", "BertConfig", num_hidden_layers=2, hidden_size=64,
-                     intermediate_size=128, num_attention_heads=8, **_small()),
-    "RoBERTa": _decoder("RobertaModel", "RobertaConfig", num_hidden_layers=2, hidden_size=64,
-                        intermediate_size=128, num_attention_heads=8, pad_token_id=1,
-                        **{**_small(), "max_position_embeddings": 70}),
-    "DistilBERT": _decoder("DistilBertModel", "DistilBertConfig", n_layers=2, dim=64,
-                           hidden_dim=128, n_heads=8, **_small()),
-    "LLaMA sequence classification": _decoder("LlamaForSequenceClassification", "LlamaConfig",
-                                              num_labels=4, pad_token_id=0, **LLAMA_LIKE),
-    "BERT token classification": _decoder("BertForTokenClassification", "BertConfig",
-                                          num_hidden_layers=2, hidden_size=64, num_labels=4,
-                                          intermediate_size=128, num_attention_heads=8,
-                                          **_small()),
-    "Phi-3 (GQA, fused qkv)": _decoder("Phi3ForCausalLM", "Phi3Config", pad_token_id=0,
-                                       **LLAMA_LIKE),
-    "GPTBigCode (multi-query)": _decoder("GPTBigCodeForCausalLM", "GPTBigCodeConfig",
-                                         n_layer=2, n_embd=64, n_head=8, multi_query=True,
-                                         vocab_size=VOCAB, n_positions=64),
-    "Falcon": _decoder("FalconForCausalLM", "FalconConfig", num_hidden_layers=2,
-                       hidden_size=64, num_attention_heads=8, vocab_size=VOCAB),
+    "RoBERTa": _family("RobertaModel", "RobertaConfig", num_hidden_layers=2, hidden_size=64,
+                       intermediate_size=128, num_attention_heads=8, pad_token_id=1,
+                       **{**_small(), "max_position_embeddings": 70}),
+    "DistilBERT": _family("DistilBertModel", "DistilBertConfig", n_layers=2, dim=64,
+                          hidden_dim=128, n_heads=8, **_small()),
+    "LLaMA sequence classification": _family("LlamaForSequenceClassification", "LlamaConfig",
+                                             num_labels=4, pad_token_id=0, **LLAMA_LIKE),
+    "BERT token classification": _family("BertForTokenClassification", "BertConfig",
+                                         num_hidden_layers=2, hidden_size=64, num_labels=4,
+                                         intermediate_size=128, num_attention_heads=8,
+                                         **_small()),
+    "Phi-3 (GQA, fused qkv)": _family("Phi3ForCausalLM", "Phi3Config", pad_token_id=0,
+                                      **LLAMA_LIKE),
+    "GPTBigCode (multi-query)": _family("GPTBigCodeForCausalLM", "GPTBigCodeConfig",
+                                        n_layer=2, n_embd=64, n_head=8, multi_query=True,
+                                        vocab_size=VOCAB, n_positions=64),
+    "Falcon": _family("FalconForCausalLM", "FalconConfig", num_hidden_layers=2,
+                      hidden_size=64, num_attention_heads=8, vocab_size=VOCAB),
+    # ---- dense decoders --------------------------------------------------------------------
+    "Qwen3": _family("Qwen3ForCausalLM", "Qwen3Config", head_dim=8, **LLAMA_LIKE),
+    "OLMo2": _family("Olmo2ForCausalLM", "Olmo2Config", **LLAMA_LIKE),
+    "Gemma3": _family("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=8, sliding_window=16,
+                      **LLAMA_LIKE),
+    "Granite": _family("GraniteForCausalLM", "GraniteConfig", **LLAMA_LIKE),
+    "StableLM": _family("StableLmForCausalLM", "StableLmConfig", **LLAMA_LIKE),
+    "Cohere": _family("CohereForCausalLM", "CohereConfig", **LLAMA_LIKE),
+    # ---- mixtures of experts ---------------------------------------------------------------
+    "Mixtral (MoE)": _family("MixtralForCausalLM", "MixtralConfig", num_local_experts=4,
+                             num_experts_per_tok=2, **LLAMA_LIKE),
+    "Qwen2-MoE (shared expert)": _family("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128, **LLAMA_LIKE),
+    "Qwen3-MoE": _family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, **LLAMA_LIKE),
+    "OLMoE": _family("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2,
+                     **LLAMA_LIKE),
+    "DeepSeek-V3 (MLA, MoE)": _family(
+        "DeepseekV3ForCausalLM", "DeepseekV3Config",
+        **{**LLAMA_LIKE, "num_key_value_heads": 8}, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=32),
+    # ---- encoder-decoder, vision -----------------------------------------------------------
+    "T5 (encoder-decoder)": _family("T5ForConditionalGeneration", "T5Config", seq2seq,
+                                    num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128,
+                                    d_kv=8, num_heads=8, vocab_size=VOCAB),
+    "ViT": _family("ViTModel", "ViTConfig", image, (BATCH, (IMAGE // PATCH) ** 2 + 1),
+                   num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                   num_attention_heads=8, image_size=IMAGE, patch_size=PATCH),
 }
 
 
@@ -102,97 +190,337 @@ def perturb(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     return model
 
 
-def check(name: str, tp: int) -> dict[str, Any]:
-    """One family at one tp: the row of the table, with the numbers behind it."""
+def status_word(status: str) -> str:
+    """The first word of a status cell: exact / exact, / refused / MISMATCH / CRASH."""
+    return re.split(r"[ (:]", status.strip(), maxsplit=1)[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _crash(exc: BaseException) -> str:
+    return f"CRASH: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def hidden_size(model: torch.nn.Module) -> int:
+    config = model.config
+    for name in ("hidden_size", "d_model", "n_embd", "dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"no hidden size in {type(config).__name__}")
+
+
+def largest_replicated(plan: Any) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
+    """The largest 2-D parameter the plan keeps replicated (shape, name); (None, None): none."""
+    best: tuple[int, Optional[tuple[int, ...]], Optional[str]] = (0, None, None)
+    for name, param in plan.params.items():
+        shape = tuple(param.global_shape)
+        if len(shape) == 2 and param.layout.startswith("R") and shape[0] * shape[1] > best[0]:
+            best = (shape[0] * shape[1], shape, name)
+    return best[1], best[2]
+
+
+def _stack(module: Optional[str]) -> str:
+    """``encoder.block`` of ``encoder.block.0.layer.1.DenseReluDense.wo``: the module list
+    the layer index counts in ("" where the path has no index)."""
+    match = re.match(r"(.*?)\.\d+(?:\.|$)", module or "")
+    return match.group(1) if match else ""
+
+
+def layer_traffic(log: Any, plan: Any, unit: float) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per layer, (module list, index), of the layers not None nor -1: the collectives and
+    the bytes / ``unit`` executed, per phase. The log numbers the layers of each module list
+    from 0 (an encoder's and a decoder's layer 0 are both 0); the plan's record of each
+    collective (the value it moves, labelled in the log) tells which list it serves."""
+    stacks: dict[tuple[str, str, str, Optional[int]], str] = {}
+    by_index: dict[Optional[int], set[str]] = {}
+    for c in plan.collectives:
+        stacks.setdefault((c.node, c.phase, c.kind, c.layer), _stack(c.module))
+        if _stack(c.module):
+            by_index.setdefault(c.layer, set()).add(_stack(c.module))
+    for (node, phase, kind, layer), stack in stacks.items():  # no module (a weight's gather):
+        if not stack and len(by_index.get(layer, ())) == 1:  # the one list of that index
+            stacks[(node, phase, kind, layer)] = next(iter(by_index[layer]))
+    table: dict[tuple[str, int], dict[str, Any]] = {}
+    for event in log.events:
+        if event.layer is None or event.layer == -1:
+            continue
+        value = event.label.split(" ")[0]
+        key = (stacks.get((value, event.phase, event.kind, event.layer), ""), event.layer)
+        entry = table.setdefault(key, {"forward": 0, "backward": 0,
+                                       "forward_bytes": 0, "backward_bytes": 0})
+        entry[event.phase] += 1
+        entry[f"{event.phase}_bytes"] += event.nbytes
+    for entry in table.values():
+        entry["forward_ratio"] = entry["forward_bytes"] / unit
+        entry["backward_ratio"] = entry["backward_bytes"] / unit
+    return table
+
+
+@contextlib.contextmanager
+def _trace_once() -> Iterator[None]:
+    """Inside, autotp traces a model once for all its tps: the plan and the rank programs are
+    made from the capture afresh at each tp (the rewriter copies its graph), and torch.export
+    is most of a row's time. A traced failure is raised again at the next tp."""
+    import autotp.api as api
+
+    original = getattr(api, "capture", None)
+    if original is None:  # autotp changed: trace at every tp
+        yield
+        return
+    cache: dict[tuple[int, int], Any] = {}
+
+    def capture(model: Any, example_args: Any = None, example_kwargs: Any = None,
+                *rest: Any, **options: Any) -> Any:
+        if rest or options:
+            return original(model, example_args, example_kwargs, *rest, **options)
+        key = (id(model), id(example_kwargs))
+        if key not in cache:
+            try:
+                cache[key] = original(model, example_args, example_kwargs)
+            except Exception as exc:  # noqa: BLE001 - raised again, the same, at each tp
+                cache[key] = exc
+        if isinstance(cache[key], Exception):
+            raise cache[key]
+        return cache[key]
+
+    api.capture = capture
+    try:
+        yield
+    finally:
+        api.capture = original
+
+
+def check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
+    """One family at each tp of ``tps``: the rows of the table, with the numbers behind them.
+    Never raises (but for KeyboardInterrupt): a failure is the row's status."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _check_family(name, tps)
+
+
+def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
     import autotp
     from autotp.cli import first_float, generic_loss
-    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.verify import compare, reference_step, sharded_step
 
-    torch.manual_seed(0)
-    model = perturb(FAMILIES[name]()).eval()
-    ids = torch.randint(2, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    kwargs = {"input_ids": ids}
-    row: dict[str, Any] = {"family": name, "tp": tp, "model": type(model).__name__}
+    family = FAMILIES[name]
+    rows = [{"family": name, "tp": tp, "model": family.build.__name__, "detail": ""}
+            for tp in tps]
+    started = time.perf_counter()
+    try:  # the model, its example and the unsharded step: the same at every tp
+        torch.manual_seed(0)
+        model = perturb(family.build()).eval()
+        for row in rows:
+            row["model"] = type(model).__name__
+        kwargs = family.inputs()
+
+        def call(module: torch.nn.Module) -> Any:
+            return module(**kwargs)
+
+        reference = reference_step(model, call, generic_loss, first_float)
+        dtype = next(model.parameters()).dtype
+        batch, tokens = family.tokens
+        # Megatron's per-layer traffic each way: two all-reduces of B x T x h
+        unit = 2 * batch * tokens * hidden_size(model) * dtype.itemsize
+    except Exception as exc:  # noqa: BLE001 - the family itself fails: every tp says so
+        for row in rows:
+            row.update(status=_crash(exc), detail=_first_line(exc), seconds=0.0)
+        return rows
+    setup = time.perf_counter() - started
+    with _trace_once():
+        for row in rows:
+            started = time.perf_counter()
+            _check_tp(row, model, kwargs, call, reference, unit, autotp, compare, sharded_step,
+                      generic_loss, first_float)
+            row["seconds"] = round(time.perf_counter() - started + setup / len(rows), 2)
+    return rows
+
+
+def _check_tp(row: dict[str, Any], model: Any, kwargs: dict[str, Any], call: Any,
+              reference: Any, unit: float, autotp: Any, compare: Any, sharded_step: Any,
+              loss: Any, pick: Any) -> None:
+    tp = row["tp"]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sim = autotp.simulate(model, tp, example_kwargs=kwargs)
+        sim = autotp.simulate(model, tp, example_kwargs=kwargs, timeout=TIMEOUT)
     except autotp.AutotpError as exc:
-        row.update(status="refused", detail=str(exc).splitlines()[0])
-        return row
-
-    def call(module: torch.nn.Module) -> Any:
-        return module(**kwargs)
-
-    reference = reference_step(model, call, generic_loss, first_float)
-    results = sim.run(lambda m: sharded_step(m, call, generic_loss, first_float))
-    worst = max((compare(reference, r) for r in results), key=lambda c: c.grad_rel)
-    exact = all(compare(reference, r).ok(ATOL, ATOL) for r in results)
-    counts = layer_counts(sim.ranks[0].comm.log)
-    per_layer = sorted({(v["forward"], v["backward"]) for k, v in counts.items()
-                        if k is not None and k != -1})
+        row.update(status="refused", detail=_first_line(exc))
+        return
+    except Exception as exc:  # noqa: BLE001 - a bug: the row says which
+        row.update(status=_crash(exc), detail=_first_line(exc))
+        return
+    shape, param = largest_replicated(sim.plan)
     fallbacks = len(sim.plan.fallbacks)
+    row.update(fallbacks=fallbacks, largest_replicated=list(shape) if shape else None,
+               largest_replicated_param=param)
+    try:
+        results = sim.run(lambda m: sharded_step(m, call, loss, pick))
+        comparisons = [compare(reference, r) for r in results]
+    except autotp.AutotpError as exc:
+        row.update(status="refused", detail=_first_line(exc))
+        return
+    except Exception as exc:  # noqa: BLE001
+        row.update(status=_crash(exc), detail=_first_line(exc))
+        return
+    worst = max(comparisons, key=lambda c: c.grad_rel)
+    exact = all(c.ok(ATOL, ATOL) for c in comparisons)
+    traffic = layer_traffic(sim.ranks[0].comm.log, sim.plan, unit)
+    per_layer = sorted({(v["forward"], v["backward"]) for v in traffic.values()})
+    ratios = sorted({(round(v["forward_ratio"], 3), round(v["backward_ratio"], 3))
+                     for v in traffic.values()})
     status = "MISMATCH" if not exact else \
         (f"exact, {fallbacks} replicated" if fallbacks else "exact")
     row.update(status=status, output_diff=worst.output_diff, loss_diff=worst.loss_diff,
-               grad_rel=worst.grad_rel, per_layer=per_layer, fallbacks=fallbacks, detail="")
-    return row
+               grad_rel=worst.grad_rel, worst_param=worst.worst_param, per_layer=per_layer,
+               bytes_ratio=ratios, megatron_bytes=unit,
+               layers={f"{stack}.{index}".lstrip("."): v
+                       for (stack, index), v in sorted(traffic.items())})
+
+
+def check(name: str, tp: int) -> dict[str, Any]:
+    """One family at one tp."""
+    return check_family(name, [tp])[0]
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".") if x else "0"
+
+
+def _per_tp(values: list[str]) -> str:
+    """One value if every tp agrees, else each tp's, in tp order ("-": none, or no plan)."""
+    return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+
+HEADER = ("| family | model | {tps} | collectives / layer (fwd, bwd) | bytes / layer, x Megatron "
+          "(fwd, bwd) | largest replicated matrix | fallbacks |")
+
+
+def _short(text: str, limit: int = 100) -> str:
+    text = text.replace("|", "/")
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 
 
 def table(rows: list[dict[str, Any]], tps: list[int]) -> str:
     by = {(r["family"], r["tp"]): r for r in rows}
-    head = "| family | model | " + " | ".join(f"tp = {tp}" for tp in tps) + \
-        " | collectives per layer (fwd, bwd) |"
-    lines = [head, "|" + "---|" * (3 + len(tps))]
+    head = HEADER.format(tps=" | ".join(f"tp = {tp}" for tp in tps))
+    lines = [head, "|" + "---|" * (6 + len(tps))]
     for family in dict.fromkeys(r["family"] for r in rows):
-        cells, layers = [], set()
-        for tp in tps:
+        cells: list[str] = []
+        counts, ratios, largest, fallbacks = [], [], [], []
+        for i, tp in enumerate(tps):
             r = by[(family, tp)]
-            cell = r["status"]
-            if r["status"] == "refused":
-                cell += f": {r['detail'][:90]}"
+            word = status_word(r["status"])
+            if word in ("refused", "CRASH"):
+                before = by[(family, tps[i - 1])] if i else None
+                if before is not None and (before["status"], before["detail"]) == \
+                        (r["status"], r["detail"]):
+                    cell = f"{word} (as tp = {tps[i - 1]})"  # the same reason: said once
+                elif word == "refused":
+                    cell = _short(f"refused: {r['detail']}")
+                else:
+                    cell = _short(r["status"])
             elif "output_diff" in r:
-                cell += f" ({max(r['output_diff'], r['loss_diff']):.0e}, grad {r['grad_rel']:.0e})"
-                layers.update(r["per_layer"])
+                cell = (f"{r['status']} ({max(r['output_diff'], r['loss_diff']):.0e}, "
+                        f"grad {r['grad_rel']:.0e})")
+                counts.append(", ".join(str((f, b)) for f, b in r["per_layer"]) or "-")
+                ratios.append(", ".join(dict.fromkeys(f"({_ratio(f)}, {_ratio(b)})"
+                                                      for f, b in r["bytes_ratio"])) or "-")
+            else:
+                cell = r["status"]
+            if "output_diff" not in r:
+                counts.append("-")
+                ratios.append("-")
             cells.append(cell)
+            shape = r.get("largest_replicated")
+            largest.append("×".join(map(str, shape)) if shape else "-")
+            fallbacks.append(str(r["fallbacks"]) if "fallbacks" in r else "-")
         lines.append(f"| {family} | {by[(family, tps[0])]['model']} | " + " | ".join(cells) +
-                     f" | {', '.join(map(str, sorted(layers))) or '-'} |")
+                     f" | {_per_tp(counts)} | {_per_tp(ratios)} | {_per_tp(largest)} | "
+                     f"{_per_tp(fallbacks)} |")
     return "\n".join(lines)
 
 
 def readme_rows(readme: str) -> dict[str, list[str]]:
     """family -> the status words of each tp column in the README's generated table."""
     section = readme[readme.index(BEGIN):readme.index(END)]
-    out = {}
+    out: dict[str, list[str]] = {}
+    columns: list[int] = []
     for line in section.splitlines():
+        if not line.strip().startswith("|"):
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and cells[0] not in ("family", "---"):
-            out[cells[0]] = [re.split(r"[ (:]", c, maxsplit=1)[0] for c in cells[2:-1]]
+        if cells[0] == "family":
+            columns = [i for i, c in enumerate(cells) if c.startswith("tp = ")]
+        elif columns and not set(cells[0]) <= set("-:"):
+            out[cells[0]] = [status_word(cells[i]) for i in columns]
     return out
+
+
+def select(spec: Optional[str]) -> list[str]:
+    """The families a ``--families`` value names, in FAMILIES order. Names are separated by
+    commas (a name with a comma in it, "Phi-3 (GQA, fused qkv)", is read whole); each is a
+    whole name or the part before its parenthesis ("Phi-3"), in any case."""
+    if not spec:
+        return list(FAMILIES)
+
+    def key(text: str) -> str:
+        return " ".join(text.lower().split())
+
+    names = {key(n): n for n in FAMILIES}
+    names.update({key(n.split(" (")[0]): n for n in FAMILIES if key(n.split(" (")[0]) not in names})
+    parts, chosen, i = spec.split(","), set(), 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):  # the longest run of parts that is a name
+            found = names.get(key(",".join(parts[i:j])))
+            if found:
+                chosen.add(found)
+                i = j
+                break
+        else:
+            raise SystemExit(f"--families: no family {parts[i].strip()!r}; the families: "
+                             + "; ".join(FAMILIES))
+    return [n for n in FAMILIES if n in chosen]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", default="2,4")
+    parser.add_argument("--families", help="comma-separated names (default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows there as JSON")
     parser.add_argument("--write-readme", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tps = [int(x) for x in args.tp.split(",")]
+    names = select(args.families)
+    if args.write_readme and names != list(FAMILIES):
+        raise SystemExit("--write-readme writes the whole table: run it without --families")
     rows = []
-    for name in FAMILIES:
-        for tp in tps:
-            rows.append(check(name, tp))
-            r = rows[-1]
-            print(f"{name:32s} tp={tp}: {r['status']} {r.get('detail', '')[:100]}", flush=True)
+    started = time.perf_counter()
+    for name in names:
+        for r in check_family(name, tps):
+            rows.append(r)
+            print(f"{name:32s} tp={r['tp']}: {r['status'][:70]:40s} {r['seconds']:5.1f} s "
+                  f"{r['detail'][:80] if r['status'] == 'refused' else ''}", flush=True)
+    print(f"{len(names)} families, tp {args.tp}: {time.perf_counter() - started:.0f} s")
     text = table(rows, tps)
     print()
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
     if args.write_readme:
         path = ROOT / "README.md"
         readme = path.read_text()
         start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-        note = ("\n<!-- generated by python benchmarks/coverage.py --write-readme; "
-                "(max abs diff of outputs and loss, max relative gradient diff) -->\n")
+        note = ("\n<!-- generated by python benchmarks/coverage.py --write-readme; status: "
+                "(max abs diff of outputs and loss, max relative gradient diff); bytes: per "
+                "layer, over Megatron's two all-reduces of B x T x h -->\n")
         path.write_text(readme[:start] + note + text + "\n" + readme[end:])
         print(f"wrote the table into {path}")
 

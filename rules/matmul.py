@@ -157,3 +157,21 @@ def grouped_mm_rule(call: OpCall) -> Iterator[Strategy]:
     if call.inputs[0].floating and call.inputs[1].floating:
         yield Strategy((P, R, R), P, name="linear")
         yield Strategy((R, P, R), P, name="linear")
+
+
+@rules.register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+def conv_rule(call: OpCall) -> Iterator[Strategy]:
+    """A convolution is a product over input channels (and the kernel window) per output
+    channel: output channels are its column (weight dim 0, output dim 1), input channels its
+    row (input dim 1 with weight dim 1 -> P). Grouped convolutions mix the two: replicated."""
+    x, weight = call.inputs[:2]
+    has_bias = len(call.inputs) == 3
+    if call.arg(6, "groups", 1) != 1 or x.ndim != weight.ndim:
+        return
+    if weight.shardable(0, call.tp):
+        bias = (Shard(0),) if has_bias else ()
+        yield Strategy((R, Shard(0)) + bias, Shard(1), name="column")
+    if not has_bias and x.shardable(1, call.tp) and weight.shardable(1, call.tp):
+        yield Strategy((Shard(1), Shard(1)), P, name="row")
+    if not has_bias and x.floating:
+        yield Strategy((P, R), P, name="linear")

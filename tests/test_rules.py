@@ -289,6 +289,12 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.searchsorted.Tensor: [s(torch.tensor([-1.0, 0.0, 1.0]), X)],
     aten.outer.default: [s(randn(8), randn(12))],
     aten.copy.default: [s(X, randn(8, 12)), s(randn(4, 8, 12), randn(8, 12))],
+    # ---- convolutions (a ViT's patch embedding): output channels column, input row ----
+    aten.conv1d.default: [s(randn(2, 4, 10), randn(8, 4, 3)),
+                          s(randn(2, 4, 10), randn(8, 4, 3), randn(8), [2], [1])],
+    aten.conv2d.default: [s(randn(2, 4, 8, 8), randn(8, 4, 2, 2), None, [2, 2]),
+                          s(randn(2, 4, 6, 6), randn(8, 4, 3, 3), randn(8))],
+    aten.conv3d.default: [s(randn(1, 4, 4, 4, 4), randn(8, 4, 2, 2, 2))],
     # ---- mixture of experts: routing, token gather/scatter, grouped products ----
     aten.histc.default: [s(randint(4, 16).float(), 4, 0, 3)],
     aten.scatter.value: [s(torch.zeros(8, 12), 1, randint(12, 8, 3), 1.0)],
