@@ -6,7 +6,8 @@ slice read from the wrong place, a bias added twice or a norm scale sliced canno
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -45,17 +46,25 @@ def llama() -> Any:
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
-def phi3() -> Any:
+def phi3(kv_heads: int = 8) -> Any:
     """Fused nn.Linear projections: qkv_proj (q|k|v) and gate_up_proj (gate|up)."""
     tf = _tf()
     return tf.Phi3ForCausalLM(tf.Phi3Config(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
+        num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=64,
         bos_token_id=0, eos_token_id=0, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
         attention_dropout=0.0))
 
 
-BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "phi3": phi3}
+def phi3_gqa() -> Any:
+    """Phi-3 with 4 k/v heads for 8 query heads: qkv_proj is q|k|v in proportions 2:1:1,
+    sharded per part (S(0)x2:1:1) at tp = 2 and 4, and stored whole by save_checkpoint."""
+    return phi3(kv_heads=4)
+
+
+BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "phi3": phi3,
+                                          "phi3_gqa": phi3_gqa}
+QKV = "model.layers.0.self_attn.qkv_proj.weight"  # Phi-3's fused q|k|v
 
 
 def save_hf(name: str, directory: str, seed: int = 0, max_shard_size: str = "40KB",
@@ -94,9 +103,10 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
     torch.manual_seed(1000 + rank)
     ids = batch()
     example = {"input_ids": ids, "labels": ids}
-    sharded = autotp.from_pretrained(directory, tp=world_size, dtype=getattr(torch, dtype),
-                                     example_kwargs=example, training=True,
-                                     sequence_parallel=sequence_parallel)
+    with counting_reads() as read:
+        sharded = autotp.from_pretrained(directory, tp=world_size,
+                                         dtype=getattr(torch, dtype), example_kwargs=example,
+                                         training=True, sequence_parallel=sequence_parallel)
     reference = tf.AutoModelForCausalLM.from_pretrained(directory,
                                                         dtype=getattr(torch, dtype))
     reference.train()
@@ -109,11 +119,40 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
                     for n, p in reference.named_parameters())
     weight_diff = max(float((weights[n] - ref_state[n]).abs().max()) for n in weights)
     local = sum(p.numel() for p in sharded.parameters())
+    qkv = next((t for t, p in sharded.plan.params.items() if QKV in p.names), None)
     return {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss - ref_loss),
             "grad": grad_diff, "weights": weight_diff, "dtype": str(logits.dtype),
             "sequence_parallel": sharded.plan.sequence_parallel,
             "local_params": local,
-            "full_params": sum(p.numel() for p in reference.parameters())}
+            "full_params": sum(p.numel() for p in reference.parameters()),
+            "bytes_read": sum(read.values()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
+            "qkv_layout": None if qkv is None else str(sharded.plan.param_layout(qkv)),
+            "qkv_read": read.get(QKV, 0),
+            "qkv_bytes": ref_state[QKV].numel() * ref_state[QKV].element_size()
+            if QKV in ref_state else 0}
+
+
+@contextlib.contextmanager
+def counting_reads() -> Iterator[dict[str, int]]:
+    """Bytes of each checkpoint tensor that autotp asks its files for, by key: a slice
+    counts its own bytes (whatever the file reader fetches around short runs)."""
+    from autotp.tensorfile import TensorFiles
+
+    read: dict[str, int] = {}
+    plain, ranged = TensorFiles.read, TensorFiles.read_range
+
+    def count(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        read[name] = read.get(name, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    TensorFiles.read = lambda self, name: count(name, plain(self, name))  # type: ignore
+    TensorFiles.read_range = lambda self, name, *a: count(  # type: ignore
+        name, ranged(self, name, *a))
+    try:
+        yield read
+    finally:
+        TensorFiles.read, TensorFiles.read_range = plain, ranged  # type: ignore
 
 
 def save_case(rank: int, world_size: int, source: str, target: str) -> int:
@@ -147,21 +186,67 @@ def _train(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return losses
 
 
-def reference_losses(source: str, steps: int) -> list[float]:
+class Reference:
     """Uninterrupted unsharded training: transformers' model, AdamW, the same batches."""
-    tf = _tf()
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model.train()
-    return _train(model, torch.optim.AdamW(model.parameters(), lr=LR), batches(steps))
+
+    def __init__(self, source: str):
+        tf = _tf()
+        torch.manual_seed(0)
+        self.model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.done = 0
+
+    def train(self, steps: int) -> list[float]:
+        losses = _train(self.model, self.optimizer, batches(steps, self.done))
+        self.done += steps
+        return losses
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights as ``model.<name>``, and of AdamW's state as
+        ``optim.<name>.<key>`` (as save_checkpoint names them)."""
+        out = {f"model.{n}": p.detach().clone() for n, p in self.model.named_parameters()}
+        for name, param in self.model.named_parameters():
+            for key, value in self.optimizer.state.get(param, {}).items():
+                out[f"optim.{name}.{key}"] = value.clone()
+        return out
+
+
+def stored_whole(directory: str) -> dict[str, torch.Tensor]:
+    """The tensors a save_checkpoint directory holds whole (``model.<name>``,
+    ``optim.<name>.<key>``), read straight from its files: those of the global shape that
+    its autotp.json records (every tensor of a tp = 1 checkpoint; otherwise the replicated
+    ones and those blocked into unequal segments), and the 0-d step counts."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {name: v["global_shape"]
+              for name, v in json.loads((Path(directory) / "autotp.json").read_text())
+              ["params"].items()}
+    out = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as stored:
+            for key in stored.keys():
+                kind, _, rest = key.partition(".")
+                name = rest if kind == "model" else rest.rpartition(".")[0]
+                tensor = stored.get_tensor(key)
+                if list(tensor.shape) == shapes[name] or (kind == "optim" and
+                                                          tensor.dim() == 0):
+                    out[key] = tensor
+    return out
 
 
 def resume_case(rank: int, world_size: int, source: str, load: str | None, save: str,
-                start: int, steps: int) -> list[float]:
+                start: int, steps: int, export: str | None = None) -> dict[str, Any]:
     """Weights from ``source``; state (weights and AdamW) from ``load`` when given; train
-    ``steps`` batches from batch ``start``; save_checkpoint to ``save``."""
+    ``steps`` batches from batch ``start``; save_checkpoint to ``save``; with ``export``,
+    also save_pretrained there, and (rank 0) load it back with transformers: its largest
+    difference from the trained weights, and whether it holds the same names."""
     import autotp
 
+    tf = _tf()
     torch.set_num_threads(1)
     ids = batch()
     sharded = autotp.from_pretrained(source, tp=world_size, training=True,
@@ -169,9 +254,17 @@ def resume_case(rank: int, world_size: int, source: str, load: str | None, save:
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
     if load is not None:
         autotp.load_checkpoint(sharded, load, optimizer=optimizer)
-    losses = _train(sharded, optimizer, batches(steps, start))
+    out: dict[str, Any] = {"losses": _train(sharded, optimizer, batches(steps, start))}
     autotp.save_checkpoint(sharded, save, optimizer=optimizer)
-    return losses
+    if export is not None:
+        autotp.save_pretrained(sharded, export, max_shard_size="30KB")
+        trained = autotp.full_state_dict(sharded)
+        if rank == 0:
+            again = tf.AutoModelForCausalLM.from_pretrained(export).state_dict()
+            out["export_names"] = set(again) == set(trained)
+            out["export"] = max(float((again[n] - t).abs().max()) if n in again
+                                else float("inf") for n, t in trained.items())
+    return out
 
 
 # ---- memory ---------------------------------------------------------------------------
