@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import os
 import re
 import traceback
@@ -332,6 +333,14 @@ def out_of_place(gm: fx.GraphModule) -> None:
 
 
 def _owns_storage(node: fx.Node) -> bool:
+    """A fresh tensor: the output of an op that returns no alias, or one output of such an
+    op returning several (``topk``'s values)."""
+    if node.op == "call_function" and node.target is operator.getitem and \
+            isinstance(node.args[0], fx.Node):
+        producer = node.args[0]
+        return (producer.op == "call_function" and
+                isinstance(producer.target, torch._ops.OpOverload) and
+                all(r.alias_info is None for r in producer.target._schema.returns))
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     returns = node.target._schema.returns

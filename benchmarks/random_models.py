@@ -46,6 +46,8 @@ class Tally:
     max_diff: dict = field(default_factory=lambda: {k: (0.0, "") for k in DIFFS})
     sharded: list = field(default_factory=list)  # fraction of parameter elements sharded
     seconds: float = 0.0
+    # per option tag of generic.features: examples, matched, refused (per message), FAILED
+    by_feature: dict = field(default_factory=dict)
 
     def record_diffs(self, outcome: Any, label: str) -> None:
         self.sharded.append(outcome.sharded)
@@ -53,6 +55,20 @@ class Tally:
             value = getattr(outcome, key)
             if value >= self.max_diff[key][0]:
                 self.max_diff[key] = (value, label)
+
+    def record_feature(self, tags: list[str], failed: bool, refused: str | None) -> None:
+        """One example's outcome under each of its option tags; an example refused and then
+        FAILED with strict=False counts as FAILED."""
+        for tag in tags:
+            entry = self.by_feature.setdefault(tag, {"examples": 0, "matched": 0, "failed": 0,
+                                                     "refused": Counter()})
+            entry["examples"] += 1
+            if failed:
+                entry["failed"] += 1
+            elif refused is not None:
+                entry["refused"][refused] += 1
+            else:
+                entry["matched"] += 1
 
 
 SEQUENCE_PARALLEL = [False]  # set from the command line
@@ -122,8 +138,13 @@ def run_property(name: str, strategy: Any, examples: int, seed: int) -> Tally:
               suppress_health_check=list(HealthCheck))
     @given(config=strategy, tp=st.sampled_from([2, 4]))
     def prop(config: Any, tp: int) -> None:
+        from generic import features
+
         t0 = time.time()
+        failed, refused = len(tally.failed), Counter(tally.refused)
         status = run_one(tally, config, tp)
+        reason = next(iter(tally.refused - refused), None)  # the message it was refused with
+        tally.record_feature(features(config), len(tally.failed) > failed, reason)
         tally.examples += 1
         print(f"[{name} {tally.examples:>4}/{examples}] tp={tp} {time.time() - t0:5.1f}s "
               f"{status}", flush=True)
@@ -153,6 +174,13 @@ def summary(tally: Tally) -> str:
     lines.append("  max diffs over all that ran (compare_rel: autotp.verify.compare's grad_rel):")
     for key, (value, label) in tally.max_diff.items():
         lines.append(f"    {key:<12} {value:.3e}  {label}")
+    if tally.by_feature:
+        lines.append("  per option (examples: matched / refused / FAILED):")
+        for tag, entry in sorted(tally.by_feature.items()):
+            lines.append(f"    {tag:<36} {entry['examples']:>4}: {entry['matched']} / "
+                         f"{sum(entry['refused'].values())} / {entry['failed']}")
+            for reason, n in entry["refused"].most_common():
+                lines.append(f"      {n:>4}  refused: {reason}")
     if tally.dropped:
         lines.append("  unused parameters absent from the sharded module (not failures):")
         for names, n in tally.dropped.most_common():

@@ -78,12 +78,16 @@ def output_layout(have: Any, options: PlanOptions) -> Any:
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
 
 
+_PRODUCTS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default,
+             aten.bmm.default, aten.add.Tensor)
+
+
 def _sliced_segments(node: fx.Node) -> list[int]:
     """The sizes of slices of ``node`` along one dim that tile it (``qkv[..., :q]``,
     ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``), or [] when its slices do not."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return []
+    if not isinstance(val, torch.Tensor) or node.target not in _PRODUCTS:
+        return []  # only a product's output is a fused projection (not a KV cache's reads)
     by_dim: dict[int, set] = {}
     for user in node.users:
         if user.target != aten.slice.Tensor or user.args[0] is not node:

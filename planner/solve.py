@@ -208,7 +208,7 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
             return None
         # A replicated parameter's partial gradient joins the after-backward bucket: one
         # collective for all of them, so it pays bandwidth but no latency of its own.
-        bucketed = src_pn.kind == "leaf" and isinstance(have, Replicate) and \
+        bucketed = src_pn.kind == "leaf" and src_pn.is_param and isinstance(have, Replicate) and \
             isinstance(want, Replicate)
         for kind in (step.forward, step.backward):
             if kind is not None:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from autotp.layout import P, R, Layout, Shard
+from autotp.layout import P, R, Blocks, Layout, Shard
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
 
 aten = torch.ops.aten
@@ -93,7 +93,7 @@ def linear_rule(call: OpCall) -> Iterator[Strategy]:
                            strategy.output, name="column")
 
 
-def _blocks(strategy: Strategy) -> int:
+def _blocks(strategy: Strategy) -> Blocks:
     out = strategy.output
     return out.blocks if isinstance(out, Shard) else 1
 

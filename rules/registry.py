@@ -248,7 +248,7 @@ def _with_gradient_semantics(strategy: Strategy, call: OpCall) -> Iterator[Strat
 # ---- helpers shared by the rule modules -------------------------------------------------
 
 
-def shardable_dims(meta: TensorMeta, call: OpCall) -> Iterator[tuple[int, int]]:
+def shardable_dims(meta: TensorMeta, call: OpCall) -> Iterator[tuple[int, Blocks]]:
     """(dim, blocks) pairs along which ``meta`` can be sharded at this tp."""
     for dim in range(meta.ndim):
         for blocks in call.blocks:

@@ -7,11 +7,15 @@ The model is written the way people write one by hand (nanoGPT-like): token embe
 positions or rotary embeddings, a stack of blocks (attention with separate or fused q/k/v
 projections and grouped key/value heads, then an MLP), a final norm and a language-model head
 that may share its weight with the embedding. ``causal=False`` makes it an encoder (no mask).
+Options: a mixture of experts in place of the MLP (``moe``: a replicated router, softmax,
+top-k, experts as a list of MLPs or as 3-D weights), a norm over the whole q and k projections
+(``qk_norm``, OLMo2) and residual additions written in place (``inplace_residual``).
 
 Shape legend used in the comments:
     B  = batch size           T  = sequence length       C  = d_model
     nh = n_head               nkv = n_kv_head            hs = head_dim (C // nh)
     F  = d_ff                 V  = vocab
+    N  = B * T (tokens)       E  = n_expert               k  = top_k
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ class GenericConfig:
     rope: bool = False  # rotary embeddings on q and k; else learned absolute positions
     kv_repeat: str = "expand"  # GQA: "expand" (expand + reshape) | "interleave" (repeat_interleave)
     block_size: int = 32  # longest sequence
+    qk_norm: bool = False  # norm over the whole q and k projections (OLMo2), before the heads
+    inplace_residual: bool = False  # h = f(norm(x)); h += x (the residual added in place)
+    # mixture of experts in place of the MLP: "loop" (a list of expert MLPs, each run on every
+    # token) | "stacked" (expert weights as [E, F, C] and [E, C, F] parameters) | "none"
+    moe: str = "none"
+    n_expert: int = 4  # E, 2 to 4
+    top_k: int = 2  # k, 1 or 2: experts per token
+    # how the top-k weights become the dense [N, E] combination: "scatter" (zeros scattered
+    # with the weights at the chosen experts) | "mask" (sum of the weights where topk_idx == e)
+    expert_gates: str = "scatter"
+    # "stacked" experts: "einsum" | "bmm" (every expert on every token, combined by the gates)
+    # | "index" | "index_select" (each token's k experts' weights gathered, w[topk_idx])
+    expert_product: str = "einsum"
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +76,12 @@ class GenericConfig:
         assert self.norm in ("layer", "rms"), self.norm
         assert self.kv_repeat in ("expand", "interleave"), self.kv_repeat
         assert not self.rope or self.head_dim % 2 == 0, "rotary embeddings need an even head_dim"
+        assert self.moe in ("none", "loop", "stacked"), self.moe
+        assert self.moe == "none" or self.mlp in ("gelu", "swiglu"), "experts: gelu or swiglu"
+        assert 1 <= self.top_k <= self.n_expert, "top_k must be at most n_expert"
+        assert self.expert_gates in ("scatter", "mask"), self.expert_gates
+        assert self.expert_product in ("einsum", "bmm", "index", "index_select"), \
+            self.expert_product
 
 
 class LayerNorm(nn.Module):
@@ -87,10 +110,12 @@ class RMSNorm(nn.Module):
         return x * rms * self.weight  # (B, T, C)
 
 
-def make_norm(config: GenericConfig) -> nn.Module:
+def make_norm(config: GenericConfig, ndim: int | None = None) -> nn.Module:
+    """The config's norm over ``ndim`` features (d_model by default)."""
+    ndim = config.d_model if ndim is None else ndim
     if config.norm == "rms":
-        return RMSNorm(config.d_model)
-    return LayerNorm(config.d_model, bias=config.bias)
+        return RMSNorm(ndim)
+    return LayerNorm(ndim, bias=config.bias)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +142,11 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(config.d_model, kv_size, bias=config.bias)
             self.v_proj = nn.Linear(config.d_model, kv_size, bias=config.bias)
         self.o_proj = nn.Linear(q_size, config.d_model, bias=config.bias)
+        if config.qk_norm:
+            # one norm over all heads' features (OLMo2), not one per head (Qwen3): the
+            # statistics cross the head dim that column parallelism shards
+            self.q_norm = make_norm(config, q_size)
+            self.k_norm = make_norm(config, kv_size)
         if config.causal and not config.use_sdpa:
             # lower-triangular mask: position t may attend to positions <= t
             mask = torch.tril(torch.ones(config.block_size, config.block_size))
@@ -142,6 +172,8 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split(self.sizes, dim=2)  # (B, T, nh*hs), 2 x (B, T, nkv*hs)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, T, nh*hs), (B, T, nkv*hs)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -182,23 +214,111 @@ class MLP(nn.Module):
         return self.down_proj(h)  # (B, T, C)
 
 
+def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts and their weights, renormalized in place to sum to 1."""
+    topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)  # 2 x (N, k)
+    topk_w /= topk_w.sum(dim=-1, keepdim=True)  # topk's output is fresh: safe to write
+    return topk_w, topk_idx
+
+
+def dense_gates(config: GenericConfig, probs: torch.Tensor, topk_w: torch.Tensor,
+                topk_idx: torch.Tensor) -> torch.Tensor:
+    """(N, E): token n's weight for expert e, zero where e is not among its top k.
+
+    Selecting each expert's tokens (nonzero, boolean masks) has a data-dependent size, which
+    torch.export cannot trace with symbolic B and T: every expert runs on every token and
+    the gates zero out the unchosen ones."""
+    if config.expert_gates == "scatter":
+        return torch.zeros_like(probs).scatter(1, topk_idx, topk_w)  # (N, E)
+    columns = [(topk_w * (topk_idx == e)).sum(dim=-1, keepdim=True)  # (N, 1)
+               for e in range(config.n_expert)]
+    return torch.cat(columns, dim=-1)  # (N, E)
+
+
+class MoE(nn.Module):
+    """Mixture of experts (Mixtral-like): a replicated router picks k of E expert MLPs per
+    token, whose outputs are summed with the renormalized router probabilities."""
+
+    def __init__(self, config: GenericConfig):
+        super().__init__()
+        self.config = config
+        E, C, Fe = config.n_expert, config.d_model, config.d_ff
+        self.router = nn.Linear(C, E, bias=False)
+        if config.moe == "loop":
+            self.experts = nn.ModuleList([MLP(config) for _ in range(E)])
+        else:
+            if config.mlp == "swiglu":
+                self.w_gate = nn.Parameter(torch.empty(E, Fe, C))  # (E, F, C) like Linear's
+            self.w_up = nn.Parameter(torch.empty(E, Fe, C))  # (E, F, C)
+            self.w_down = nn.Parameter(torch.empty(E, C, Fe))  # (E, C, F)
+
+    def act(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return F.gelu(up) if gate is None else F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        x = x.view(-1, C)  # (N, C)
+        probs = F.softmax(self.router(x), dim=-1)  # (N, E)
+        topk_w, topk_idx = route(probs, self.config.top_k)  # 2 x (N, k)
+        product = self.config.expert_product
+        swiglu = self.config.mlp == "swiglu"
+        if self.config.moe == "loop":
+            gates = dense_gates(self.config, probs, topk_w, topk_idx)  # (N, E)
+            y = sum(gates[:, e:e + 1] * expert(x)  # (N, 1) * (N, C)
+                    for e, expert in enumerate(self.experts))
+        elif product in ("einsum", "bmm"):
+            gates = dense_gates(self.config, probs, topk_w, topk_idx)  # (N, E)
+            if product == "einsum":
+                up = torch.einsum("nc,efc->enf", x, self.w_up)  # (E, N, F)
+                gate = torch.einsum("nc,efc->enf", x, self.w_gate) if swiglu else None
+                h = torch.einsum("enf,ecf->enc", self.act(up, gate), self.w_down)  # (E, N, C)
+                y = torch.einsum("enc,ne->nc", h, gates)  # (N, C)
+            else:
+                xe = x.unsqueeze(0).expand(self.config.n_expert, -1, -1)  # (E, N, C)
+                up = torch.bmm(xe, self.w_up.transpose(1, 2))  # (E, N, F)
+                gate = torch.bmm(xe, self.w_gate.transpose(1, 2)) if swiglu else None
+                h = torch.bmm(self.act(up, gate), self.w_down.transpose(1, 2))  # (E, N, C)
+                y = (h * gates.t().unsqueeze(-1)).sum(dim=0)  # (N, C)
+        else:  # only the chosen experts: their weights gathered per token
+            def pick(w: torch.Tensor) -> torch.Tensor:  # (E, a, b) -> (N, k, a, b)
+                if product == "index":
+                    return w[topk_idx]
+                flat = torch.index_select(w, 0, topk_idx.reshape(-1))  # (N*k, a, b)
+                return flat.view(*topk_idx.shape, *w.shape[1:])
+
+            up = torch.einsum("nc,nkfc->nkf", x, pick(self.w_up))  # (N, k, F)
+            gate = torch.einsum("nc,nkfc->nkf", x, pick(self.w_gate)) if swiglu else None
+            h = torch.einsum("nkf,nkcf->nkc", self.act(up, gate), pick(self.w_down))  # (N, k, C)
+            y = (h * topk_w.unsqueeze(-1)).sum(dim=1)  # (N, C)
+        return y.view(B, T, C)
+
+
 class Block(nn.Module):
     def __init__(self, config: GenericConfig):
         super().__init__()
         self.prenorm = config.prenorm
+        self.inplace = config.inplace_residual
         self.norm_1 = make_norm(config)
         self.attn = Attention(config)
         self.norm_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.moe != "none" else MLP(config)
+
+    def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + h. In place, it is written into the sublayer's output h: ``x += f(norm(x))``
+        would overwrite the x that norm and f saved for backward, which autograd refuses."""
+        if self.inplace:
+            h += x
+            return h
+        return x + h
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:
         if self.prenorm:
-            x = x + self.attn(self.norm_1(x), cos, sin)  # (B, T, C)
-            x = x + self.mlp(self.norm_2(x))  # (B, T, C)
+            x = self.residual(x, self.attn(self.norm_1(x), cos, sin))  # (B, T, C)
+            x = self.residual(x, self.mlp(self.norm_2(x)))  # (B, T, C)
         else:
-            x = self.norm_1(x + self.attn(x, cos, sin))  # (B, T, C)
-            x = self.norm_2(x + self.mlp(x))  # (B, T, C)
+            x = self.norm_1(self.residual(x, self.attn(x, cos, sin)))  # (B, T, C)
+            x = self.norm_2(self.residual(x, self.mlp(x)))  # (B, T, C)
         return x
 
 
@@ -253,8 +373,8 @@ def build(config: GenericConfig, seed: int = 0) -> tuple[GenericTransformer, tor
         for name, p in model.named_parameters():
             if p.dim() == 2 and name.startswith(("wte", "wpe")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            elif p.dim() >= 2:  # matrices and stacked experts' (E, out, in): fan-in last
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             elif name.endswith("weight"):  # norm weights
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:  # biases
@@ -342,6 +462,26 @@ def describe(config: Any) -> str:
     return repr(config)
 
 
+def features(config: Any) -> list[str]:
+    """Tags of the options a configuration draws (benchmarks/random_models.py counts the
+    outcomes per tag)."""
+    if isinstance(config, HFConfig):
+        return [config.family]
+    tags: list[str] = []
+    if config.moe == "loop":
+        tags.append(f"moe=loop (gates {config.expert_gates})")
+    elif config.moe == "stacked":
+        gates = f", gates {config.expert_gates}" if config.expert_product in ("einsum", "bmm") \
+            else ""
+        tags.append(f"moe=stacked ({config.expert_product}{gates})")
+    if config.moe != "none":
+        tags.append(f"moe top_k={config.top_k}")
+    tags += [name for name in ("qk_norm", "inplace_residual", "fused_qkv") if getattr(config, name)]
+    if config.fused_qkv and config.n_kv_head < config.n_head:
+        tags.append("fused_qkv with n_kv_head < n_head")
+    return tags
+
+
 # ---- hypothesis strategies --------------------------------------------------------------------
 
 VOCABS = [64, 96, 100, 90]  # 100 is not a multiple of 8, 90 not of 4
@@ -352,19 +492,21 @@ def generic_configs() -> Any:
 
     @st.composite
     def draw(draw: Any) -> GenericConfig:
+        # Drawn first: hypothesis soon tries every value of a model's first choice, so a few
+        # dozen examples already have both forms (drawn later, 40 examples held 1 MoE). A
+        # mixture of experts in 2 models of 5; "none" first, so failures shrink to dense.
+        moe = draw(st.sampled_from(["none", "loop", "stacked", "none", "none"]))
         n_head = draw(st.sampled_from([2, 4, 8]))
         n_kv_head = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n_head % d == 0]))
         head_dim = draw(st.sampled_from([4, 8]))
         d_model = n_head * head_dim
         # 3 * d_model + 2 is not a multiple of 4
         d_ff = draw(st.sampled_from([2 * d_model, 4 * d_model, 3 * d_model, 3 * d_model + 2]))
-        return GenericConfig(
-            n_layer=draw(st.integers(1, 3)),
-            d_model=d_model,
-            n_head=n_head,
-            n_kv_head=n_kv_head,
-            d_ff=d_ff,
-            mlp=draw(st.sampled_from(["gelu", "swiglu", "relu"])),
+        n_layer = draw(st.integers(1, 3))
+        # experts are gelu or swiglu MLPs
+        mlp = draw(st.sampled_from(["gelu", "swiglu", "relu"] if moe == "none"
+                                   else ["gelu", "swiglu"]))
+        fields = dict(
             norm=draw(st.sampled_from(["layer", "rms"])),
             prenorm=draw(st.booleans()),
             bias=draw(st.booleans()),
@@ -375,7 +517,21 @@ def generic_configs() -> Any:
             use_sdpa=draw(st.booleans()),
             rope=draw(st.booleans()),
             kv_repeat=draw(st.sampled_from(["expand", "interleave"])),
+            qk_norm=draw(st.booleans()),
+            inplace_residual=draw(st.booleans()),
         )
+        if moe != "none":
+            # about twice a dense model's time (E MLPs per layer; the in-place renormalization
+            # makes autotp's capture functionalize the program): at most 2 layers
+            n_layer = min(n_layer, 2)
+            fields.update(n_expert=draw(st.integers(2, 4)), top_k=draw(st.sampled_from([1, 2])))
+            if moe == "stacked":
+                fields["expert_product"] = draw(st.sampled_from(
+                    ["einsum", "bmm", "index", "index_select"]))
+            if moe == "loop" or fields["expert_product"] in ("einsum", "bmm"):
+                fields["expert_gates"] = draw(st.sampled_from(["scatter", "mask"]))
+        return GenericConfig(n_layer=n_layer, d_model=d_model, n_head=n_head,
+                             n_kv_head=n_kv_head, d_ff=d_ff, mlp=mlp, moe=moe, **fields)
 
     return draw()
 

@@ -3,13 +3,15 @@
 Configurations are drawn from the generic model of tests/generic.py (1 to 3 layers, head counts
 and sizes, grouped key/value heads including fewer than tp, GELU / ReLU / SwiGLU MLPs, LayerNorm
 / RMSNorm, pre- and post-norm, biases, tied embeddings, fused or separate q/k/v, learned or
-rotary positions, decoder or encoder, SDPA or hand-written attention) and from transformers'
-GPT-2, LLaMA and BERT configs. For each, at tp in {2, 4} in simulation, either autotp refuses
-with an AutotpError before running, or the sharded model gives the unsharded model's logits,
-loss and every parameter's gradient on an input of another batch and sequence size (3, 7) than
-the traced example (2, 8). Any other exception fails.
+rotary positions, decoder or encoder, SDPA or hand-written attention, a norm over the whole q
+and k projections, residuals added in place, a top-k mixture of experts as a loop over expert
+MLPs or as stacked expert weights) and from transformers' GPT-2, LLaMA and BERT configs. For
+each, at tp in {2, 4} in simulation, either autotp refuses with an AutotpError before running,
+or the sharded model gives the unsharded model's logits, loss and every parameter's gradient on
+an input of another batch and sequence size (3, 7) than the traced example (2, 8). Any other
+exception fails.
 
-The same property holds with sequence parallelism (sequence length 12). CI runs 30 + 20 + 20
+The same property holds with sequence parallelism (sequence length 12). CI runs 18 + 12 + 12
 examples (derandomized: the same ones every run); benchmarks/random_models.py runs hundreds.
 Tolerances (fp32) and the relative gradient measure: tests/generic.py.
 """
@@ -94,6 +96,13 @@ MUST_SHARD = [
     pytest.param(GenericConfig(n_layer=1, d_model=64, n_head=8, n_kv_head=8, d_ff=128,
                                mlp="relu", norm="layer", bias=True, tied=True), 2,
                  id="generic-mha-relu-tp2"),
+    # a mixture of experts whose expert weights must be sharded, whatever the derandomized
+    # examples above draw
+    pytest.param(GenericConfig(n_layer=2, d_model=32, n_head=8, n_kv_head=2, d_ff=64,
+                               mlp="swiglu", norm="rms", bias=False, tied=False, fused_qkv=True,
+                               vocab=100, rope=True, qk_norm=True, inplace_residual=True,
+                               moe="stacked", n_expert=4, top_k=2, expert_product="einsum"), 4,
+                 id="generic-moe-stacked-einsum-top2-qknorm-inplace-tp4"),
     pytest.param(HFConfig("llama", (("num_hidden_layers", 2), ("hidden_size", 32),
                                     ("num_attention_heads", 8), ("num_key_value_heads", 2),
                                     ("intermediate_size", 96), ("vocab_size", 100),
