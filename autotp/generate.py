@@ -310,8 +310,8 @@ def _name_cache_dim(captured: Captured, name: str) -> None:
 def drop_identities(gm: fx.GraphModule) -> None:
     """What does nothing in a forward without backward is not run, one op call less per node
     and step: layout changes between replicated forms (R -> R*, a parameter's deferred
-    gradient), torch.export's metadata asserts, casts to the dtype a value already has and
-    slices of a whole dim."""
+    gradient), casts to the dtype a value already has and slices of a whole dim (capture
+    already drops torch.export's metadata asserts)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
@@ -320,8 +320,6 @@ def drop_identities(gm: fx.GraphModule) -> None:
                     isinstance(module.dst, Replicate)):
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
-        elif node.target == aten._assert_tensor_metadata.default and not node.users:
-            gm.graph.erase_node(node)
         elif (node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs
               and _dtype(node.args[0]) == node.args[1]) or full_slice(node):
             node.replace_all_uses_with(node.args[0])
