@@ -23,6 +23,7 @@ programs, so logits processors, stopping criteria, streamers, beam search and
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import threading
 import warnings
@@ -154,14 +155,15 @@ class Program:
     ``cache``: per cache tensor, its layout and the k/v heads ``(first, count)`` this rank
     stores when the layout is whole but its attention reads fewer (None: as laid out)."""
 
-    def __init__(self, plan: Plan, module: nn.Module,
+    def __init__(self, plan: Plan, module: fx.GraphModule,
                  cache: list[tuple[Any, Optional[tuple[int, int]]]]):
         self.plan = plan
-        self.module = module
+        self.module = module  # the rewritten graph, as rules and passes see it
         self.cache = cache
+        self.run = direct_calls(module)  # the same program, compiled to run lean
 
     def __call__(self, **inputs: Any) -> torch.Tensor:
-        return self.module(**inputs)
+        return self.run(**inputs)
 
 
 def weights_dtype(sharded: Any) -> torch.dtype:
@@ -209,6 +211,7 @@ def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
     layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
     heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.tp)
     fuse_repeated_kv_attention(module.graph)  # no backward here: GQA kernel, no copies
+    module.graph.eliminate_dead_code()  # what export left unused; in-place writes are kept
     module.graph.lint()
     module.delete_all_unused_submodules()
     module.recompile()
@@ -324,6 +327,56 @@ def drop_identities(gm: fx.GraphModule) -> None:
               and _dtype(node.args[0]) == node.args[1]) or full_slice(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` compiled with less Python around each op, for steps run without autograd: a
+    decode step calls some 800 ops per token, and the wrapper of ``torch.ops.aten.*`` (a
+    Python frame and an attribute chain per call) and the module path of every weight
+    (``getattr(self.model.layers, "0").self_attn.q_proj.weight``: seven lookups) cost as much
+    as a small model's ops. Each ATen op becomes a global bound to its C entry point and each
+    weight an attribute of the program itself; ``gm`` keeps its graph for inspection."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    graph._codegen = gm.graph._codegen  # the pytree of inputs and outputs, unchanged
+    attrs: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            node.target = _direct(node.target)
+        elif node.op == "get_attr":
+            flat = "w_" + str(node.target).replace(".", "_")
+            attrs[flat] = _attr(gm, str(node.target))
+            node.target = flat
+        elif node.op == "call_module":
+            attrs[str(node.target)] = gm.get_submodule(str(node.target))
+    lean = fx.GraphModule(attrs, graph, class_name="DirectCalls")
+    for name, value in attrs.items():  # a plain attribute: no Module.__getattr__ per read
+        if isinstance(value, torch.Tensor):
+            lean._parameters.pop(name, None)
+            lean._buffers.pop(name, None)
+            lean.__dict__[name] = value
+    return lean
+
+
+_DIRECT: dict[Any, Any] = {}
+
+
+def _direct(op: torch._ops.OpOverload) -> Any:
+    """``op``'s C entry point, named so that fx binds it as a global of the generated code
+    rather than spelling ``torch.ops.<ns>.<op>.<overload>`` (a partial: one C call)."""
+    found = _DIRECT.get(op)
+    if found is None:
+        found = functools.partial(op._op)
+        found.__module__ = "autotp.direct"  # type: ignore[attr-defined]
+        found.__name__ = op.__name__.replace(".", "_")  # type: ignore[attr-defined]
+        _DIRECT[op] = found
+    return found
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _dtype(node: Any) -> Optional[torch.dtype]:
