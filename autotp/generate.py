@@ -257,7 +257,11 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
             _check_symbolic(captured, automatic)
         cache_inputs = _cache_placeholders(captured, len(shapes))
         _name_cache_dim(captured, cache_inputs[0])
-        options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs))
+        # the training plan's replicated matrices were reported when it was made
+        reported = tuple(f"model.{name}" for param in sharded.plan.params.values()
+                         if param.layout.startswith("R") for name in param.names)
+        options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs),
+                              reported=reported)
         plan = plan_graph(captured, sharded.plan.tp, options=options,
                           model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})")
         for stale in [k for k, v in _PLANNED.items() if v[0]() is None]:

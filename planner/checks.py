@@ -48,7 +48,8 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
            aten.addmm.default)
 
 
-def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> None:
+def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
+                             reported: tuple[str, ...] = ()) -> None:
     """A matrix multiplied replicated on every rank although tp divides one of its sizes:
     tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
     of its use exists (a fused projection split into unequal parts). The first is an error
@@ -61,6 +62,8 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool) -> No
             continue
         param = plan.params[node.target]
         if len(param.global_shape) < 2 or param.layout != "R":
+            continue
+        if any(name in reported for name in param.names):
             continue
         if not any(size % plan.tp == 0 for size in param.global_shape):
             continue  # reported by check_divisibility

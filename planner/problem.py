@@ -64,6 +64,9 @@ class PlanOptions:
     # gives (a KV cache written in place): like parameters, they may be stored sharded
     state_inputs: tuple[str, ...] = ()
     reuse_layers: bool = True
+    # parameters another plan of the same weights already keeps replicated and reported (a
+    # decoding program reads the training program's): not reported again
+    reported: tuple[str, ...] = ()
     # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
     force: tuple[tuple[str, Any], ...] = ()
 

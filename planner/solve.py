@@ -76,7 +76,7 @@ def plan_graph(
     plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, model_name)
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
-    note_replicated_products(plan, gm, options.strict)
+    note_replicated_products(plan, gm, options.strict, options.reported)
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan
