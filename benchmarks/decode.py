@@ -14,11 +14,15 @@ For each tp, ``tp`` gloo processes build from the same weights (a transformers
     hf-tp-plan  transformers' own tensor parallelism, ``from_pretrained(dir, tp_plan="auto")``
                 (the model saved once by rank 0; needs the accelerate package, else skipped)
 
-and runs transformers' ``generate`` (greedy) on each, interleaved round-robin. A decode step's
-time is the median interval between consecutive steps' logits (a logits processor notes
-them), over every step of every repetition, the slowest rank's: the prefill and generate's
-setup are not in it, and the median keeps a burst of other work on the machine out. Also
-reported: tokens per second over the decode steps (batch / step time), per-rank weight and
+and runs transformers' ``generate`` (greedy) on each, interleaved round-robin (each repetition
+starting with the next implementation). A decode step's time is the median interval between
+consecutive steps' logits (a logits processor notes them), over every step of every
+repetition, the slowest rank's: the prefill and generate's setup are not in it, and the
+median keeps a burst of other work on the machine out. The ratios against DTensor and the
+unsharded model pair repetitions: the median over repetitions of the two step times' ratio
+in that repetition, which cancels a shared machine's drift between repetitions
+(``--impls ...,control`` times a copy of the unsharded model too: the spread of equal runs).
+Also reported: tokens per second over the decode steps (batch / step time), per-rank weight and
 KV-cache bytes, and whether the tokens equal the unsharded model's. On CPU the ranks share
 this machine's cores, one thread each when there are more ranks than cores.
 """
@@ -167,6 +171,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
     impls: dict[str, Any] = {}
     if world == 1:
         impls["unsharded"] = model
+        if "control" in args.impls:  # the same model again: how far apart equal runs land
+            import copy
+
+            impls["control"] = copy.deepcopy(model)
     impls["dtensor"] = dtensor_model(model, world, args.device)
     impls["autotp"] = autotp.parallelize(model, tp=world)
     if args.device == "cuda":  # autotp's decode step without its CUDA graph
@@ -194,25 +202,41 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
 
         for module in impls.values():  # warm-up: builds the decoding programs
             generate(module, 2)
-        times: dict[str, list[float]] = {name: [] for name in impls}
+        names = list(impls)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        per_rep: dict[str, list[float]] = {name: [] for name in names}
         outputs: dict[str, Any] = {}
-        for _ in range(args.reps):
-            for name, module in impls.items():
-                steps, outputs[name] = generate(module, args.new_tokens)
+        for rep in range(args.reps):
+            # each repetition starts with another implementation, so that none always runs
+            # right after the same neighbour
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                steps, outputs[name] = generate(impls[name], args.new_tokens)
                 times[name] += steps
-        medians = torch.tensor([statistics.median(times[name]) for name in impls],
-                               dtype=torch.float64, device=device(args))
+                per_rep[name].append(statistics.median(steps))
+        medians = torch.tensor([[statistics.median(times[name])] + per_rep[name]
+                                for name in names], dtype=torch.float64, device=device(args))
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
         reference = outputs.get("unsharded", outputs.get("dtensor", outputs["autotp"])).sequences
-        for (name, module), step in zip(impls.items(), medians.tolist()):
+        for name, (step, *reps) in zip(names, medians.tolist()):
+            module = impls[name]
             rows.append({
                 "tp": world, "batch": batch, "impl": name, "step_ms": 1e3 * step,
+                "rep_ms": [1e3 * r for r in reps],
                 "tokens_per_s": batch / step,
                 "weight_bytes": local_bytes(module),
                 "cache_bytes": cache_bytes(outputs[name].past_key_values),
                 "same_tokens": bool(torch.equal(outputs[name].sequences, reference)),
             })
     return rows
+
+
+def ratio(row: dict[str, Any], reference: dict[str, Any]) -> float:
+    """``row``'s step time over ``reference``'s: where both ran in the same process, the
+    median of the per-repetition ratios (each pair ran minutes apart at most, so the drift
+    of a shared machine cancels), else the ratio of the medians."""
+    if row["tp"] == reference["tp"] and len(row["rep_ms"]) == len(reference["rep_ms"]):
+        return statistics.median(a / b for a, b in zip(row["rep_ms"], reference["rep_ms"]))
+    return row["step_ms"] / reference["step_ms"]
 
 
 def main() -> None:
@@ -230,7 +254,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--impls", type=lambda text: text.split(","),
-                        default=["unsharded", "dtensor", "autotp", "autotp-eager", "hf-tp-plan"])
+                        default=["unsharded", "dtensor", "autotp", "autotp-eager", "hf-tp-plan"],
+                        help="also: control (a copy of the unsharded model, timed as one "
+                        "more implementation: the spread of equal runs)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: one GPU per rank, NCCL")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -259,8 +285,8 @@ def main() -> None:
         base = by_key.get((1, r["batch"], "unsharded"))
         print(f"{r['tp']:>3} {r['batch']:>5} {r['impl']:>10} {r['step_ms']:>8.1f} "
               f"{r['tokens_per_s']:>7.1f} "
-              f"{fmt(r['step_ms'] / dt['step_ms']) if dt else '-':>10} "
-              f"{fmt(r['step_ms'] / base['step_ms']) if base else '-':>7} "
+              f"{fmt(ratio(r, dt)) if dt else '-':>10} "
+              f"{fmt(ratio(r, base)) if base else '-':>7} "
               f"{r['weight_bytes'] / 2**20:>11.1f} {r['cache_bytes'] / 2**20:>9.2f} "
               f"{str(r['same_tokens']):>5}")
     if args.out:
