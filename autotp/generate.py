@@ -258,7 +258,7 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
         cache_inputs = _cache_placeholders(captured, len(shapes))
         _name_cache_dim(captured, cache_inputs[0])
         # the training plan's replicated matrices were reported when it was made
-        reported = tuple(f"model.{name}" for param in sharded.plan.params.values()
+        reported = frozenset(f"model.{name}" for param in sharded.plan.params.values()
                          if param.layout.startswith("R") for name in param.names)
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs),
                               reported=reported)
@@ -350,7 +350,7 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = _direct(node.target)
         elif node.op == "get_attr":
             flat = "w_" + str(node.target).replace(".", "_")
-            attrs[flat] = _attr(gm, str(node.target))
+            attrs[flat] = model_tensor(gm, str(node.target))
             node.target = flat
         elif node.op == "call_module":
             attrs[str(node.target)] = gm.get_submodule(str(node.target))
@@ -376,11 +376,6 @@ def _direct(op: torch._ops.OpOverload) -> Any:
         found.__name__ = op.__name__.replace(".", "_")  # type: ignore[attr-defined]
         _DIRECT[op] = found
     return found
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _dtype(node: Any) -> Optional[torch.dtype]:

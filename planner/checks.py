@@ -49,7 +49,7 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
 
 
 def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
-                             reported: tuple[str, ...] = ()) -> None:
+                             reported: frozenset[str] = frozenset()) -> None:
     """A matrix multiplied replicated on every rank although tp divides one of its sizes:
     tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
     of its use exists (a fused projection split into unequal parts). The first is an error

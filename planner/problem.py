@@ -66,7 +66,7 @@ class PlanOptions:
     reuse_layers: bool = True
     # parameters another plan of the same weights already keeps replicated and reported (a
     # decoding program reads the training program's): not reported again
-    reported: tuple[str, ...] = ()
+    reported: frozenset[str] = frozenset()
     # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
     force: tuple[tuple[str, Any], ...] = ()
 
