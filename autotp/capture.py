@@ -192,7 +192,65 @@ def _normalized(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     drop_metadata_asserts(gm)
     merge_tied_parameters(gm)
     out_of_place(gm)
+    constant_index_to_slice(gm)
     return gm
+
+
+def constant_index_to_slice(gm: fx.GraphModule) -> None:
+    """``x[..., [k], :]`` (``index.Tensor`` with one constant one-element index, Falcon's
+    multi-query k/v head) is ``x[..., k:k+1, :]``: the same values, as a slice, which the
+    view rules map through shards (an index tensor's value is not part of an op's algebra)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target != aten.index.Tensor:
+            continue
+        x, indices = node.args[0], node.args[1]
+        given = [(d, i) for d, i in enumerate(indices) if i is not None]
+        if len(given) != 1 or not isinstance(x, fx.Node):
+            continue
+        dim, index = given[0]
+        value = _constant(gm, index)
+        shape = x.meta["val"].shape
+        if value is None or value.numel() != 1 or value.dim() != 1 or \
+                not isinstance(shape[dim], int) or value.dtype not in (torch.int64, torch.int32):
+            continue
+        k = int(value.item())
+        if not -shape[dim] <= k < shape[dim]:
+            continue  # out of range: left to fail as the model does
+        k %= shape[dim]
+        with gm.graph.inserting_before(node):
+            sliced = gm.graph.call_function(aten.slice.Tensor, (x, dim, k, k + 1))
+        sliced.meta.update(node.meta)
+        node.replace_all_uses_with(sliced)
+        for user in sliced.users:  # index copied; the slice is a view that may not be flat
+            if user.target == aten.view.default:
+                user.target = aten.reshape.default
+        gm.graph.erase_node(node)
+        while isinstance(index, fx.Node) and not index.users and index.op != "placeholder":
+            source = index.args[0] if index.op == "call_function" else None
+            gm.graph.erase_node(index)
+            index = source
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _constant(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
+    """The value of a constant the program made (``torch.tensor([-2])``, lifted by export and
+    read through ``lift_fresh_copy``); not a buffer of the model, which may change. When the
+    model is traced on meta the constant is meta too, its value lost: the index stays."""
+    if not isinstance(node, fx.Node) or node.target != aten.lift_fresh_copy.default:
+        return None
+    node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
+            isinstance(value, torch.nn.Parameter):
+        return None
+    return value
 
 
 def drop_metadata_asserts(gm: fx.GraphModule) -> None:

@@ -28,7 +28,15 @@ from autotp.api import ShardedModule, parallelize
 from autotp.collectives import gather
 from autotp.comm import ProcessGroupComm
 from autotp.errors import ConfigError
-from autotp.layout import Layout, Replicate, Shard, parse_layout, shard_tensor, unshard_tensor
+from autotp.layout import (
+    Layout,
+    Replicate,
+    Shard,
+    global_extent,
+    parse_layout,
+    shard_tensor,
+    unshard_tensor,
+)
 from autotp.materialize import empty_weights
 from autotp.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
                                write_file, write_index)
@@ -279,7 +287,7 @@ def _fingerprint(params: dict[str, Any]) -> str:
 def _global_shape(local: torch.Tensor, layout: Layout, tp: int) -> list[int]:
     shape = list(local.shape)
     if isinstance(layout, Shard):
-        shape[layout.dim] *= tp
+        shape[layout.dim] = global_extent(shape[layout.dim], layout.blocks, tp)
     return shape
 
 

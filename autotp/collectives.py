@@ -22,7 +22,17 @@ import torch
 from torch import nn
 
 from autotp.comm import Communicator
-from autotp.layout import Blocks, Layout, Partial, Replicate, Shard, segment_sizes
+from autotp.layout import (
+    Blocks,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    is_mixed,
+    segment_sizes,
+    shard_tensor,
+    unshard_tensor,
+)
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
 
@@ -58,11 +68,15 @@ def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.
 
 
 def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:
+    if is_mixed(layout.blocks):
+        return shard_tensor(x, layout, rank, tp)
     return _rank_major(x, layout.dim, layout.blocks, tp).chunk(tp, dim=layout.dim)[rank]
 
 
 def gather(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
     full = comm.all_gather(x.contiguous(), layout.dim)
+    if is_mixed(layout.blocks):  # segments held whole: rank 0's copy of each
+        return unshard_tensor(full.chunk(comm.world_size, dim=layout.dim), layout)
     return _segment_major(full, layout.dim, layout.blocks, comm.world_size)
 
 
@@ -221,6 +235,9 @@ class GradBucket:
         self.params: dict[str, nn.Parameter] = {}
         self.pending: dict[str, torch.Tensor] = {}
         self.scheduled = False
+        # parameters blocked with segments held whole (S(0)x8:1*:1*): only those segments'
+        # gradients are partial; (dim, [(start, length)]) of this rank's tensor
+        self.partial: dict[str, tuple[int, list[tuple[int, int]]]] = {}
 
     def add(self, key: str, grad: torch.Tensor) -> None:
         if key in self.pending:
@@ -234,25 +251,27 @@ class GradBucket:
     def flush(self) -> None:
         self.scheduled = False
         keys = sorted(self.params)
-        pieces = []
+        grads = {}
         for key in keys:
-            param = self.params[key]
             pending = self.pending.get(key)
-            pieces.append((pending if pending is not None else torch.zeros_like(param)).reshape(-1))
+            grads[key] = (pending if pending is not None
+                          else torch.zeros_like(self.params[key])).clone()
         self.pending = {}
-        flat = torch.cat(pieces)
-        total = self.comm.all_reduce(flat)
-        self.comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(),
+        _all_reduce_in_place(self.comm, [part for key in keys
+                                         for part in self._summed_parts(key, grads[key])],
                              "grad sync")
-        offset = 0
         for key in keys:
-            param = self.params[key]
-            piece = total[offset: offset + param.numel()].view_as(param)
-            offset += param.numel()
+            param, grad = self.params[key], grads[key]
             if param.grad is None:
-                param.grad = piece.clone()
+                param.grad = grad
             else:
-                param.grad += piece
+                param.grad += grad
+
+    def _summed_parts(self, key: str, grad: torch.Tensor) -> list[torch.Tensor]:
+        if key not in self.partial:
+            return [grad]
+        dim, spans = self.partial[key]
+        return [grad.narrow(dim, start, length) for start, length in spans]
 
 
 class DeferredGradReduce(nn.Module):
@@ -276,13 +295,62 @@ class DeferredGradReduce(nn.Module):
             return self._per_use()(x)
         return _DeferredFn.apply(x, self)
 
-    def _per_use(self) -> "Redistribute":
+    def _per_use(self) -> nn.Module:
         found = getattr(self, "_fallback", None)
         if found is None:
-            found = Redistribute(self.bucket.comm, Replicate(), Replicate(grad_partial=True),
-                                 layer=None, bwd_layer=None, label=f"grad sync {self.key}")
+            label = f"grad sync {self.key}"
+            if self.key in self.bucket.partial:
+                found = PartialSegmentsReduce(self.bucket.comm, *self.bucket.partial[self.key],
+                                              label=label)
+            else:
+                found = Redistribute(self.bucket.comm, Replicate(),
+                                     Replicate(grad_partial=True), layer=None, bwd_layer=None,
+                                     label=label)
             object.__setattr__(self, "_fallback", found)  # not a submodule: no state
         return found
+
+
+class PartialSegmentsReduce(nn.Module):
+    """Identity forward; backward sums across ranks the gradient of the segments every rank
+    holds whole (a parameter blocked as S(0)x8:1*:1*), at this use."""
+
+    def __init__(self, comm: Communicator, dim: int, spans: list[tuple[int, int]], *,
+                 label: str):
+        super().__init__()
+        self.comm, self.dim, self.spans, self.label = comm, dim, spans, label
+
+    def extra_repr(self) -> str:
+        return f"segments {self.spans} of dim {self.dim}: gradient all-reduced ({self.label})"
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PartialSegmentsFn.apply(x, self)
+
+
+class _PartialSegmentsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: PartialSegmentsReduce) -> torch.Tensor:
+        ctx.module = module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        module = ctx.module
+        g = g.clone()
+        _all_reduce_in_place(module.comm, [g.narrow(module.dim, start, length)
+                                           for start, length in module.spans], module.label)
+        return g, None
+
+
+def _all_reduce_in_place(comm: Communicator, parts: list[torch.Tensor], label: str) -> None:
+    """Sum each tensor across ranks, in place, in one all-reduce."""
+    flat = torch.cat([part.reshape(-1) for part in parts])
+    total = comm.all_reduce(flat)
+    comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(), label)
+    offset = 0
+    for part in parts:
+        part.copy_(total[offset: offset + part.numel()].view_as(part))
+        offset += part.numel()
 
 
 class _DeferredFn(torch.autograd.Function):

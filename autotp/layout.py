@@ -10,6 +10,9 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
            sliced across the ranks; rank r holds slice r of every segment, concatenated
     S(d)x2:1:1  blocked into unequal segments in proportions 2:1:1 (a fused q|k|v with half
            as many k/v heads as query heads), each sliced across the ranks the same way
+    S(d)x8:1*:1*  blocked, the starred segments held whole by every rank with a partial
+           gradient, as R* is (multi-query attention's fused q|k|v: q sliced by heads, the
+           single k/v head whole)
     P      every rank holds a tensor of the global shape; the global value is their sum
     P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
            over a sharded dim leaves one partial logsumexp per rank)
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -37,22 +40,63 @@ class Replicate:
 
 
 # Segments of a blocked dim: k equal ones (an int), or unequal ones in the given proportions
-# (a tuple of at least two coprime positive ints, never all equal).
+# (a tuple of at least two ints, coprime in absolute value, not all equal and positive). A
+# negative proportion marks a segment every rank holds whole (with a partial gradient).
 Blocks = Union[int, tuple[int, ...]]
 
 
 def block_weights(blocks: Blocks) -> tuple[int, ...]:
-    return (1,) * blocks if isinstance(blocks, int) else tuple(blocks)
+    return (1,) * blocks if isinstance(blocks, int) else tuple(abs(w) for w in blocks)
+
+
+def whole_segments(blocks: Blocks) -> tuple[bool, ...]:
+    """Per segment: held whole by every rank (not sliced)."""
+    return (False,) * blocks if isinstance(blocks, int) else tuple(w < 0 for w in blocks)
+
+
+def is_mixed(blocks: Blocks) -> bool:
+    return any(whole_segments(blocks))
 
 
 def block_units(blocks: Blocks) -> int:
-    """How many equal units the segments make: the dim must divide into units x tp."""
-    return blocks if isinstance(blocks, int) else sum(blocks)
+    """How many equal units the segments make."""
+    return sum(block_weights(blocks))
 
 
 def segment_sizes(size: int, blocks: Blocks) -> list[int]:
     unit = size // block_units(blocks)
     return [weight * unit for weight in block_weights(blocks)]
+
+
+def smaller_whole(blocks: Blocks) -> Optional[Blocks]:
+    """Unequal proportions with every segment smaller than the largest held whole (q sliced
+    by heads, the k/v of multi-query attention whole); None for equal segments."""
+    if isinstance(blocks, int) or is_mixed(blocks):
+        return None
+    return tuple(-w if w < max(blocks) else w for w in blocks)
+
+
+def divides(size: int, tp: int, blocks: Blocks) -> bool:
+    """Whether a dim of ``size`` splits into the segments, each sliced one across tp."""
+    units = block_units(blocks)
+    if size % units:
+        return False
+    return all(whole or segment % tp == 0 for segment, whole in
+               zip(segment_sizes(size, blocks), whole_segments(blocks)))
+
+
+def local_segment_sizes(size: int, blocks: Blocks, tp: int) -> list[int]:
+    """The segments' sizes on one rank, for a dim of global ``size``."""
+    return [segment if whole else segment // tp for segment, whole in
+            zip(segment_sizes(size, blocks), whole_segments(blocks))]
+
+
+def global_extent(local: int, blocks: Blocks, tp: int) -> int:
+    """The global size of a dim that is ``local`` on one rank (inverse of the above)."""
+    weights, whole = block_weights(blocks), whole_segments(blocks)
+    # local = unit / tp * (sliced weights + tp * whole weights)
+    unit = local * tp // sum(w * (tp if h else 1) for w, h in zip(weights, whole))
+    return unit * sum(weights)
 
 
 def proportions(sizes: Sequence[int]) -> Blocks:
@@ -74,10 +118,11 @@ class Shard:
         if isinstance(self.blocks, int):
             if self.blocks < 1:
                 raise ValueError(f"Shard.blocks must be >= 1, got {self.blocks}")
-        elif (len(self.blocks) < 2 or min(self.blocks) < 1 or len(set(self.blocks)) == 1
+        elif (len(self.blocks) < 2 or 0 in self.blocks or max(self.blocks) < 1
+              or (min(self.blocks) > 0 and len(set(self.blocks)) == 1)
               or math.gcd(*self.blocks) != 1):
             raise ValueError(f"unequal Shard.blocks must be coprime proportions, not all "
-                             f"equal, got {self.blocks}")
+                             f"equal, some positive, got {self.blocks}")
 
     def __lt__(self, other: "Shard") -> bool:
         return (self.dim, block_weights(self.blocks)) < (other.dim, block_weights(other.blocks))
@@ -87,7 +132,7 @@ class Shard:
             return f"S({self.dim})"
         if isinstance(self.blocks, int):
             return f"S({self.dim})x{self.blocks}"
-        return f"S({self.dim})x" + ":".join(map(str, self.blocks))
+        return f"S({self.dim})x" + ":".join(f"{-w}*" if w < 0 else str(w) for w in self.blocks)
 
 
 @dataclass(frozen=True, order=True)
@@ -136,7 +181,8 @@ def parse_layout(text: str) -> Layout:
         dim_text, _, rest = text[2:].partition(")")
         blocks: Blocks = 1
         if rest.startswith("x"):
-            parts = tuple(int(p) for p in rest[1:].split(":"))
+            parts = tuple(-int(p[:-1]) if p.endswith("*") else int(p)
+                          for p in rest[1:].split(":"))
             blocks = parts[0] if len(parts) == 1 else parts
         return Shard(int(dim_text), blocks)
     raise ValueError(f"not a layout: {text!r}")
@@ -151,13 +197,32 @@ def local_size(global_size: int, tp: int) -> int:
 def local_shape(global_shape: Sequence[int], layout: Layout, tp: int) -> tuple[int, ...]:
     shape = list(global_shape)
     if isinstance(layout, Shard):
-        if shape[layout.dim] % (tp * block_units(layout.blocks)):
+        if not divides(shape[layout.dim], tp, layout.blocks):
             raise ValueError(
                 f"dim {layout.dim} of size {shape[layout.dim]} cannot be split into "
                 f"{layout.blocks} block(s) x tp={tp}"
             )
-        shape[layout.dim] //= tp
+        shape[layout.dim] = sum(local_segment_sizes(shape[layout.dim], layout.blocks, tp))
     return tuple(shape)
+
+
+def whole_numel(global_shape: Sequence[int], layout: Shard) -> int:
+    """Elements of the segments every rank holds whole (their gradients are partial)."""
+    sizes = segment_sizes(global_shape[layout.dim], layout.blocks)
+    rest = math.prod(global_shape) // global_shape[layout.dim]
+    return rest * sum(size for size, whole in zip(sizes, whole_segments(layout.blocks))
+                      if whole)
+
+
+def whole_slices(local_size: int, blocks: Blocks, tp: int) -> list[tuple[int, int]]:
+    """(start, length) on one rank of the segments it holds whole."""
+    size = global_extent(local_size, blocks, tp)
+    out, start = [], 0
+    for length, whole in zip(local_segment_sizes(size, blocks, tp), whole_segments(blocks)):
+        if whole:
+            out.append((start, length))
+        start += length
+    return out
 
 
 def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torch.Tensor:
@@ -174,7 +239,8 @@ def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torc
         return torch.full_like(full, -torch.inf) if layout.reduce == "logsumexp" \
             else torch.zeros_like(full)
     segments = full.split(segment_sizes(full.shape[layout.dim], layout.blocks), dim=layout.dim)
-    pieces = [seg.chunk(tp, dim=layout.dim)[rank] for seg in segments]
+    pieces = [seg if whole else seg.chunk(tp, dim=layout.dim)[rank]
+              for seg, whole in zip(segments, whole_segments(layout.blocks))]
     return torch.cat(pieces, dim=layout.dim).contiguous()
 
 
@@ -189,10 +255,13 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tens
         for piece in pieces[1:]:
             total = total + piece
         return total
-    per_rank = [piece.split(segment_sizes(piece.shape[layout.dim], layout.blocks),
-                            dim=layout.dim) for piece in pieces]
+    tp = len(pieces)
+    size = global_extent(pieces[0].shape[layout.dim], layout.blocks, tp)
+    local = local_segment_sizes(size, layout.blocks, tp)
+    per_rank = [piece.split(local, dim=layout.dim) for piece in pieces]
     segments = [
-        torch.cat([per_rank[r][j] for r in range(len(pieces))], dim=layout.dim)
-        for j in range(len(block_weights(layout.blocks)))
+        per_rank[0][j] if whole else
+        torch.cat([per_rank[r][j] for r in range(tp)], dim=layout.dim)
+        for j, whole in enumerate(whole_segments(layout.blocks))
     ]
     return torch.cat(segments, dim=layout.dim)

@@ -30,7 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autotp.errors import ConfigError
-from autotp.layout import Layout, Replicate, Shard, segment_sizes, shard_tensor
+from autotp.layout import (
+    Layout,
+    Replicate,
+    Shard,
+    segment_sizes,
+    shard_tensor,
+    whole_segments,
+)
 from autotp.tensorfile import TensorFiles
 
 
@@ -75,9 +82,11 @@ def _get(module: nn.Module, target: str) -> Any:
 def slice_ranges(global_size: int, layout: Shard, rank: int, tp: int) -> list[tuple[int, int]]:
     """The ranges of dim ``layout.dim`` that ``rank`` holds, one per block (as shard_tensor)."""
     ranges, start = [], 0
-    for segment in segment_sizes(global_size, layout.blocks):
-        piece = segment // tp
-        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+    for segment, whole in zip(segment_sizes(global_size, layout.blocks),
+                              whole_segments(layout.blocks)):
+        piece = segment if whole else segment // tp
+        first = start if whole else start + rank * piece
+        ranges.append((first, first + piece))
         start += segment
     return ranges
 

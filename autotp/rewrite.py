@@ -20,10 +20,16 @@ from torch import nn
 
 from autotp.capture import Captured, layer_of, node_arg
 from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
-from autotp.collectives import DeferredGradReduce, GradBucket, GradSync, Redistribute
+from autotp.collectives import (
+    DeferredGradReduce,
+    GradBucket,
+    GradSync,
+    PartialSegmentsReduce,
+    Redistribute,
+)
 from autotp.comm import Communicator
 from autotp.errors import PlanError, where
-from autotp.layout import Layout, Replicate, Shard, parse_layout
+from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
 from autotp.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
@@ -217,6 +223,39 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             made[key] = new
             count += 1
         consumer.replace_input_with(value, made[key])
+    return count + _sum_whole_segments(graph, plan, comm, root, bucket, grad_sync)
+
+
+def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
+                        bucket: GradBucket, grad_sync: GradSync) -> int:
+    """A parameter blocked with segments every rank holds whole (multi-query attention's
+    k/v rows of a fused q|k|v, S(0)x8:1*:1*): those segments' gradients are partial, summed
+    like a replicated parameter's (in the bucket, or at each use)."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or node.target not in plan.params:
+            continue
+        layout = plan.param_layout(node.target)
+        if not (isinstance(layout, Shard) and is_mixed(layout.blocks)):
+            continue
+        param = _get(root, node.target)
+        spans = whole_slices(param.shape[layout.dim], layout.blocks, plan.tp)
+        name = f"autotp_{node.name}_whole_segments"
+        if grad_sync is GradSync.BUCKET:
+            bucket.params[node.target] = param
+            bucket.partial[node.target] = (layout.dim, spans)
+            module: nn.Module = DeferredGradReduce(bucket, node.target)
+        else:
+            module = PartialSegmentsReduce(comm, layout.dim, spans,
+                                           label=f"grad sync {node.target}")
+        root.add_module(name, module)
+        users = list(node.users)
+        with graph.inserting_after(node):
+            new = graph.call_module(name, (node,))
+        new.meta["val"] = node.meta.get("val")
+        for user in users:
+            user.replace_input_with(node, new)
+        count += 1
     return count
 
 
