@@ -4,7 +4,6 @@ source lines."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -12,7 +11,7 @@ import sympy
 import torch.fx as fx
 
 from autotp.capture import Captured, layer_of, module_of, origin_of, size_expr, source_of
-from autotp.layout import R, Partial, Replicate, local_shape
+from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial, output_layout
@@ -101,6 +100,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 grad_sync.add(src.node.target)
                 continue
             if step.last_resort and (name, str(want)) not in seen:
+                plan.last_resorts += 1
                 plan.fallbacks.append(
                     f"{name} ({have}) is gathered for {pn.node.target} at {pn.node.name}, "
                     f"which only runs replicated ({origin_of(pn.node)})")
@@ -119,11 +119,18 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
                         node=name, source=source_of(at), src=str(have), dst=str(want),
                         module=module_of(at)))
+    synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:
             target = pn.node.target
             layout = values[pn.node.name]
             global_shape = tuple(int(s) for s in params[target].shape)
+            if isinstance(layout, Shard) and is_mixed(layout.blocks):
+                # the segments every rank holds whole have partial gradients: summed after
+                # backward, as a replicated parameter's are
+                grad_sync.add(target)
+                synced_bytes[target] = whole_numel(global_shape, layout) * \
+                    params[target].element_size()
             plan.params[target] = ParamPlan(
                 layout=str(layout), global_shape=global_shape,
                 local_shape=local_shape(global_shape, layout, tp),
@@ -132,10 +139,10 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 layer=_first_use_layer(pn.node),
                 dtype=str(params[target].dtype).removeprefix("torch."))
     if grad_sync:
-        numel = sum(math.prod(params[t].shape) * params[t].element_size() for t in grad_sync)
         plan.collectives.append(CollectiveRecord(
             kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
-            bytes_expr=str(numel), node="grad sync: " + ", ".join(sorted(grad_sync)),
+            bytes_expr=str(sum(synced_bytes.values())),
+            node="grad sync: " + ", ".join(sorted(grad_sync)),
             source=None, src="R*", dst="R"))
     return plan
 

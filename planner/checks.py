@@ -7,6 +7,8 @@ divides them are always recorded: the plan never leaves anything replicated sile
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.fx as fx
 
@@ -48,13 +50,10 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
            aten.addmm.default)
 
 
-def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
-                             reported: frozenset[str] = frozenset()) -> None:
-    """A matrix multiplied replicated on every rank although tp divides one of its sizes:
-    tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
-    of its use exists (a fused projection split into unequal parts). The first is an error
-    with ``strict``; both are recorded in the plan with a warning otherwise: never silent.
-    Narrow matrices (one size at most the other / (4 tp)) are replicated by design."""
+def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset()
+                        ) -> Iterator[tuple[fx.Node, list[fx.Node], list[int]]]:
+    """The matrices multiplied replicated on every rank although tp divides one of their
+    sizes, not by design: (parameter node, its products, the sizes tp does not divide)."""
     if plan.tp == 1:
         return  # nothing is sharded at tp = 1
     for node in gm.graph.nodes:
@@ -78,6 +77,18 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
             # design, as in Megatron; sharding it would cost more communication than the
             # compute it saves.
             continue
+        yield node, products, odd
+
+
+def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
+                             reported: frozenset[str] = frozenset()) -> None:
+    """A matrix multiplied replicated on every rank although tp divides one of its sizes:
+    tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
+    of its use exists (a fused projection split into unequal parts). The first is an error
+    with ``strict``; both are recorded in the plan with a warning otherwise: never silent.
+    Narrow matrices (one size at most the other / (4 tp)) are replicated by design."""
+    for node, products, odd in replicated_products(plan, gm, reported):
+        param = plan.params[node.target]
         why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
                f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else
                "no exact sharding of its use exists (e.g. a fused projection split into "

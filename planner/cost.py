@@ -4,12 +4,15 @@
                + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
                + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
                + epsilon * #(ops with a partial-sum output)                tie-break
+               + sum_premium  w * premium(s) * (1 - 1/tp)                  see below
                + a * sum_activations bytes_per_rank(v)     with sequence parallelism only
 
 ``w`` is large for matrices (ndim >= 2): a matrix is replicated only when no exact plan
 shards it within Megatron's communication pattern. Vectors (norm weights, biases) get a tiny
-weight that only breaks ties. Byte counts are sympy expressions in the batch and sequence
-sizes; they are evaluated at a reference (batch, seq) for the comparison.
+weight that only breaks ties. A strategy outside Megatron's pattern but exact (a norm's
+statistic over a sharded dim, all-reduced) carries a premium in bytes of matrix: the plan
+takes it only where it shards more than that. Byte counts are sympy expressions in the
+batch and sequence sizes; they are evaluated at a reference (batch, seq) for the comparison.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class CostModel:
 
     def compute_time(self, flops: float) -> float:
         return flops / self.flops
+
+    def premium_cost(self, nbytes: float, tp: int) -> float:
+        """A strategy outside Megatron's pattern: what sharding a matrix of ``nbytes`` saves."""
+        return self.memory_cost(nbytes * (1 - 1 / tp), 2)
 
     def memory_cost(self, nbytes: float, ndim: int) -> float:
         return nbytes * (self.matrix_weight if ndim >= 2 else self.vector_weight)

@@ -16,12 +16,14 @@ back-pointers are that layer's, renamed: the result is exactly what solving it w
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from autotp.capture import layer_of
 from autotp.errors import PlanError, where
-from autotp.layout import Shard
+from autotp.layout import Shard, is_mixed, whole_numel
+from autotp.planner.transitions import Collective
 
 Entry = tuple[Any, frozenset]
 Key = frozenset
@@ -294,8 +296,18 @@ def leaf_memory_cost(tp: int, cost_model: Any) -> Callable[[Any, Any], float]:
         # is read first gets no preference before its writer says which layouts can hold it
         if not leaf.is_param:
             return 0.0
-        per_rank = leaf.nbytes / tp if isinstance(layout, Shard) else leaf.nbytes
-        return cost_model.memory_cost(per_rank, leaf.ndim)
+        if not isinstance(layout, Shard):
+            return cost_model.memory_cost(leaf.nbytes, leaf.ndim)
+        if not is_mixed(layout.blocks):
+            return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim)
+        # Segments held whole are k/v heads tp cannot divide, whole by design as in Megatron
+        # (and as narrow matrices are): their memory is counted as if sharded, and the sum
+        # of their partial gradients after backward is paid as communication (bandwidth; the
+        # bucket's latency is shared).
+        shape = tuple(leaf.node.meta["val"].shape)
+        whole = leaf.nbytes * whole_numel(shape, layout) / math.prod(shape)
+        return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim) + \
+            cost_model.collective_time(Collective.ALL_REDUCE, whole, tp) - cost_model.latency
 
     return cost
 

@@ -83,6 +83,7 @@ class Plan:
     sequence_parallel: bool = False
     # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
     states: dict[str, str] = field(default_factory=dict)
+    last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class Plan:
         plan.outputs = list(data.get("outputs", []))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.states = dict(data.get("states", {}))
+        plan.last_resorts = int(data.get("last_resorts", 0))
         return plan
 
 

@@ -17,7 +17,16 @@ import torch.fx as fx
 from autotp.capture import (Captured, make_call, node_arg, sequence_symbols, size_expr,
                             tensor_inputs)
 from autotp.errors import NoRuleError, where
-from autotp.layout import R, R_STAR, Blocks, Layout, Replicate, Shard, proportions
+from autotp.layout import (
+    R,
+    R_STAR,
+    Blocks,
+    Layout,
+    Replicate,
+    Shard,
+    proportions,
+    smaller_whole,
+)
 from autotp.planner.cost import CostModel
 from autotp.rules.registry import Registry, Strategy
 
@@ -69,6 +78,10 @@ class PlanOptions:
     reported: frozenset[str] = frozenset()
     # node name -> strategy index (ops) or stored layout (parameters): for ``explain``
     force: tuple[tuple[str, Any], ...] = ()
+    # Strategies outside Megatron's pattern that carry a premium (a norm's statistic over a
+    # sharded dim): None offers them only to a plan that falls short without them
+    # (solve._search_further); True always; False never.
+    partial_statistics: Optional[bool] = None
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:
@@ -83,13 +96,16 @@ Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materializ
 
 _PRODUCTS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default,
              aten.bmm.default, aten.add.Tensor)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _sliced_segments(node: fx.Node) -> list[int]:
     """The sizes of slices of ``node`` along one dim that tile it (``qkv[..., :q]``,
     ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``), or [] when its slices do not."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or node.target not in _PRODUCTS:
+    viewed = node.target in _VIEWS and isinstance(node.args[0], fx.Node) and \
+        node.args[0].target in _PRODUCTS  # Falcon's qkv.view(B, T, heads + 2, head_dim)
+    if not isinstance(val, torch.Tensor) or not (node.target in _PRODUCTS or viewed):
         return []  # only a product's output is a fused projection (not a KV cache's reads)
     by_dim: dict[int, set] = {}
     for user in node.users:
@@ -102,7 +118,8 @@ def _sliced_segments(node: fx.Node) -> list[int]:
             continue
         end = size if end is None or (isinstance(end, int) and end >= size) else end
         if isinstance(start, int) and isinstance(end, int):
-            by_dim.setdefault(dim, set()).add((start, end))
+            by_dim.setdefault(dim, set()).add((start % size if start < 0 else start,
+                                               end % size if end < 0 else end))
     for dim, ranges in by_dim.items():
         ordered = sorted(ranges)
         if len(ordered) > 1 and ordered[0][0] == 0 and ordered[-1][1] == val.shape[dim] and \
@@ -114,7 +131,8 @@ def _sliced_segments(node: fx.Node) -> list[int]:
 def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
     """Segmentations worth considering for blocked shards: those of the graph's splits (a
     fused q|k|v or gate|up projection split into its parts): their count when the parts
-    are equal, their proportions when not (q|k|v with fewer k/v heads)."""
+    are equal, their proportions when not (q|k|v with fewer k/v heads), and those with the
+    smaller parts held whole (multi-query attention's single k/v head)."""
     counts: set = {1}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (
@@ -126,11 +144,14 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
             sizes = [v.shape[dim] for v in val if isinstance(v, torch.Tensor)]
             if len(sizes) == len(val) and all(isinstance(size, int) for size in sizes):
                 counts.add(proportions(sizes))
+                counts.add(smaller_whole(proportions(sizes)))
             else:
                 counts.add(len(val))
         tiling = _sliced_segments(node)
         if tiling:
             counts.add(proportions(tiling))
+            counts.add(smaller_whole(proportions(tiling)))
+    counts.discard(None)
     return tuple(sorted(counts, key=lambda b: (isinstance(b, tuple), b)))
 
 
@@ -213,6 +234,8 @@ def build_problem(
                 forced = dict(options.force).get(node.name)
                 if forced is not None:
                     pn.strategies = [pn.strategies[forced]]
+                elif not options.partial_statistics:
+                    pn.strategies = [s for s in pn.strategies if not s.premium]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
                 if options.strict:
                     raise NoRuleError(

@@ -28,8 +28,10 @@ insertion order (a stable sort), so plans are deterministic. Repeated layers are
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any, Optional
 
+import sympy
 import torch
 
 from autotp.capture import (
@@ -38,7 +40,12 @@ from autotp.capture import (
 from autotp.layout import R, Partial, Replicate, Shard
 from autotp.planner.cost import CostModel
 from autotp.planner.assemble import assemble
-from autotp.planner.checks import check_divisibility, check_heads, note_replicated_products
+from autotp.planner.checks import (
+    check_divisibility,
+    check_heads,
+    note_replicated_products,
+    replicated_products,
+)
 from autotp.planner.frontier import FrontierSolver, leaf_memory_cost
 from autotp.planner.problem import (
     Entry,
@@ -71,15 +78,76 @@ def plan_graph(
     gm = captured.gm
     fallbacks = check_heads(gm, tp, options.strict)
     blocks = block_counts(gm)
-    pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
-    decisions, total = solve(pnodes, tp, cost_model, options)
-    plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, model_name)
+
+    def plan_with(options: PlanOptions) -> Plan:
+        pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
+        decisions, total = solve(pnodes, tp, cost_model, options)
+        return assemble(captured, pnodes, decisions, total, tp, cost_model, options,
+                        model_name)
+
+    plan = _search_further(plan_with(options), gm, options, cost_model, plan_with)
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
     note_replicated_products(plan, gm, options.strict, options.reported)
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan
+
+
+def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostModel,
+                    plan_with: Any) -> Plan:
+    """A plan that pays a last-resort redistribution or leaves a matrix replicated that tp
+    could shard is planned again, with a 4x wider beam and, unless the options say
+    otherwise, partial statistics. The second plan is kept when it does neither more often
+    and one of them less, and moves no more large collectives per layer and direction than
+    Megatron's bound (4, counting sequence parallelism's pairs) or the first plan; a
+    collective of less than an eighth of the layer's largest (a norm's statistic) is not
+    counted.
+
+    The wider beam: rotary embeddings make many plans of equal cost, and 64 states can fill
+    with them while the plan that pays more early (a replicated k/v meeting sharded query
+    heads) to save more later is dropped. Partial statistics: Megatron's plan keeps every
+    norm's dim whole; OLMo2's q/k norms over all heads then force o_proj and down_proj
+    whole, while a partial statistic all-reduces only a [.., 1] statistic per norm. Their
+    premium keeps the plan from trading Megatron's replicated residual stream for k/v
+    projections narrower than it."""
+    def shortfalls(plan: Plan) -> tuple[int, int]:
+        stuck = [node for node, _, odd in replicated_products(plan, gm, options.reported)
+                 if not odd]
+        return plan.last_resorts, len(stuck)
+
+    before = shortfalls(plan)
+    if before == (0, 0):
+        return plan
+    wider = replace(options, max_states=4 * options.max_states,
+                    partial_statistics=options.partial_statistics is not False)
+    alt = plan_with(wider)
+    after = shortfalls(alt)
+    if after == before or any(a > b for a, b in zip(after, before)):
+        return plan
+    counted_before = _large_collectives(plan, cost_model)
+    for key, count in _large_collectives(alt, cost_model).items():
+        if count > max(4, counted_before.get(key, 0)):
+            return plan
+    return alt
+
+
+def _large_collectives(plan: Plan, cost_model: CostModel) -> dict[tuple, int]:
+    """(layer, phase) -> the collectives carrying at least an eighth of the bytes of the
+    layer's largest, at the cost model's reference batch and sequence."""
+    def nbytes(record: Any) -> float:  # its sizes are named B and T (cost.readable)
+        expr = sympy.sympify(record.bytes_expr)
+        return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
+
+    sizes: dict[tuple, list[float]] = {}
+    for record in plan.collectives:
+        if record.layer is not None:
+            sizes.setdefault((record.layer, record.phase), []).append(nbytes(record))
+    largest: dict[Any, float] = {}
+    for (layer, _), values in sizes.items():
+        largest[layer] = max(largest.get(layer, 0.0), *values)
+    return {key: sum(1 for v in values if v * 8 >= largest[key[0]])
+            for key, values in sizes.items()}
 
 
 # ---- problem -------------------------------------------------------------------------------
@@ -146,6 +214,8 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         own = cost_model.compute_time(extra)
         if isinstance(strategy.output, Partial):
             own += cost_model.partial_output
+        if strategy.premium:
+            own += cost_model.premium_cost(strategy.premium, tp)
         for name, layout in zip(pn.inputs, strategy.inputs):
             state = by_name[name]
             if name in pn.mutated and state.is_state:  # the memory of the state it writes

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from autotp.layout import Layout, Partial, Replicate, Shard
+from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed
 
 
 class Collective(enum.Enum):
@@ -69,6 +69,8 @@ def transition(
     """The redistribution from ``src`` to ``dst``, or None when autotp does not offer it."""
     if src == dst:
         return Transition(src, dst, None, None)
+    if any(isinstance(x, Shard) and is_mixed(x.blocks) for x in (src, dst)):
+        return None  # segments held whole are read only where they are made (a split)
     grad = requires_grad
 
     def make(fwd: Optional[Collective], bwd: Optional[Collective],

@@ -3,6 +3,8 @@
 * A reduction over dims that are not sharded keeps the shard (its index shifts when the
   reduced dims are dropped). ``sum`` over a sharded dim is a partial sum:
   sum(x) = sum_r sum(x_r) -> P. Both sum and mean are linear, so P passes through.
+  A mean over a sharded dim is a partial statistic: mean(x) = sum_r mean(x_r) / tp -> P,
+  all-reduced as the small [.., 1] statistic rather than gathering x.
   ``logsumexp`` over a sharded dim leaves a partial logsumexp per rank:
   lse(x) = log sum_r exp(lse(x_r)) -> P(lse), combined from ``tp`` numbers per row (this is
   how a cross-entropy over vocabulary-sharded logits avoids gathering them).
@@ -10,7 +12,8 @@
   may be sharded (their affine weights are read replicated).
 * scaled_dot_product_attention is independent per (batch, head): sharding heads needs no
   communication. The mask is sharded with the heads, or read replicated when it broadcasts
-  over them. With GQA (fewer k/v heads) the k/v heads must be divisible by tp as well.
+  over them. With GQA (fewer k/v heads) the k/v heads must be divisible by tp as well; a
+  single k/v head broadcast to every query head (Falcon's multi-query) is read whole.
 """
 
 from __future__ import annotations
@@ -51,10 +54,25 @@ def sum_mean_rule(call: OpCall) -> Iterator[Strategy]:
     yield from _kept_shards(call, reduced, keepdim)
     if call.inputs[0].floating:
         yield Strategy((P,), P, name="linear")
-    if call.op == aten.sum.dim_IntList:
-        for dim, blocks in shardable_dims(call.inputs[0], call):
-            if dim in reduced:
-                yield Strategy((Shard(dim, blocks),), P, name="partial sum")
+    x = call.inputs[0]
+    for dim, blocks in shardable_dims(x, call):
+        if dim not in reduced:
+            continue
+        if call.op == aten.sum.dim_IntList:
+            yield Strategy((Shard(dim, blocks),), P, name="partial sum")
+        elif x.floating:
+            # A mean over sharded features (a norm's statistic over a column-parallel
+            # projection, OLMo2's q/k norm): each rank's local mean / tp, summed by an
+            # all-reduce of the statistic alone. Priced as 3/4 of an n x n matrix held
+            # whole: less than the n-wide projection it lets the plan shard (OLMo2's
+            # q_proj), more than half the stream's width squared, so that a block's two
+            # norms never buy a residual stream sharded along h for the sake of k/v
+            # projections (at most half as wide as the stream when tp exceeds their heads).
+            size = x.static(dim)
+            if size is None:
+                continue  # a split sequence (sequence parallelism): not a norm's features
+            yield Strategy((Shard(dim, blocks),), P, name="partial statistic",
+                           premium=0.75 * size * size * x.dtype.itemsize)
 
 
 @rules.register(aten.sum.default, aten.mean.default)
@@ -68,9 +86,9 @@ def sum_all_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy((Shard(dim, blocks),), P, name="partial sum")
 
 
-@rules.lowering(aten.mean.default)
+@rules.lowering(aten.mean.default, aten.mean.dim)
 def partial_mean_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if isinstance(strategy.inputs[0], Shard):
+    if isinstance(strategy.inputs[0], Shard) and strategy.output == P:
         ctx.apply_after(node, aten.div.Scalar, ctx.tp)
 
 
@@ -118,9 +136,12 @@ def sdpa_rule(call: OpCall) -> Iterator[Strategy]:
     for dim, blocks in shardable_dims(q, call):
         if dim >= q.ndim - 2 or blocks != 1:
             continue  # the sequence and head-size dims are mixed by attention
-        if not (k.shardable(dim, call.tp) and v.shardable(dim, call.tp)):
+        if k.shardable(dim, call.tp) and v.shardable(dim, call.tp):
+            inputs: list[Layout] = [Shard(dim), Shard(dim), Shard(dim)]
+        elif k.static(dim) == 1 and v.static(dim) == 1:
+            inputs = [Shard(dim), R, R]  # one k/v head broadcast to every query head (MQA)
+        else:
             continue
-        inputs: list[Layout] = [Shard(dim), Shard(dim), Shard(dim)]
         if mask is not None:
             offset = q.ndim - mask.ndim
             mdim = dim - offset

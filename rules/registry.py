@@ -22,7 +22,17 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import sympy
 import torch
 
-from autotp.layout import R, R_STAR, Blocks, Layout, Partial, Replicate, Shard, block_units
+from autotp.layout import (
+    R,
+    R_STAR,
+    Blocks,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    divides,
+    is_mixed,
+)
 
 Size = Union[int, sympy.Expr]
 
@@ -53,7 +63,7 @@ class TensorMeta:
         if self.shape[dim] in self.split:
             return blocks == 1
         size = self.static(dim)
-        return size is not None and size > 1 and size % (tp * block_units(blocks)) == 0
+        return size is not None and size > 1 and divides(size, tp, blocks)
 
     @property
     def floating(self) -> bool:
@@ -70,6 +80,9 @@ class Strategy:
     inputs: tuple[Layout, ...]
     output: Output
     name: str = ""
+    # Exact, but outside Megatron's pattern: priced like a matrix of this many bytes held
+    # whole on every rank (planner/cost.py), so a plan takes it only to shard more than that.
+    premium: float = 0.0
 
     def __str__(self) -> str:
         ins = ", ".join(str(layout) for layout in self.inputs)
@@ -211,12 +224,21 @@ class Registry:
                     f"rule for {call.op} gave {len(strategy.inputs)} input layouts for "
                     f"{n} tensor inputs"
                 )
+            if _sums_whole_segments(strategy):
+                continue
             for variant in _with_gradient_semantics(strategy, call):
                 key = (variant.inputs, variant.output)
                 if key not in seen:
                     seen.add(key)
                     out.append(variant)
         return out
+
+
+def _sums_whole_segments(strategy: Strategy) -> bool:
+    """A partial sum over a dim with segments every rank holds whole would count those
+    segments tp times: no rule's partial output holds for such an input."""
+    return any(isinstance(x, Shard) and is_mixed(x.blocks) for x in strategy.inputs) and \
+        any(isinstance(o, Partial) for o in output_layouts(strategy.output))
 
 
 def _replicate_output(output: Any, layout: Layout) -> Output:
@@ -242,7 +264,7 @@ def _with_gradient_semantics(strategy: Strategy, call: OpCall) -> Iterator[Strat
         # inside the op; rules never offer that.
         raise AssertionError(f"rule for {call.op} returned R output from sharded inputs")
     inputs = tuple(R_STAR if isinstance(x, Replicate) else x for x in strategy.inputs)
-    yield Strategy(inputs, strategy.output, strategy.name)
+    yield Strategy(inputs, strategy.output, strategy.name, strategy.premium)
 
 
 # ---- helpers shared by the rule modules -------------------------------------------------

@@ -13,12 +13,26 @@ their local values (C -> C/tp, H -> H/tp, split sizes likewise); ``-1`` stays ``
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Optional, Sequence
 
 import sympy
 import torch
 
-from autotp.layout import P, R, Shard, proportions, segment_sizes
+from autotp.layout import (
+    P,
+    block_units,
+    R,
+    R_STAR,
+    Shard,
+    block_weights,
+    is_mixed,
+    local_segment_sizes,
+    proportions,
+    segment_sizes,
+    smaller_whole,
+    whole_segments,
+)
 from autotp.rules.registry import (
     OpCall,
     RuleSet,
@@ -97,7 +111,11 @@ def map_shard_through_view(
             return None
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
-        if layout.blocks != 1 and not identity:
+        # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
+        # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
+        aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \
+            dst.static(out_dim) % block_units(layout.blocks) == 0
+        if layout.blocks != 1 and not (identity or aligned):
             return None
         if not dst.shardable(out_dim, tp, layout.blocks):
             return None
@@ -123,7 +141,11 @@ def localize_shape_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     out = strategy.output
     if isinstance(out, Shard):
         shape = list(node.args[1])
-        shape[out.dim] = ctx.local_size_arg(shape[out.dim], node)
+        size = shape[out.dim]
+        if is_mixed(out.blocks) and isinstance(size, int) and size != -1:
+            shape[out.dim] = sum(local_segment_sizes(size, out.blocks, ctx.tp))
+        else:
+            shape[out.dim] = ctx.local_size_arg(size, node)
         node.args = (node.args[0], shape, *node.args[2:])
 
 
@@ -212,19 +234,23 @@ def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -
 
 
 def _block_of_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any,
-                    blocks: Any) -> bool:
-    """Whether ``x[start:end]`` along ``dim`` is exactly one segment of ``blocks``."""
+                    blocks: Any) -> Optional[int]:
+    """The segment of ``blocks`` that ``x[start:end]`` along ``dim`` is exactly, or None."""
     size = src.static(dim)
     if blocks == 1 or size is None or step not in (None, 1):
-        return False
+        return None
+    return _segment_of(size, blocks, start, end)
+
+
+def _segment_of(size: int, blocks: Any, start: Any, end: Any) -> Optional[int]:
     start = 0 if start is None else start
     end = size if end is None or (isinstance(end, int) and end >= size) else end
     if not isinstance(start, int) or not isinstance(end, int):
-        return False
-    edges = [0]
-    for segment in segment_sizes(size, blocks):
-        edges.append(edges[-1] + segment)
-    return any(edges[j] == start and edges[j + 1] == end for j in range(len(edges) - 1))
+        return None
+    bounds = (start + size if start < 0 else start, end + size if end < 0 else end)
+    edges = [0, *itertools.accumulate(segment_sizes(size, blocks))]
+    return next((j for j in range(len(edges) - 1) if (edges[j], edges[j + 1]) == bounds),
+                None)
 
 
 @rules.register(aten.slice.Tensor)
@@ -240,13 +266,28 @@ def slice_rule(call: OpCall) -> Iterator[Strategy]:
     for d, blocks in shardable_dims(src, call):
         if d != dim or full:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="view")
-        elif _block_of_slice(src, dim, start, end, step, blocks):
-            yield Strategy((Shard(d, blocks),), Shard(d), name="slice block")
+            continue
+        segment = _block_of_slice(src, dim, start, end, step, blocks)
+        if segment is not None:  # a segment held whole is whole on every rank
+            yield Strategy((Shard(d, blocks),),
+                           R_STAR if whole_segments(blocks)[segment] else Shard(d),
+                           name="slice block")
 
 
 @rules.lowering(aten.slice.Tensor)
 def localize_slice_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """A segment of a blocked shard starts and ends at the global bounds / tp locally."""
+    """A segment of a blocked shard starts and ends at the global bounds / tp locally; with
+    segments held whole, at the local segments' edges."""
+    layout = strategy.inputs[0]
+    if isinstance(layout, Shard) and is_mixed(layout.blocks) and strategy.output != layout:
+        size = node.args[0].meta["val"].shape[layout.dim]
+        start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start")
+        end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end")
+        j = _segment_of(size, layout.blocks, start, end)
+        assert j is not None, "the slice rule offers a held-whole segment only for one segment"
+        local = [0, *itertools.accumulate(local_segment_sizes(size, layout.blocks, ctx.tp))]
+        node.args = (node.args[0], node.args[1], local[j], local[j + 1], *node.args[4:])
+        return
     if strategy.output == strategy.inputs[0] or not isinstance(strategy.output, Shard):
         return
     args = list(node.args) + [None] * (4 - len(node.args))
@@ -286,6 +327,13 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
         blocks = proportions(sizes)
         if src.shardable(dim, call.tp, blocks):
             yield Strategy((Shard(dim, blocks),), (Shard(dim),) * n, name="split blocks")
+        # Multi-query attention's q|k|v: q sliced by heads, the smaller parts (one k/v head)
+        # held whole by every rank, with partial gradients (each rank's query heads).
+        mixed = smaller_whole(blocks)
+        if mixed is not None and src.shardable(dim, call.tp, mixed):
+            yield Strategy((Shard(dim, mixed),),
+                           tuple(R_STAR if whole else Shard(dim)
+                                 for whole in whole_segments(mixed)), name="split blocks")
 
 
 @rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)
@@ -299,7 +347,9 @@ def localize_split_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
         return
     sizes = node.args[1]
     if isinstance(sizes, (list, tuple)):
-        local: Any = [ctx.local_size_arg(s, node) for s in sizes]
+        whole = whole_segments(layout.blocks) if len(sizes) == len(block_weights(layout.blocks)) \
+            else (False,) * len(sizes)
+        local: Any = [s if held else ctx.local_size_arg(s, node) for s, held in zip(sizes, whole)]
     else:
         local = ctx.local_size_arg(sizes, node)
     node.args = (node.args[0], local, *node.args[2:])
