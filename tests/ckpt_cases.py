@@ -62,8 +62,19 @@ def phi3_gqa() -> Any:
     return phi3(kv_heads=4)
 
 
+def bigcode() -> Any:
+    """Multi-query attention fused with q: c_attn is 64 q rows, then one 8-row k and v head,
+    sharded as S(0)x8:1*:1* (k and v whole on every rank, their gradients summed)."""
+    tf = _tf()
+    return tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(
+        n_layer=2, n_embd=64, n_head=8, multi_query=True, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=False))
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "phi3": phi3,
-                                          "phi3_gqa": phi3_gqa}
+                                          "phi3_gqa": phi3_gqa, "bigcode": bigcode}
+MQA = "transformer.h.0.attn.c_attn.weight"  # GPTBigCode's fused q|k|v, one k/v head
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # Phi-3's fused q|k|v
 
 
@@ -128,6 +139,8 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
             "bytes_read": sum(read.values()),
             "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
             "qkv_layout": None if qkv is None else str(sharded.plan.param_layout(qkv)),
+            "mqa_layout": sharded.plan.params[MQA].layout if MQA in sharded.plan.params
+            else None,
             "qkv_read": read.get(QKV, 0),
             "qkv_bytes": ref_state[QKV].numel() * ref_state[QKV].element_size()
             if QKV in ref_state else 0}

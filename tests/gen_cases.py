@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from ckpt_cases import VOCAB, gpt2, llama, perturb
+from ckpt_cases import VOCAB, bigcode, gpt2, llama, perturb
 
 
 def qwen2() -> Any:
@@ -20,7 +20,8 @@ def qwen2() -> Any:
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
 
 
-BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2}
+BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2,
+                                          "bigcode": bigcode}
 NEW_TOKENS = 6
 
 

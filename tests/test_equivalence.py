@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import autotp
+from autotp.layout import parse_layout, unshard_tensor
 from autotp.verify import compare, layer_counts, reference_step, sharded_step
+from ckpt_cases import MQA, bigcode, perturb
+from ckpt_cases import batch as mqa_batch
 from models import BUILDERS, batch, example, loss_of, main_output
 
 ATOL = 1e-4
@@ -195,6 +198,34 @@ def test_per_use_grad_sync_is_seen_by_autograd_grad() -> None:
 
     for g in sim.run(grad_of_k):
         assert float((g - expected).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("grad_sync", ["per_use", "bucket"])
+def test_segments_held_whole_get_summed_gradients(grad_sync: str) -> None:
+    """GPTBigCode's multi-query c_attn (S(0)x8:1*:1*): each rank's gradient of its q rows is
+    its own, that of the k/v rows every rank holds is summed over ranks, at each use
+    ("per_use", seen by torch.autograd.grad) or after backward ("bucket", in .grad)."""
+    torch.manual_seed(0)
+    model = perturb(bigcode(), 1)
+    ids = mqa_batch()
+    sim = autotp.simulate(model, 2, example_kwargs={"input_ids": ids, "labels": ids},
+                          grad_sync=grad_sync)
+    assert sim.plan.params[MQA].layout == "S(0)x8:1*:1*" and sim.plan.params[MQA].grad_sync
+    model(input_ids=ids, labels=ids).loss.backward()
+    expected = dict(model.named_parameters())[MQA].grad
+
+    def grad_of_qkv(module):
+        weight = module.local_parameters()[MQA]
+        loss = module(input_ids=ids, labels=ids).loss
+        if grad_sync == "per_use":
+            return torch.autograd.grad(loss, [weight])[0]
+        loss.backward()
+        return weight.grad
+
+    grads = sim.run(grad_of_qkv)
+    full = unshard_tensor(grads, parse_layout(sim.plan.params[MQA].layout))
+    assert float((full - expected).abs().max()) <= 1e-6
+    assert torch.equal(grads[0][32:], grads[1][32:])  # the k/v rows, summed on every rank
 
 
 def test_simulation_runs_again_after_a_failed_run() -> None:

@@ -34,6 +34,7 @@ import torch
 
 import autotp
 from autotp.launch import run_processes
+from autotp.layout import Shard, parse_layout, whole_numel
 from autotp.verify import Comparison, StepResult, compare, reference_step, sharded_step
 from family_cases import (
     ATOL,
@@ -179,7 +180,10 @@ def test_exact_against_the_unsharded_model(runs: Callable[[str], Run], name: str
 
 # Phi-3's fused qkv (GQA: 64 q + 32 k + 32 v rows) is split per part (layout S(0)x2:1:1); at
 # commit 83b33b5 it was still replicated (2 fallbacks, (1, 1) collectives per layer).
-AT_BOUND = [MIXTRAL, QWEN2_MOE, GEMMA3, PHI3]
+# GPTBigCode's multi-query c_attn (64 q + 8 k + 8 v rows) plans as S(0)x8:1*:1*: q sliced
+# by heads, the single k/v head whole on every rank; before, c_attn and c_proj stayed
+# replicated (4 fallbacks, (1, 1) collectives per layer, only the MLP sharded).
+AT_BOUND = [MIXTRAL, QWEN2_MOE, GEMMA3, PHI3, BIGCODE]
 
 
 @pytest.mark.parametrize("name", AT_BOUND)
@@ -214,19 +218,49 @@ def test_deepseek_dense_layer_at_the_bound_moe_layer_one_more(
     assert moe["backward_bytes"] <= UNIT + routing, run.describe()
 
 
+def test_olmo2_norms_over_all_heads_all_reduce_only_their_statistics(
+        runs: Callable[[str], Run]) -> None:
+    """OLMo2 normalizes q and k over all heads, which column-parallel projections leave
+    sharded: each norm all-reduces its [B, T, 1] statistic forward (and its gradient
+    backward) besides Megatron's two all-reduces of B x T x h. Every matrix is sharded."""
+    run = runs(OLMO2)
+    assert run.plan.fallbacks == [] and run.wide_replicated() == [], run.describe()
+    statistic = 2 * 12 * 4  # B x T floats
+    for i in run.layers:
+        t = run.layer(i)
+        for phase in ("forward", "backward"):
+            assert t[phase] <= 4, (i, run.describe())
+            assert t[f"{phase}_bytes"] <= UNIT + 2 * statistic, (i, run.describe())
+        big = [e for e in run.sim.ranks[0].comm.log.events
+               if e.layer == i and e.phase == "forward" and e.nbytes > statistic]
+        assert len(big) == 2 and all(e.kind == "all_reduce" for e in big), run.describe()
+    matrices = [p for p in run.plan.params.values() if len(p.global_shape) == 2]
+    assert all(p.layout.startswith("S") for p in matrices), run.describe()
+
+
+def test_falcon_multi_query_one_all_reduce_per_layer(runs: Callable[[str], Run]) -> None:
+    """Falcon (parallel attention and MLP, multi-query): query_key_value (64 q + 8 k + 8 v
+    rows, the k/v head picked by ``qkv[..., [-2], :]``) plans as S(0)x8:1*:1*, q sliced by
+    heads and the k/v head whole on every rank; the attention's and the MLP's partial sums
+    meet in one all-reduce of B x T x h per layer each way (Megatron with a parallel block).
+    It was row-parallel before: its B x T x 80 product all-reduced, (2, 3) collectives."""
+    run = runs(FALCON)
+    assert run.plan.fallbacks == [] and run.wide_replicated() == [], run.describe()
+    for i in run.layers:
+        t = run.layer(i)
+        assert (t["forward"], t["backward"]) == (1, 1), (i, run.describe())
+        assert (t["forward_bytes"], t["backward_bytes"]) == (UNIT // 2, UNIT // 2), \
+            (i, run.describe())
+        fused = run.plan.params[f"transformer.h.{i}.self_attention.query_key_value.weight"]
+        assert fused.layout == "S(0)x8:1*:1*", fused
+    assert _bound_failures(run) == []
+
+
 # ---- the bound, where it is not met today: strict xfail -------------------------------------
 
 NOT_AT_BOUND = {
-    DEEPSEEK: "the MoE layer all-reduces the routing weights' gradient (unsqueeze_21, "
-              "B x T x top_k floats) on its own: (2, 3) collectives, 1.016x Megatron backward",
-    FALCON: "the fused multi-query query_key_value (80 = 64 q + 8 k + 8 v rows) runs "
-            "row-parallel: its B x T x 80 product is all-reduced (1.125x Megatron forward) and "
-            "the backward takes 3 collectives (two all-gathers and an all-reduce, 1.5x)",
-    OLMO2: "o_proj replicated in both layers (3 fallbacks), layer 0's down_proj kept whole, "
-           "activations sharded over h between layers: (6, 2) and (4, 1) collectives, up to "
-           "3.5x Megatron forward",
-    BIGCODE: "multi-query attention replicated: c_attn (80 x 64) and c_proj kept whole in both "
-             "layers (4 fallbacks); only the MLP is sharded",
+    OLMO2: "the q and k norms over all heads all-reduce their statistics (B x T floats "
+           "each): (4, 4) collectives per layer, 1.02x Megatron's bytes at h = 64",
 }
 
 
@@ -251,13 +285,13 @@ def test_megatron_bound(runs: Callable[[str], Run], name: str) -> None:
 # ---- what is sharded ------------------------------------------------------------------------
 
 
-NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, PHI3]
+NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE]
 
 
 @pytest.mark.parametrize("name", NO_FALLBACKS)
 def test_no_fallbacks(runs: Callable[[str], Run], name: str) -> None:
     """Every matrix of these plans has an exact sharding: nothing is left replicated for want
-    of one (OLMo2 and GPTBigCode still leave some: their bound test is an expected failure)."""
+    of one."""
     run = runs(name)
     assert run.plan.fallbacks == [], run.describe()
 
@@ -288,11 +322,17 @@ def test_experts_sharded_routers_replicated(runs: Callable[[str], Run], name: st
 def test_grad_sync_bucket_holds_the_replicated_partial_gradients(
         runs: Callable[[str], Run]) -> None:
     """Outside the layers: the one all-reduce after backward carries exactly the replicated
-    parameters whose gradients are partial (the plan's grad_sync ones)."""
+    parameters whose gradients are partial (the plan's grad_sync ones), and of a parameter
+    with segments every rank holds whole (GPTBigCode's c_attn), those segments only."""
     for name in FAMILIES:
         run = runs(name)
-        synced = sum(torch.Size(p.global_shape).numel() * 4
-                     for p in run.plan.params.values() if p.grad_sync)
+        synced = 0
+        for p in run.plan.params.values():
+            layout = parse_layout(p.layout)
+            if p.grad_sync and isinstance(layout, Shard):
+                synced += whole_numel(p.global_shape, layout) * 4
+            elif p.grad_sync:
+                synced += torch.Size(p.global_shape).numel() * 4
         bucket = sum(e.nbytes for e in run.sim.ranks[0].comm.log.events
                      if e.label == "grad sync")
         assert bucket == synced, (name, bucket, synced)

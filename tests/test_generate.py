@@ -48,10 +48,12 @@ def test_generate_in_processes(tp: int, names: list[str]) -> None:
             assert result[name]["tokens"] == results[0][name]["tokens"], (name, rank)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "bigcode"])
 def test_greedy_at_tp4(name: str) -> None:
     """Simulated ranks (threads share torch's random stream, so sampling is checked in the
-    processes above): greedy decoding and a cached step at tp=4."""
+    processes above): greedy decoding and a cached step at tp=4. GPTBigCode: multi-query
+    attention fused with q (c_attn S(0)x8:1*:1*), its one k/v head cached whole on every
+    rank."""
     reference = gc.model(name)
     sim = autotp.simulate(gc.model(name), 4)
     ids, mask = gc.prompts()

@@ -6,6 +6,7 @@ import ast
 import os
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -334,3 +335,98 @@ def test_in_place_write_through_a_view_is_functionalized() -> None:
     reference = reference_step(model, call, loss, lambda out: out)
     for result in sim.run(lambda m: sharded_step(m, call, loss, lambda out: out)):
         assert compare(reference, result).ok(1e-6, 1e-5)
+
+
+def _plan_generic(config: Any, tp: int, **options: Any) -> Any:
+    from autotp.capture import capture
+    from autotp.planner.problem import PlanOptions
+    from autotp.planner.solve import plan_graph
+
+    from generic import build
+
+    model, ids = build(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plans without partial statistics warn
+        return plan_graph(capture(model, (ids,), {}), tp, options=PlanOptions(**options))
+
+
+def _collectives_per_layer(plan: Any) -> dict[Any, tuple[int, int]]:
+    return {layer: tuple(sum(n for (phase, _), n in counts.items() if phase == p)
+                         for p in ("forward", "backward"))
+            for layer, counts in plan.per_layer().items() if layer is not None}
+
+
+def test_norm_over_sharded_heads_takes_partial_statistics() -> None:
+    """A norm over the whole q and k projections (OLMo2) reads heads that column-parallel
+    projections leave sharded. Without partial statistics o_proj (and more) stay whole; with
+    them (the default, taken because of those) every matrix is sharded, each norm all-reduces
+    its [B, T, 1] statistic, and a layer stays within 4 collectives each way."""
+    from generic import GenericConfig
+
+    config = GenericConfig(norm="rms", qk_norm=True, mlp="swiglu", rope=True, bias=False,
+                           n_head=4, n_kv_head=4)
+    without = _plan_generic(config, 2, partial_statistics=False)
+    assert without.fallbacks  # the statistics' inputs gathered, or o_proj kept whole
+    plan = _plan_generic(config, 2)
+    assert plan.fallbacks == []
+    matrices = {t: p.layout for t, p in plan.params.items() if len(p.global_shape) == 2}
+    assert all(layout.startswith("S") for layout in matrices.values()), matrices
+    statistics = [c for c in plan.choices.values() if "partial statistic" in c.strategy]
+    assert len(statistics) == 2 * config.n_layer, statistics  # q's and k's norm per layer
+    for layer, (forward, backward) in _collectives_per_layer(plan).items():
+        assert forward <= 4 and backward <= 4, (layer, plan.summary())
+    # with sequence parallelism each statistic is reduce-scattered and all-gathered: 8 small
+    # and large collectives per layer each way, still every matrix sharded, no gather
+    sequence = _plan_generic(config, 2, sequence_parallel=True)
+    assert sequence.fallbacks == [] and sequence.last_resorts == 0, sequence.summary()
+    assert sum("partial statistic" in c.strategy for c in sequence.choices.values()) == 4
+
+
+def test_partial_statistics_leave_megatron_plans_alone() -> None:
+    """k/v projections with fewer heads than tp are replicated by design (Megatron); a
+    residual stream sharded over h with partial statistics in every norm would shard them at
+    the price of 5 more all-reduces per layer. The plan stays Megatron's. (With rotary
+    embeddings a 64-state beam alone loses this plan among many of equal cost and pays two
+    last-resort gathers; the planner's second, wider search finds it.)"""
+    from generic import GenericConfig
+
+    config = GenericConfig(norm="rms", mlp="swiglu", rope=True, bias=False, n_head=4,
+                           n_kv_head=2)
+    plan = _plan_generic(config, 4)
+    without = _plan_generic(config, 4, partial_statistics=False)
+    assert {t: p.layout for t, p in plan.params.items()} == \
+        {t: p.layout for t, p in without.params.items()}
+    assert plan.fallbacks == []
+    assert plan.params["blocks.0.attn.k_proj.weight"].layout == "R"
+    assert not any("partial statistic" in c.strategy for c in plan.choices.values())
+    for layer, counts in _collectives_per_layer(plan).items():
+        assert counts == (2, 2), (layer, plan.summary())
+
+
+class ConstantIndex(nn.Module):
+    """Falcon's ``qkv[..., [-2], :]``: a one-element list index, then a view of it; and an
+    index read from a buffer, which the model may change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 32)
+        self.register_buffer("idx", torch.tensor([1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.lin(x).view(x.shape[0], 4, 8)
+        k = f[:, [-2], :]
+        b = f[:, self.idx, :]
+        return (k.view(x.shape[0], 8) * b.reshape(x.shape[0], 8)).sum(-1)
+
+
+def test_a_constant_list_index_is_captured_as_a_slice() -> None:
+    from autotp.capture import capture
+
+    model, x = ConstantIndex(), torch.randn(3, 8)
+    captured = capture(model, (x,), {})
+    ops = [n.target for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.index.Tensor) == 1  # the buffer's index stays
+    slices = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor
+              and n.args[1:] == (1, 2, 3)]
+    assert len(slices) == 1, captured.gm.code
+    assert torch.equal(captured.gm(x=x), model(x))  # the view of the slice runs

@@ -85,7 +85,7 @@ SAMPLES: dict[Any, list[Sample]] = {
         s(randn(4, 8, 12), randn(2, 1, 12, 8)),
         s(QKV[0], QKV[1].transpose(-1, -2)),
     ],
-    # ---- attention: broadcast bool mask, per-head float mask, causal, GQA (8 q / 4 kv) ----
+    # ---- attention: broadcast bool mask, per-head float mask, causal, GQA, MQA ----
     aten.scaled_dot_product_attention.default: [
         s(*QKV),
         s(*QKV, CAUSAL.expand(2, 1, 8, 8).clone()),
@@ -94,6 +94,8 @@ SAMPLES: dict[Any, list[Sample]] = {
         s(*QKV, randn(8, 8)),
         s(*QKV, is_causal=True, scale=0.5),
         s(randn(2, 8, 8, 8), randn(2, 4, 8, 8), randn(2, 4, 8, 8), enable_gqa=True),
+        # multi-query: one k/v head broadcast to every query head (Falcon)
+        s(randn(2, 8, 8, 8), randn(2, 1, 8, 8), randn(2, 1, 8, 8), randn(2, 1, 8, 8)),
     ],
     # ---- normalizations, softmax, scans ----
     aten.layer_norm.default: [
@@ -477,6 +479,64 @@ def test_unequal_blocks_shard_gather_and_print() -> None:
         Shard(0, (2, 2))  # equal segments are an int
 
 
+# ---- blocks held whole: multi-query attention's fused q|k|v ---------------------------------
+
+# q of 16 columns sliced across the ranks, k and v of 8 each held whole by every rank
+MIXED = [
+    (aten.split_with_sizes.default, (randn(4, 32), [16, 8, 8], 1)),
+    (aten.linear.default, (randn(3, 8), randn(32, 8))),
+    (aten.add.Tensor, (randn(4, 32), randn(32))),
+    (aten.unsqueeze.default, (randn(4, 32), 0)),
+    (aten.view.default, (randn(4, 32), [4, 32])),
+    (aten.sum.dim_IntList, (randn(4, 32), [1])),
+]
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(("op", "args"), MIXED, ids=lambda v: str(v)[:40])
+def test_blocks_held_whole_are_exact(op: Any, args: tuple, tp: int) -> None:
+    checks = check_op(op, _clone(args), tp=tp, blocks=(1, (2, -1, -1)))
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, "\n".join(failing)
+    mixed = [str(c.strategy) for c in checks if "x2:1*:1*" in str(c.strategy)]
+    if op == aten.sum.dim_IntList:  # a partial sum would count k and v tp times
+        assert not [m for m in mixed if "S(1)x2:1*:1*) -> P" in m], mixed
+        return
+    assert mixed, [str(c.strategy) for c in checks]
+    if op == aten.split_with_sizes.default:  # q comes out sliced, k and v whole
+        assert any(m.endswith("-> (S(1), R*, R*)  [split blocks]") for m in mixed), mixed
+
+
+def test_blocks_held_whole_shard_gather_and_print() -> None:
+    from autotp.collectives import local_slice
+    from autotp.layout import (
+        global_extent,
+        local_shape,
+        shard_tensor,
+        unshard_tensor,
+        whole_numel,
+        whole_slices,
+    )
+
+    layout = parse_layout("S(1)x2:1*:1*")
+    assert layout == Shard(1, (2, -1, -1)) and str(layout) == "S(1)x2:1*:1*"
+    full = torch.arange(4 * 32.0).reshape(4, 32)
+    for tp in TPS:
+        pieces = [shard_tensor(full, layout, r, tp) for r in range(tp)]
+        assert local_shape((4, 32), layout, tp) == (4, 16 // tp + 16)
+        assert global_extent(16 // tp + 16, layout.blocks, tp) == 32
+        # rank 1: its slice of q, then all of k and v
+        assert torch.equal(pieces[1], torch.cat([full[:, 16 // tp:2 * 16 // tp],
+                                                 full[:, 16:]], 1))
+        assert torch.equal(unshard_tensor(pieces, layout), full)
+        assert all(torch.equal(local_slice(full, layout, r, tp), pieces[r]) for r in range(tp))
+        assert whole_slices(16 // tp + 16, layout.blocks, tp) == [(16 // tp, 8),
+                                                                  (16 // tp + 8, 8)]
+    assert whole_numel((4, 32), layout) == 4 * 16
+    with pytest.raises(ValueError):
+        Shard(0, (-1, -1))  # some segment must be sliced
+
+
 # ---- the reshape algebra -------------------------------------------------------------------
 
 S0, S1 = _sym("s0"), _sym("s1")
@@ -560,3 +620,20 @@ def test_mm_strategies_read_replicated_inputs_as_partial_gradients() -> None:
     # column parallel: x read R*, W sharded by columns; row parallel: both sharded, P out
     assert ((R_STAR, Shard(1)), Shard(1)) in layouts
     assert ((Shard(1), Shard(0)), Partial()) in layouts
+
+
+def test_mean_over_a_sharded_dim_is_a_priced_partial_statistic() -> None:
+    """A mean over a sharded dim (a norm's statistic) gives a partial sum, priced as 3/4 of
+    an n x n matrix (planner/cost.py); a sum over it is the plain partial sum, unpriced.
+    Exactness, with the division by tp, is in test_strategies_are_exact."""
+    x, out = TensorMeta((4, 6, 16), torch.float32), TensorMeta((4, 6, 1), torch.float32)
+    strategies = Registry.default().strategies(
+        OpCall(aten.mean.dim, (x, [-1], True), {}, (x,), out, 2))
+    statistics = [st for st in strategies if st.name == "partial statistic"]
+    assert [(st.inputs, st.output) for st in statistics] == [((Shard(2),), Partial())]
+    assert statistics[0].premium == 0.75 * 16 * 16 * 4
+    assert all(st.premium == 0 for st in strategies if st.name != "partial statistic")
+    sums = Registry.default().strategies(
+        OpCall(aten.sum.dim_IntList, (x, [-1], True), {}, (x,), out, 2))
+    partial = [st for st in sums if st.output == Partial()]
+    assert partial and all(st.premium == 0 for st in partial)
