@@ -28,6 +28,7 @@ from autotp.layout import (
     Partial,
     Replicate,
     Shard,
+    counted,
     is_mixed,
     segment_sizes,
     shard_tensor,
@@ -47,6 +48,7 @@ def _swap_groups(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Ten
 
 def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
     """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...]."""
+    blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
     if isinstance(blocks, int):
@@ -58,6 +60,7 @@ def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Ten
 
 def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
     """Inverse of ``_rank_major``."""
+    blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
     if isinstance(blocks, int):

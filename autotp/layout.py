@@ -13,6 +13,9 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
     S(d)x8:1*:1*  blocked, the starred segments held whole by every rank with a partial
            gradient, as R* is (multi-query attention's fused q|k|v: q sliced by heads, the
            single k/v head whole)
+    S(d)%8 blocked into segments of 8 elements, as many as the (symbolic) size holds, each
+           sliced across the ranks: heads sharded in a dim that merges batch and heads
+           (Bloom's [B*H, T, D] attention), where the count of segments is the batch
     P      every rank holds a tensor of the global shape; the global value is their sum
     P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
            over a sharded dim leaves one partial logsumexp per rank)
@@ -39,18 +42,44 @@ class Replicate:
         return "R*" if self.grad_partial else "R"
 
 
+@dataclass(frozen=True, order=True)
+class Period:
+    """Equal segments of ``length`` elements, however many the dim's size holds."""
+
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.length < 2:
+            raise ValueError(f"Period.length must be >= 2, got {self.length}")
+
+
 # Segments of a blocked dim: k equal ones (an int), or unequal ones in the given proportions
-# (a tuple of at least two ints, coprime in absolute value, not all equal and positive). A
-# negative proportion marks a segment every rank holds whole (with a partial gradient).
-Blocks = Union[int, tuple[int, ...]]
+# (a tuple of at least two ints, coprime in absolute value, not all equal and positive), or
+# equal ones of a given length (a Period: their count is a symbolic size, such as the batch).
+# A negative proportion marks a segment every rank holds whole (with a partial gradient).
+Blocks = Union[int, tuple[int, ...], Period]
+
+
+def counted(size: int, blocks: Blocks) -> Union[int, tuple[int, ...]]:
+    """``blocks`` for a dim of this concrete size: a period becomes its count of segments."""
+    if isinstance(blocks, Period):
+        if size % blocks.length:
+            raise ValueError(f"size {size} is not a whole number of segments of "
+                             f"{blocks.length}")
+        return size // blocks.length
+    return blocks
 
 
 def block_weights(blocks: Blocks) -> tuple[int, ...]:
+    if isinstance(blocks, Period):
+        raise TypeError("a period's segments are counted on a concrete size: use counted()")
     return (1,) * blocks if isinstance(blocks, int) else tuple(abs(w) for w in blocks)
 
 
 def whole_segments(blocks: Blocks) -> tuple[bool, ...]:
     """Per segment: held whole by every rank (not sliced)."""
+    if isinstance(blocks, Period):
+        return ()
     return (False,) * blocks if isinstance(blocks, int) else tuple(w < 0 for w in blocks)
 
 
@@ -64,6 +93,7 @@ def block_units(blocks: Blocks) -> int:
 
 
 def segment_sizes(size: int, blocks: Blocks) -> list[int]:
+    blocks = counted(size, blocks)
     unit = size // block_units(blocks)
     return [weight * unit for weight in block_weights(blocks)]
 
@@ -71,13 +101,15 @@ def segment_sizes(size: int, blocks: Blocks) -> list[int]:
 def smaller_whole(blocks: Blocks) -> Optional[Blocks]:
     """Unequal proportions with every segment smaller than the largest held whole (q sliced
     by heads, the k/v of multi-query attention whole); None for equal segments."""
-    if isinstance(blocks, int) or is_mixed(blocks):
+    if isinstance(blocks, (int, Period)) or is_mixed(blocks):
         return None
     return tuple(-w if w < max(blocks) else w for w in blocks)
 
 
 def divides(size: int, tp: int, blocks: Blocks) -> bool:
     """Whether a dim of ``size`` splits into the segments, each sliced one across tp."""
+    if isinstance(blocks, Period):
+        return size % blocks.length == 0 and blocks.length % tp == 0
     units = block_units(blocks)
     if size % units:
         return False
@@ -87,12 +119,15 @@ def divides(size: int, tp: int, blocks: Blocks) -> bool:
 
 def local_segment_sizes(size: int, blocks: Blocks, tp: int) -> list[int]:
     """The segments' sizes on one rank, for a dim of global ``size``."""
+    blocks = counted(size, blocks)
     return [segment if whole else segment // tp for segment, whole in
             zip(segment_sizes(size, blocks), whole_segments(blocks))]
 
 
 def global_extent(local: int, blocks: Blocks, tp: int) -> int:
     """The global size of a dim that is ``local`` on one rank (inverse of the above)."""
+    if isinstance(blocks, Period):
+        return local * tp
     weights, whole = block_weights(blocks), whole_segments(blocks)
     # local = unit / tp * (sliced weights + tp * whole weights)
     unit = local * tp // sum(w * (tp if h else 1) for w, h in zip(weights, whole))
@@ -115,7 +150,9 @@ class Shard:
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"Shard.dim must be normalized (>= 0), got {self.dim}")
-        if isinstance(self.blocks, int):
+        if isinstance(self.blocks, Period):
+            pass
+        elif isinstance(self.blocks, int):
             if self.blocks < 1:
                 raise ValueError(f"Shard.blocks must be >= 1, got {self.blocks}")
         elif (len(self.blocks) < 2 or 0 in self.blocks or max(self.blocks) < 1
@@ -125,14 +162,22 @@ class Shard:
                              f"equal, some positive, got {self.blocks}")
 
     def __lt__(self, other: "Shard") -> bool:
-        return (self.dim, block_weights(self.blocks)) < (other.dim, block_weights(other.blocks))
+        return (self.dim, _order(self.blocks)) < (other.dim, _order(other.blocks))
 
     def __str__(self) -> str:
         if self.blocks == 1:
             return f"S({self.dim})"
+        if isinstance(self.blocks, Period):
+            return f"S({self.dim})%{self.blocks.length}"
         if isinstance(self.blocks, int):
             return f"S({self.dim})x{self.blocks}"
         return f"S({self.dim})x" + ":".join(f"{-w}*" if w < 0 else str(w) for w in self.blocks)
+
+
+def _order(blocks: Blocks) -> tuple:
+    if isinstance(blocks, Period):
+        return (1, (blocks.length,))
+    return (0, block_weights(blocks))
 
 
 @dataclass(frozen=True, order=True)
@@ -166,7 +211,8 @@ def is_replicated(layout: Layout) -> bool:
 
 
 def parse_layout(text: str) -> Layout:
-    """Inverse of ``str(layout)``: ``"R"``, ``"R*"``, ``"P"``, ``"S(2)"``, ``"S(1)x3"``."""
+    """Inverse of ``str(layout)``: ``"R"``, ``"R*"``, ``"P"``, ``"S(2)"``, ``"S(1)x3"``,
+    ``"S(0)%8"``."""
     text = text.strip()
     if text == "R":
         return R
@@ -184,6 +230,8 @@ def parse_layout(text: str) -> Layout:
             parts = tuple(-int(p[:-1]) if p.endswith("*") else int(p)
                           for p in rest[1:].split(":"))
             blocks = parts[0] if len(parts) == 1 else parts
+        elif rest.startswith("%"):
+            blocks = Period(int(rest[1:]))
         return Shard(int(dim_text), blocks)
     raise ValueError(f"not a layout: {text!r}")
 
@@ -238,9 +286,10 @@ def shard_tensor(full: torch.Tensor, layout: Layout, rank: int, tp: int) -> torc
             return full
         return torch.full_like(full, -torch.inf) if layout.reduce == "logsumexp" \
             else torch.zeros_like(full)
-    segments = full.split(segment_sizes(full.shape[layout.dim], layout.blocks), dim=layout.dim)
+    blocks = counted(full.shape[layout.dim], layout.blocks)
+    segments = full.split(segment_sizes(full.shape[layout.dim], blocks), dim=layout.dim)
     pieces = [seg if whole else seg.chunk(tp, dim=layout.dim)[rank]
-              for seg, whole in zip(segments, whole_segments(layout.blocks))]
+              for seg, whole in zip(segments, whole_segments(blocks))]
     return torch.cat(pieces, dim=layout.dim).contiguous()
 
 
@@ -257,11 +306,12 @@ def unshard_tensor(pieces: Sequence[torch.Tensor], layout: Layout) -> torch.Tens
         return total
     tp = len(pieces)
     size = global_extent(pieces[0].shape[layout.dim], layout.blocks, tp)
-    local = local_segment_sizes(size, layout.blocks, tp)
+    blocks = counted(size, layout.blocks)
+    local = local_segment_sizes(size, blocks, tp)
     per_rank = [piece.split(local, dim=layout.dim) for piece in pieces]
     segments = [
         per_rank[0][j] if whole else
         torch.cat([per_rank[r][j] for r in range(tp)], dim=layout.dim)
-        for j, whole in enumerate(whole_segments(layout.blocks))
+        for j, whole in enumerate(whole_segments(blocks))
     ]
     return torch.cat(segments, dim=layout.dim)

@@ -7,6 +7,7 @@ stored in. Nothing here chooses: ``solve`` does.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from autotp.layout import (
     R_STAR,
     Blocks,
     Layout,
+    Period,
     Replicate,
     Shard,
     proportions,
@@ -29,6 +31,7 @@ from autotp.layout import (
 )
 from autotp.planner.cost import CostModel
 from autotp.rules.registry import Registry, Strategy
+from autotp.rules.views import view_groups
 
 aten = torch.ops.aten
 
@@ -151,8 +154,41 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
         if tiling:
             counts.add(proportions(tiling))
             counts.add(smaller_whole(proportions(tiling)))
+        if node.op == "call_function" and node.target in VIEWS:
+            counts.update(_merged_periods(node))
     counts.discard(None)
-    return tuple(sorted(counts, key=lambda b: (isinstance(b, tuple), b)))
+    return tuple(sorted(counts, key=lambda b: (isinstance(b, Period), isinstance(b, tuple),
+                                               b.length if isinstance(b, Period) else b)))
+
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _merged_periods(node: fx.Node) -> set[Period]:
+    """The periods of static dims a reshape merges after a symbolic one, or splits back out
+    of it (Bloom's [B, H, T, D] <-> [B*H, T, D]): heads sharded inside the batch."""
+    src, dst = node.args[0], node.meta.get("val")
+    if not isinstance(src, fx.Node) or not isinstance(dst, torch.Tensor) or \
+            not isinstance(src.meta.get("val"), torch.Tensor):
+        return set()
+    shapes = ([size_expr(s) for s in src.meta["val"].shape],
+              [size_expr(s) for s in dst.shape])
+    try:
+        groups = view_groups(*shapes)
+    except ValueError:
+        return set()
+    periods = set()
+    for dims in groups:
+        for many, one in ((0, 1), (1, 0)):
+            majors = [d for d in dims[many] if shapes[many][d] != 1]
+            single = [d for d in dims[one] if shapes[one][d] != 1]
+            if len(single) != 1 or len(majors) < 2 or isinstance(shapes[one][single[0]], int):
+                continue
+            for k in range(1, len(majors)):
+                inner = [shapes[many][d] for d in majors[k:]]
+                if all(isinstance(size, int) for size in inner) and math.prod(inner) > 1:
+                    periods.add(Period(int(math.prod(inner))))
+    return periods
 
 
 def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from autotp.layout import P, R, Blocks, Layout, Shard
+from autotp.layout import P, R, Blocks, Layout, Period, Shard
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
 
 aten = torch.ops.aten
@@ -43,7 +43,10 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
         holders = [i for i, spec in enumerate(in_specs) if letter in spec]
         probe = TensorMeta((sizes[letter],), metas[holders[0]].dtype)
         if letter in out_spec:
-            block_options = call.blocks if len(holders) == 1 else (1,)
+            # a batch letter shared by the operands keeps plain shards, or heads sharded
+            # inside a merged batch (Bloom's [B*H, T, D] bmm)
+            block_options = call.blocks if len(holders) == 1 else \
+                (1,) + tuple(b for b in call.blocks if isinstance(b, Period))
             for blocks in block_options:
                 if not probe.shardable(0, call.tp, blocks):
                     continue
@@ -135,8 +138,12 @@ def einsum_rule(call: OpCall) -> Iterator[Strategy]:
 def baddbmm_rule(call: OpCall) -> Iterator[Strategy]:
     """beta * input + alpha * (b1 @ b2): the batch dim may be sharded in all three."""
     bias, b1, b2 = call.inputs
-    if b1.shardable(0, call.tp) and bias.ndim == 3 and bias.shape[0] == b1.shape[0]:
-        yield Strategy((Shard(0), Shard(0), Shard(0)), Shard(0), name="batch")
+    if bias.ndim != 3 or bias.shape[0] != b1.shape[0]:
+        return
+    for blocks in (1,) + tuple(b for b in call.blocks if isinstance(b, Period)):
+        if b1.shardable(0, call.tp, blocks):
+            batch = Shard(0, blocks)
+            yield Strategy((batch, batch, batch), batch, name="batch")
 
 
 GROUPED_MM: list = [aten._grouped_mm.default, "transformers::grouped_mm_fallback"]

@@ -28,6 +28,7 @@ from autotp.layout import (
     Blocks,
     Layout,
     Partial,
+    Period,
     Replicate,
     Shard,
     divides,
@@ -62,6 +63,9 @@ class TensorMeta:
     def shardable(self, dim: int, tp: int, blocks: Blocks = 1) -> bool:
         if self.shape[dim] in self.split:
             return blocks == 1
+        if isinstance(blocks, Period):  # a symbolic count of static segments
+            return self.static(dim) is None and blocks.length % tp == 0 and \
+                multiple_of(self.shape[dim], blocks.length)
         size = self.static(dim)
         return size is not None and size > 1 and divides(size, tp, blocks)
 
@@ -268,6 +272,18 @@ def _with_gradient_semantics(strategy: Strategy, call: OpCall) -> Iterator[Strat
 
 
 # ---- helpers shared by the rule modules -------------------------------------------------
+
+
+def multiple_of(size: Size, n: int) -> bool:
+    """Whether a size (an int, or a polynomial in the batch/sequence symbols) is ``n`` times
+    one with integer coefficients."""
+    expr = sympy.expand(sympy.sympify(size))
+    try:
+        coefficients = sympy.Poly(expr, *sorted(expr.free_symbols, key=str)).coeffs() \
+            if expr.free_symbols else [expr]
+    except sympy.PolynomialError:  # floor division, modulo: not provably a multiple
+        return False
+    return all(c.is_integer and int(c) % n == 0 for c in coefficients)
 
 
 def shardable_dims(meta: TensorMeta, call: OpCall) -> Iterator[tuple[int, Blocks]]:

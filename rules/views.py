@@ -14,12 +14,14 @@ their local values (C -> C/tp, H -> H/tp, split sizes likewise); ``-1`` stays ``
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Iterator, Optional, Sequence
 
 import sympy
 import torch
 
 from autotp.layout import (
+    Period,
     P,
     block_units,
     R,
@@ -107,19 +109,50 @@ def map_shard_through_view(
             continue
         major_in = [d for d in in_dims if _expr(src.shape[d]) != 1]
         major_out = [d for d in out_dims if _expr(dst.shape[d]) != 1]
-        if not major_in or major_in[0] != layout.dim or not major_out:
+        if not major_in or not major_out:
             return None
+        if major_in[0] != layout.dim:
+            return _merged_into_period(layout, src, dst, major_in, major_out, tp)
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
+        if isinstance(layout.blocks, Period) and not identity:
+            return _period_split(layout.blocks, dst, major_out, tp)
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
         # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
         aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \
+            not isinstance(layout.blocks, Period) and \
             dst.static(out_dim) % block_units(layout.blocks) == 0
         if layout.blocks != 1 and not (identity or aligned):
             return None
         if not dst.shardable(out_dim, tp, layout.blocks):
             return None
         return Shard(out_dim, layout.blocks)
+    return None
+
+
+def _merged_into_period(layout: Shard, src: TensorMeta, dst: TensorMeta,
+                        major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
+    """A sharded dim merged after symbolic outer dims (Bloom's [B, H, T, D] -> [B*H, T, D]
+    with heads sharded): every outer index holds one segment of the sharded dim times the
+    static dims after it, sliced across the ranks."""
+    position = major_in.index(layout.dim)
+    inner = [src.static(d) for d in major_in[position:]]
+    if layout.blocks != 1 or len(major_out) != 1 or any(size is None for size in inner):
+        return None
+    period = Period(int(math.prod(inner)))  # type: ignore[arg-type]
+    return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
+
+
+def _period_split(period: Period, dst: TensorMeta, major_out: list[int],
+                  tp: int) -> Optional[Shard]:
+    """The inverse: [B*H, T, T] -> [B, H, T, T] gives heads sharded again, on the output dim
+    where the static dims from it on make one segment."""
+    for position, dim in enumerate(major_out):
+        inner = [dst.static(d) for d in major_out[position:]]
+        if any(size is None for size in inner):
+            continue
+        if math.prod(inner) == period.length:  # type: ignore[arg-type]
+            return Shard(dim) if dst.shardable(dim, tp) else None
     return None
 
 
