@@ -20,8 +20,18 @@ def qwen2() -> Any:
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
 
 
+def bloom() -> Any:
+    """Attention over batch x heads merged ([B*H, T, D]) with an alibi bias; the cache
+    holds [B, H, T, D]."""
+    import transformers as tf
+
+    return tf.BloomForCausalLM(tf.BloomConfig(
+        n_layer=2, hidden_size=64, n_head=8, vocab_size=VOCAB, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0))
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2,
-                                          "bigcode": bigcode}
+                                          "bigcode": bigcode, "bloom": bloom}
 NEW_TOKENS = 6
 
 

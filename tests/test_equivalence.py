@@ -294,3 +294,37 @@ def test_simulation_on_cuda_matches_unsharded(dtype: torch.dtype) -> None:
     for result in sim.run(lambda module: sharded_step(module, call, loss, main_output)):
         cmp = compare(reference, result)
         assert cmp.output_diff <= out_tol and cmp.grad_rel <= grad_tol, cmp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heads_sharded_inside_a_merged_batch_follow_the_batch(tp: int) -> None:
+    """Bloom computes attention over [B*H, T, D] (baddbmm with the alibi bias, bmm): heads
+    are sharded inside the merged dim (layout S(0)%8: B segments of 8 heads, each sliced),
+    so query_key_value is column-parallel and the layer costs Megatron's two all-reduces.
+    B is symbolic: traced at batch 2, run at batch 3, every output and gradient matches."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = perturb(tf.BloomForCausalLM(tf.BloomConfig(
+        n_layer=2, hidden_size=64, n_head=8, vocab_size=128)), 1)
+    example = torch.randint(0, 128, (2, 10))
+    sim = autotp.simulate(model, tp, example_kwargs={
+        "input_ids": example, "attention_mask": torch.ones_like(example), "labels": example})
+    assert sim.plan.fallbacks == []
+    fused = "transformer.h.0.self_attention.query_key_value.weight"
+    assert sim.plan.params[fused].layout == "S(0)"
+    periods = [c for c in sim.plan.choices.values() if "S(0)%8" in c.strategy]
+    assert len(periods) >= 8 * 2, periods  # q, k, v, alibi, scores, probs, bmm per layer
+    ids = torch.randint(0, 128, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding: the alibi bias and the mask differ per sequence
+
+    def call(m):
+        return m(input_ids=ids, attention_mask=mask, labels=ids)
+
+    reference = reference_step(model, call, lambda out: out.loss, lambda out: out.logits)
+    for result in sim.run(lambda m: sharded_step(m, call, lambda out: out.loss,
+                                                 lambda out: out.logits)):
+        cmp = compare(reference, result)
+        assert cmp.output_diff <= ATOL and cmp.loss_diff <= ATOL, cmp
+        assert cmp.grad_rel <= ATOL, cmp

@@ -56,7 +56,8 @@ FALCON = "Falcon"
 OLMO2 = "OLMo2"
 PHI3 = "Phi-3 (GQA, fused qkv)"
 BIGCODE = "GPTBigCode (multi-query)"
-FAMILIES = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE]
+BLOOM = "Bloom"
+FAMILIES = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE, BLOOM]
 MOE = [MIXTRAL, QWEN2_MOE, DEEPSEEK]
 UNIT = 2 * 2 * 12 * 64 * 4  # Megatron's bytes per layer each way: 2 all-reduces, B 2, T 12, h 64
 
@@ -183,7 +184,10 @@ def test_exact_against_the_unsharded_model(runs: Callable[[str], Run], name: str
 # GPTBigCode's multi-query c_attn (64 q + 8 k + 8 v rows) plans as S(0)x8:1*:1*: q sliced
 # by heads, the single k/v head whole on every rank; before, c_attn and c_proj stayed
 # replicated (4 fallbacks, (1, 1) collectives per layer, only the MLP sharded).
-AT_BOUND = [MIXTRAL, QWEN2_MOE, GEMMA3, PHI3, BIGCODE]
+# Bloom's attention runs over a dim merging batch and heads ([B*H, T, D], baddbmm with the
+# alibi bias): heads are sharded inside it (S(0)%8); before, query_key_value and the whole
+# attention stayed replicated (4 fallbacks, (1, 1) collectives per layer).
+AT_BOUND = [MIXTRAL, QWEN2_MOE, GEMMA3, PHI3, BIGCODE, BLOOM]
 
 
 @pytest.mark.parametrize("name", AT_BOUND)
@@ -285,7 +289,7 @@ def test_megatron_bound(runs: Callable[[str], Run], name: str) -> None:
 # ---- what is sharded ------------------------------------------------------------------------
 
 
-NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE]
+NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE, BLOOM]
 
 
 @pytest.mark.parametrize("name", NO_FALLBACKS)

@@ -16,6 +16,7 @@ import torch
 import autotp
 import gen_cases as gc
 from autotp.errors import ConfigError
+from autotp.generate import decoder_of
 from autotp.launch import run_processes
 
 LAYERS = 2
@@ -48,12 +49,13 @@ def test_generate_in_processes(tp: int, names: list[str]) -> None:
             assert result[name]["tokens"] == results[0][name]["tokens"], (name, rank)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2", "bigcode"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "bigcode", "bloom"])
 def test_greedy_at_tp4(name: str) -> None:
     """Simulated ranks (threads share torch's random stream, so sampling is checked in the
     processes above): greedy decoding and a cached step at tp=4. GPTBigCode: multi-query
     attention fused with q (c_attn S(0)x8:1*:1*), its one k/v head cached whole on every
-    rank."""
+    rank. Bloom: heads sharded inside the merged batch x heads dim (S(0)%8), in the prompt's
+    program and in the decode step's."""
     reference = gc.model(name)
     sim = autotp.simulate(gc.model(name), 4)
     ids, mask = gc.prompts()
@@ -61,6 +63,12 @@ def test_greedy_at_tp4(name: str) -> None:
     want = reference.generate(ids, do_sample=False, **kwargs)
     for got in sim.run(lambda m: m.generate(ids, do_sample=False, **kwargs)):
         assert torch.equal(got, want)
+    if name == "bloom":
+        programs = sim.run(lambda m: list(decoder_of(m).programs.values()))[0]
+        assert len(programs) == 2  # the prompt's and the decode step's
+        for program in programs:
+            assert not program.plan.fallbacks
+            assert any("S(0)%8" in c.strategy for c in program.plan.choices.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

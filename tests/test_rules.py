@@ -17,7 +17,7 @@ import sympy
 import torch
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
-from autotp.layout import R, R_STAR, Partial, Replicate, Shard, parse_layout
+from autotp.layout import R, R_STAR, Partial, Period, Replicate, Shard, parse_layout
 from autotp.rules import misc
 from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta, output_layouts
 from autotp.rules.views import map_shard_through_view, view_groups
@@ -537,6 +537,35 @@ def test_blocks_held_whole_shard_gather_and_print() -> None:
         Shard(0, (-1, -1))  # some segment must be sliced
 
 
+def test_periods_shard_gather_and_print() -> None:
+    """S(0)%4: segments of 4 (heads) as many as the size holds (the batch), each sliced."""
+    from autotp.collectives import _segment_major, local_slice
+    from autotp.layout import local_shape, shard_tensor, unshard_tensor
+    from autotp.rules.registry import multiple_of
+
+    layout = parse_layout("S(0)%4")
+    assert layout == Shard(0, Period(4)) and str(layout) == "S(0)%4"
+    full = torch.arange(3 * 4 * 5.0).reshape(12, 5)  # batch 3 x 4 heads, 5 features
+    for tp in (2, 4):
+        pieces = [shard_tensor(full, layout, r, tp) for r in range(tp)]
+        heads = full.reshape(3, 4, 5)
+        for r in range(tp):  # rank r: its heads of every batch entry
+            per = 4 // tp
+            assert torch.equal(pieces[r], heads[:, r * per:(r + 1) * per].reshape(-1, 5))
+            assert torch.equal(local_slice(full, layout, r, tp), pieces[r])
+        assert local_shape((12, 5), layout, tp) == (12 // tp, 5)
+        assert torch.equal(unshard_tensor(pieces, layout), full)
+        gathered = torch.cat(pieces, 0)  # what an all-gather along dim 0 returns
+        assert torch.equal(_segment_major(gathered, 0, layout.blocks, tp), full)
+    with pytest.raises(ValueError):
+        shard_tensor(torch.zeros(10, 5), layout, 0, 2)  # 10 is no whole number of 4s
+    with pytest.raises(ValueError):
+        Period(1)
+    assert multiple_of(S0 * 8, 8) and multiple_of(S0 * S1 * 16 + 32, 8)
+    assert not multiple_of(S0 * 8, 16) and not multiple_of(S0 * 8 + 4, 8)
+    assert not multiple_of(S0, 2) and multiple_of(24, 8)
+
+
 # ---- the reshape algebra -------------------------------------------------------------------
 
 S0, S1 = _sym("s0"), _sym("s1")
@@ -571,6 +600,16 @@ SHARD_THROUGH_VIEW = [
     # blocked shards only pass through one-to-one groups
     ((4, 24), (4, 24), Shard(1, 3), 2, Shard(1, 3)),
     ((4, 24), (4, 3, 8), Shard(1, 3), 2, None),
+    # heads merged after a symbolic batch: B segments of the heads, each sliced (Bloom)
+    ((S0, 8, S1, 16), (S0 * 8, S1, 16), Shard(1), 4, Shard(0, Period(8))),
+    ((S0, 8, 16), (S0 * 128,), Shard(1), 2, Shard(0, Period(128))),
+    ((S0, 8, S1), (S0 * 8 * S1,), Shard(1), 2, None),  # a symbolic size inside the segment
+    ((2, 8, 16), (16, 16), Shard(1), 2, None),  # a static batch: no period
+    # ... and split back out of it, or kept where the merged dim stays whole
+    ((S0 * 8, S1, S1), (S0, 8, S1, S1), Shard(0, Period(8)), 4, Shard(1)),
+    ((S0 * 8, S1), (S0, 2, 4, S1), Shard(0, Period(8)), 2, Shard(1)),
+    ((S0 * 8, S1), (S0, 2, 4, S1), Shard(0, Period(8)), 4, None),
+    ((S0 * 8, S1, 16), (S0 * 8, S1, 4, 4), Shard(0, Period(8)), 2, Shard(0, Period(8))),
     # size-1 dims are skipped on either side
     ((4, 1, 8), (4, 8), Shard(2), 2, Shard(1)),
     ((8,), (1, 8), Shard(0), 4, Shard(1)),
