@@ -132,17 +132,21 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     return alt
 
 
+def record_bytes(record: Any, cost_model: CostModel) -> float:
+    """A recorded collective's bytes at the cost model's reference batch and sequence (its
+    sizes are named B and T: cost.readable)."""
+    expr = sympy.sympify(record.bytes_expr)
+    return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
+
+
 def _large_collectives(plan: Plan, cost_model: CostModel) -> dict[tuple, int]:
     """(layer, phase) -> the collectives carrying at least an eighth of the bytes of the
     layer's largest, at the cost model's reference batch and sequence."""
-    def nbytes(record: Any) -> float:  # its sizes are named B and T (cost.readable)
-        expr = sympy.sympify(record.bytes_expr)
-        return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
-
     sizes: dict[tuple, list[float]] = {}
     for record in plan.collectives:
         if record.layer is not None:
-            sizes.setdefault((record.layer, record.phase), []).append(nbytes(record))
+            sizes.setdefault((record.layer, record.phase), []).append(
+                record_bytes(record, cost_model))
     largest: dict[Any, float] = {}
     for (layer, _), values in sizes.items():
         largest[layer] = max(largest.get(layer, 0.0), *values)

@@ -382,6 +382,41 @@ def test_norm_over_sharded_heads_takes_partial_statistics() -> None:
     assert sum("partial statistic" in c.strategy for c in sequence.choices.values()) == 4
 
 
+def test_the_second_search_keeps_its_plan_only_within_the_bound(monkeypatch: Any) -> None:
+    """The wider second search replaces the first plan only when no layer moves more large
+    collectives in either direction than max(4, the first plan's). Its plan for the OLMo2-like
+    model (statistics, every matrix sharded) is made to move one large all-reduce too many in
+    layer 0's forward: the first plan (o_proj kept whole) stays."""
+    from generic import GenericConfig
+
+    from autotp.planner import solve as solve_module
+
+    search_further = solve_module._search_further
+    seen: dict[str, Any] = {}
+
+    def spy(plan: Any, gm: Any, options: Any, cost_model: Any, plan_with: Any) -> Any:
+        def inflated(wider: Any) -> Any:
+            alt = plan_with(wider)
+            limit = max(4, solve_module._large_collectives(plan, cost_model)
+                        .get((0, "forward"), 0))
+            have = solve_module._large_collectives(alt, cost_model)[(0, "forward")]
+            largest = max((r for r in alt.collectives if r.layer == 0
+                           and r.phase == "forward"),
+                          key=lambda r: solve_module.record_bytes(r, cost_model))
+            alt.collectives = alt.collectives + [largest] * (limit - have + 1)
+            seen["alt"] = alt
+            return alt
+
+        seen["first"] = plan
+        return search_further(plan, gm, options, cost_model, inflated)
+
+    monkeypatch.setattr(solve_module, "_search_further", spy)
+    config = GenericConfig(norm="rms", qk_norm=True, mlp="swiglu", rope=True, bias=False,
+                           n_head=4, n_kv_head=4)
+    plan = _plan_generic(config, 2)
+    assert "alt" in seen and plan is seen["first"] and plan.fallbacks
+
+
 def test_partial_statistics_leave_megatron_plans_alone() -> None:
     """k/v projections with fewer heads than tp are replicated by design (Megatron); a
     residual stream sharded over h with partial statistics in every norm would shard them at
