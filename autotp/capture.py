@@ -27,6 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.export import Dim
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autotp.errors import ConfigError, TraceError
@@ -155,7 +156,8 @@ def capture(
         named = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
     try:
-        with _buffers_on_meta(model) if meta else contextlib.nullcontext():
+        with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
+                _ListIndexKept() if meta else contextlib.nullcontext():
             ep = torch.export.export(
                 model, (), named, strict=False,
                 dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
@@ -237,8 +239,10 @@ def constant_index_to_slice(gm: fx.GraphModule) -> None:
 
 def _constant(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
     """The value of a constant the program made (``torch.tensor([-2])``, lifted by export and
-    read through ``lift_fresh_copy``); not a buffer of the model, which may change. When the
-    model is traced on meta the constant is meta too, its value lost: the index stays."""
+    read through ``lift_fresh_copy``); not a buffer of the model, which may change."""
+    while isinstance(node, fx.Node) and node.target in (aten.detach.default,
+                                                       aten.detach_.default):
+        node = node.args[0]  # an index made on the CPU while traced on meta is detached
     if not isinstance(node, fx.Node) or node.target != aten.lift_fresh_copy.default:
         return None
     node = node.args[0]
@@ -277,6 +281,26 @@ def _default_registry() -> Any:
     from autotp.rules.registry import Registry
 
     return Registry.default()
+
+
+class _ListIndexKept(TorchFunctionMode):
+    """Traced on meta, ``x[..., [-2], :]`` would make its index tensor on meta, holding no
+    value; this makes it on the CPU (from the same list, so the same index), where export
+    keeps it as a constant with its value and ``constant_index_to_slice`` can read it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            index = args[1]
+            args = (args[0], tuple(_on_cpu(i) for i in index) if isinstance(index, tuple)
+                    else _on_cpu(index))
+        return func(*args, **(kwargs or {}))
+
+
+def _on_cpu(index: Any) -> Any:
+    if isinstance(index, list) and index and all(type(i) is int for i in index):
+        return torch.tensor(index)
+    return index
 
 
 @contextlib.contextmanager

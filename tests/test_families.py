@@ -260,6 +260,20 @@ def test_falcon_multi_query_one_all_reduce_per_layer(runs: Callable[[str], Run])
     assert _bound_failures(run) == []
 
 
+def test_falcon_without_weights_plans_as_with_them(runs: Callable[[str], Run]) -> None:
+    """Built with autotp.empty_weights (as from_pretrained builds it), Falcon is traced on
+    meta; its k/v index ``[-2]`` is still read as a slice, and every parameter gets the
+    layout it gets with weights."""
+    run = runs(FALCON)
+    with autotp.empty_weights():
+        meta = type(run.model)(run.model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autotp.plan(meta, TP, example_kwargs=build(FALCON)[1])
+    assert {n: p.layout for n, p in plan.params.items()} == \
+        {n: p.layout for n, p in run.plan.params.items()}
+
+
 # ---- the bound, where it is not met today: strict xfail -------------------------------------
 
 NOT_AT_BOUND = {
