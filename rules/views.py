@@ -116,7 +116,12 @@ def map_shard_through_view(
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
         if isinstance(layout.blocks, Period) and not identity:
-            return _period_split(layout.blocks, dst, major_out, tp)
+            # a segment spans the static dims after it in the group: fold them in
+            trailing = [src.static(d) for d in major_in[1:]]
+            if any(size is None for size in trailing):
+                return None
+            period = Period(layout.blocks.length * math.prod(trailing))  # type: ignore[arg-type]
+            return _period_split(period, dst, major_out, tp)
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
         # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
         aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \

@@ -328,3 +328,33 @@ def test_heads_sharded_inside_a_merged_batch_follow_the_batch(tp: int) -> None:
         cmp = compare(reference, result)
         assert cmp.output_diff <= ATOL and cmp.loss_diff <= ATOL, cmp
         assert cmp.grad_rel <= ATOL, cmp
+
+
+class HeadsViewedBack(torch.nn.Module):
+    """Heads merged into the batch, then viewed back with another grouping: [B, 8, 2] ->
+    [B*8, 2] -> [B, 2, 8]. A segment of the merged dim spans the dims grouped after it (16
+    elements per batch entry here), so the shard lands on the 2, not on the 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = torch.nn.Linear(16, 16)
+        self.lin2 = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        y = torch.nn.functional.gelu(self.lin1(x).view(b, 8, 2).reshape(b * 8, 2))
+        return self.lin2(y.reshape(b, 2, 8))
+
+
+def test_a_merged_dim_viewed_back_in_other_groups_stays_exact() -> None:
+    torch.manual_seed(0)
+    model = HeadsViewedBack()
+    sim = autotp.simulate(model, 2, example_args=(torch.randn(2, 16),))
+    x = torch.randn(3, 16)
+    reference = reference_step(model, lambda m: m(x), lambda out: out.square().sum(),
+                               lambda out: out)
+    for result in sim.run(lambda m: sharded_step(m, lambda m: m(x),
+                                                 lambda out: out.square().sum(),
+                                                 lambda out: out)):
+        cmp = compare(reference, result)
+        assert cmp.output_diff <= ATOL and cmp.grad_rel <= ATOL, cmp

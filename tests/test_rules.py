@@ -610,6 +610,10 @@ SHARD_THROUGH_VIEW = [
     ((S0 * 8, S1), (S0, 2, 4, S1), Shard(0, Period(8)), 2, Shard(1)),
     ((S0 * 8, S1), (S0, 2, 4, S1), Shard(0, Period(8)), 4, None),
     ((S0 * 8, S1, 16), (S0 * 8, S1, 4, 4), Shard(0, Period(8)), 2, Shard(0, Period(8))),
+    # a segment spans the static dims grouped after it: [B*8, 2] -> [B, 2, 8] is 16 per B
+    ((S0 * 8, 2), (S0, 2, 8), Shard(0, Period(8)), 2, Shard(1)),
+    ((S0 * 8, 8), (S0 * 2, 8, 4), Shard(0, Period(4)), 2, Shard(1)),
+    ((S0 * 8, S1), (S0, 8 * S1), Shard(0, Period(8)), 2, None),
     # size-1 dims are skipped on either side
     ((4, 1, 8), (4, 8), Shard(2), 2, Shard(1)),
     ((8,), (1, 8), Shard(0), 4, Shard(1)),
