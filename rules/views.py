@@ -117,11 +117,10 @@ def map_shard_through_view(
         identity = len(major_in) == 1 and len(major_out) == 1
         if isinstance(layout.blocks, Period) and not identity:
             # a segment spans the static dims after it in the group: fold them in
-            trailing = [src.static(d) for d in major_in[1:]]
-            if any(size is None for size in trailing):
+            trailing = _static_product(src, major_in[1:])
+            if trailing is None:
                 return None
-            period = Period(layout.blocks.length * math.prod(trailing))  # type: ignore[arg-type]
-            return _period_split(period, dst, major_out, tp)
+            return _period_split(Period(layout.blocks.length * trailing), dst, major_out, tp)
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
         # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
         aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \
@@ -140,12 +139,17 @@ def _merged_into_period(layout: Shard, src: TensorMeta, dst: TensorMeta,
     """A sharded dim merged after symbolic outer dims (Bloom's [B, H, T, D] -> [B*H, T, D]
     with heads sharded): every outer index holds one segment of the sharded dim times the
     static dims after it, sliced across the ranks."""
-    position = major_in.index(layout.dim)
-    inner = [src.static(d) for d in major_in[position:]]
-    if layout.blocks != 1 or len(major_out) != 1 or any(size is None for size in inner):
+    inner = _static_product(src, major_in[major_in.index(layout.dim):])
+    if layout.blocks != 1 or len(major_out) != 1 or inner is None:
         return None
-    period = Period(int(math.prod(inner)))  # type: ignore[arg-type]
+    period = Period(inner)
     return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
+
+
+def _static_product(meta: TensorMeta, dims: Sequence[int]) -> Optional[int]:
+    """The product of these dims' sizes, or None if one is symbolic."""
+    sizes = [meta.static(d) for d in dims]
+    return None if None in sizes else math.prod(s for s in sizes if s is not None)
 
 
 def _period_split(period: Period, dst: TensorMeta, major_out: list[int],
@@ -153,10 +157,7 @@ def _period_split(period: Period, dst: TensorMeta, major_out: list[int],
     """The inverse: [B*H, T, T] -> [B, H, T, T] gives heads sharded again, on the output dim
     where the static dims from it on make one segment."""
     for position, dim in enumerate(major_out):
-        inner = [dst.static(d) for d in major_out[position:]]
-        if any(size is None for size in inner):
-            continue
-        if math.prod(inner) == period.length:  # type: ignore[arg-type]
+        if _static_product(dst, major_out[position:]) == period.length:
             return Shard(dim) if dst.shardable(dim, tp) else None
     return None
 
