@@ -7,6 +7,12 @@ from typing import Any
 import torch
 
 
+def each_case(rank: int, world_size: int, case: Any, arg_lists: list[tuple]) -> list[Any]:
+    """``case`` once per argument tuple in one worker process: on 2 cores a process's
+    start-up (importing torch and transformers) costs more than a small model's case."""
+    return [case(rank, world_size, *args) for args in arg_lists]
+
+
 def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False,
                      device: str = "cpu") -> dict[str, Any]:
     """parallelize ``name`` over the gloo group; compare with the unsharded model.

@@ -11,30 +11,38 @@ import pytest
 import torch
 
 from autotp.launch import run_processes
-from dist_cases import equivalence_case, reduce_scatter_case
+from dist_cases import each_case, equivalence_case, reduce_scatter_case
 
 ATOL = 1e-4
 
 
+MODELS = ["gpt2", "llama", "bert", "nanogpt"]
+
+
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "nanogpt"])
-def test_gloo_processes_match_unsharded(name: str, tp: int) -> None:
-    results = run_processes(equivalence_case, tp, name, timeout=240)
-    for rank, r in enumerate(results):
-        assert r["output_diff"] <= ATOL, (rank, r)
-        assert r["loss_diff"] <= ATOL, (rank, r)
-        assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, (rank, r)
-        for layer in (0, 1):
-            assert r["counts"][layer] == {"forward": 2, "backward": 2}, (rank, r["counts"])
-        assert r["local_params"] < r["full_params"]
+def test_gloo_processes_match_unsharded(tp: int) -> None:
+    """Every model, one after the other in the same tp processes."""
+    per_rank = run_processes(each_case, tp, equivalence_case, [(n,) for n in MODELS],
+                             timeout=300)
+    for rank, results in enumerate(per_rank):
+        for name, r in zip(MODELS, results):
+            assert r["output_diff"] <= ATOL, (name, rank, r)
+            assert r["loss_diff"] <= ATOL, (name, rank, r)
+            assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, (name, rank, r)
+            for layer in (0, 1):
+                assert r["counts"][layer] == {"forward": 2, "backward": 2}, \
+                    (name, rank, r["counts"])
+            assert r["local_params"] < r["full_params"], (name, rank, r)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_gloo_loss_computed_by_the_model(name: str) -> None:
+def test_gloo_loss_computed_by_the_model() -> None:
     """HF computes the loss from labels= inside forward: the traced loss matches too."""
-    for r in run_processes(equivalence_case, 2, name, True, timeout=240):
-        assert r["loss_diff"] <= ATOL and r["output_diff"] <= ATOL, r
-        assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r
+    names = ["gpt2", "llama"]
+    for results in run_processes(each_case, 2, equivalence_case,
+                                 [(n, True) for n in names], timeout=240):
+        for name, r in zip(names, results):
+            assert r["loss_diff"] <= ATOL and r["output_diff"] <= ATOL, (name, r)
+            assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, (name, r)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -24,7 +24,7 @@ from autotp.layout import parse_layout, unshard_tensor
 from autotp.report import to_dict, to_table
 from autotp.planner.cost import CostModel
 from autotp.verify import compare, layer_counts, reference_step, sharded_step
-from dist_cases import vocab_sequence_case
+from dist_cases import each_case, vocab_sequence_case
 from models import BUILDERS, VOCAB, batch
 
 ATOL = 1e-4
@@ -95,16 +95,19 @@ def test_loss_on_sharded_logits_matches(name: str, tp: int, sequence_parallel: b
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_gloo_processes_match(name: str, tp: int, sequence_parallel: bool) -> None:
-    for r in run_processes(vocab_sequence_case, tp, name, sequence_parallel, timeout=240):
-        assert r["logits_diff"] <= ATOL and r["loss_diff"] <= ATOL, r
-        assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, r
-        assert r["largest_collective"] < r["logits_bytes"], r
-        if sequence_parallel:
-            for layer in ("0", "1"):
-                assert r["kinds"][layer]["forward"] == FORWARD_SP, r["kinds"]
-                assert r["kinds"][layer]["backward"] == BACKWARD_SP, r["kinds"]
+def test_gloo_processes_match(tp: int, sequence_parallel: bool) -> None:
+    """GPT-2 and LLaMA, one after the other in the same tp processes."""
+    names = ["gpt2", "llama"]
+    for results in run_processes(each_case, tp, vocab_sequence_case,
+                                 [(n, sequence_parallel) for n in names], timeout=300):
+        for name, r in zip(names, results):
+            assert r["logits_diff"] <= ATOL and r["loss_diff"] <= ATOL, (name, r)
+            assert r["grad_diff"] <= ATOL and r["grad_rel"] <= ATOL, (name, r)
+            assert r["largest_collective"] < r["logits_bytes"], (name, r)
+            if sequence_parallel:
+                for layer in ("0", "1"):
+                    assert r["kinds"][layer]["forward"] == FORWARD_SP, (name, r["kinds"])
+                    assert r["kinds"][layer]["backward"] == BACKWARD_SP, (name, r["kinds"])
 
 
 def test_default_gathers_logits_but_the_loss_reads_shards() -> None:
