@@ -254,27 +254,27 @@ class GradBucket:
     def flush(self) -> None:
         self.scheduled = False
         keys = sorted(self.params)
-        grads = {}
-        for key in keys:
-            pending = self.pending.get(key)
-            grads[key] = (pending if pending is not None
-                          else torch.zeros_like(self.params[key])).clone()
+        grads = {key: self.pending.get(key) for key in keys}
         self.pending = {}
-        _all_reduce_in_place(self.comm, [part for key in keys
-                                         for part in self._summed_parts(key, grads[key])],
-                             "grad sync")
         for key in keys:
-            param, grad = self.params[key], grads[key]
+            if grads[key] is None:
+                grads[key] = torch.zeros_like(self.params[key])
+        summed = iter(_all_reduce_parts(self.comm, [
+            part for key in keys for part in
+            (_spans_of(grads[key], *self.partial[key]) if key in self.partial
+             else [grads[key]])], "grad sync"))
+        for key in keys:
+            param = self.params[key]
+            if key in self.partial:  # only the segments held whole were summed
+                grad = grads[key].clone()
+                for part in _spans_of(grad, *self.partial[key]):
+                    part.copy_(next(summed))
+            else:
+                grad = next(summed)  # a view of the all-reduced buffer
             if param.grad is None:
-                param.grad = grad
+                param.grad = grad if key in self.partial else grad.clone()
             else:
                 param.grad += grad
-
-    def _summed_parts(self, key: str, grad: torch.Tensor) -> list[torch.Tensor]:
-        if key not in self.partial:
-            return [grad]
-        dim, spans = self.partial[key]
-        return [grad.narrow(dim, start, length) for start, length in spans]
 
 
 class DeferredGradReduce(nn.Module):
@@ -340,20 +340,27 @@ class _PartialSegmentsFn(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         module = ctx.module
         g = g.clone()
-        _all_reduce_in_place(module.comm, [g.narrow(module.dim, start, length)
-                                           for start, length in module.spans], module.label)
+        parts = _spans_of(g, module.dim, module.spans)
+        for part, total in zip(parts, _all_reduce_parts(module.comm, parts, module.label)):
+            part.copy_(total)
         return g, None
 
 
-def _all_reduce_in_place(comm: Communicator, parts: list[torch.Tensor], label: str) -> None:
-    """Sum each tensor across ranks, in place, in one all-reduce."""
+def _spans_of(grad: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [grad.narrow(dim, start, length) for start, length in spans]
+
+
+def _all_reduce_parts(comm: Communicator, parts: list[torch.Tensor],
+                      label: str) -> list[torch.Tensor]:
+    """Each tensor summed across ranks, in one all-reduce: views of its flat result."""
     flat = torch.cat([part.reshape(-1) for part in parts])
     total = comm.all_reduce(flat)
     comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(), label)
-    offset = 0
+    out, offset = [], 0
     for part in parts:
-        part.copy_(total[offset: offset + part.numel()].view_as(part))
+        out.append(total[offset: offset + part.numel()].view_as(part))
         offset += part.numel()
+    return out
 
 
 class _DeferredFn(torch.autograd.Function):

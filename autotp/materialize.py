@@ -34,6 +34,7 @@ from autotp.layout import (
     Layout,
     Replicate,
     Shard,
+    counted,
     segment_sizes,
     shard_tensor,
     whole_segments,
@@ -82,8 +83,8 @@ def _get(module: nn.Module, target: str) -> Any:
 def slice_ranges(global_size: int, layout: Shard, rank: int, tp: int) -> list[tuple[int, int]]:
     """The ranges of dim ``layout.dim`` that ``rank`` holds, one per block (as shard_tensor)."""
     ranges, start = [], 0
-    for segment, whole in zip(segment_sizes(global_size, layout.blocks),
-                              whole_segments(layout.blocks)):
+    blocks = counted(global_size, layout.blocks)
+    for segment, whole in zip(segment_sizes(global_size, blocks), whole_segments(blocks)):
         piece = segment if whole else segment // tp
         first = start if whole else start + rank * piece
         ranges.append((first, first + piece))

@@ -154,14 +154,11 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
         if tiling:
             counts.add(proportions(tiling))
             counts.add(smaller_whole(proportions(tiling)))
-        if node.op == "call_function" and node.target in VIEWS:
+        if node.op == "call_function" and node.target in _VIEWS:
             counts.update(_merged_periods(node))
     counts.discard(None)
     return tuple(sorted(counts, key=lambda b: (isinstance(b, Period), isinstance(b, tuple),
                                                b.length if isinstance(b, Period) else b)))
-
-
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _merged_periods(node: fx.Node) -> set[Period]:

@@ -21,12 +21,12 @@ import sympy
 import torch
 
 from autotp.layout import (
-    Period,
     P,
-    block_units,
     R,
     R_STAR,
+    Period,
     Shard,
+    block_units,
     block_weights,
     is_mixed,
     local_segment_sizes,
