@@ -142,7 +142,8 @@ class ShardedModule(nn.Module):
             raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        if kwargs.get("use_cache") or any(kwargs.get(key) is not None
+                                          for key in ("cache", "past_key_values")):
             # a transformers causal LM with a cache: the decoding programs (autotp.generate)
             from autotp.generate import decoder_of
 
@@ -541,15 +542,19 @@ def simulate(
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
     compile: Any = False,
+    registry: Optional[Registry] = None,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
-    ``parallelize``), connected by in-memory collectives."""
+    ``parallelize``), connected by in-memory collectives. ``registry``: the rules (default
+    ``Registry.default()``), e.g. one without some op's rule to exercise the fallback."""
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
-                                 cost_model=cost_model, sequence_parallel=sequence_parallel,
+                                 cost_model=cost_model, registry=registry,
+                                 sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs)
     hub = ThreadHub(tp, timeout)
-    ranks = [_build(captured, the_plan, comm.rank, comm, grad_sync=grad_sync, compile=compile)
+    ranks = [_build(captured, the_plan, comm.rank, comm, registry=registry,
+                    grad_sync=grad_sync, compile=compile)
              for comm in hub.comms()]
     for rank in ranks:
         rank.source = ModelInfo.of(model)

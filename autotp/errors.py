@@ -43,3 +43,26 @@ def where(node: Optional[fx.Node]) -> str:
             if i + 1 < len(lines):
                 text += "\n          " + lines[i + 1].strip()
     return text
+
+
+def versions() -> str:
+    """The transformers and torch found, beside the ranges autotp is tested with (read from
+    the installed package's own requirements, so the message and pyproject.toml agree)."""
+    import importlib.metadata as metadata
+
+    import torch
+
+    try:
+        import transformers
+
+        found = f"transformers {transformers.__version__} and torch {torch.__version__}"
+    except ImportError:
+        found = f"torch {torch.__version__} (no transformers)"
+    try:
+        tested = sorted({req.split(";")[0].replace(" ", "")
+                         for req in metadata.requires("autotp") or []
+                         if req.startswith(("torch", "transformers"))})
+    except metadata.PackageNotFoundError:
+        tested = []
+    ranges = ", ".join(tested) if tested else "the ranges in autotp's pyproject.toml"
+    return f"found {found}; autotp is tested with {ranges}"

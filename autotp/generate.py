@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch import nn
 from torch.export import Dim
 
-from autotp.errors import ConfigError, TraceError
+from autotp.errors import ConfigError, TraceError, versions
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -54,6 +54,20 @@ from autotp.rewrite import erase_input_guards, rewrite
 aten = torch.ops.aten
 CACHE = "key_values"  # the step programs' input holding the key/value tensors, layer by layer
 _TRACING = threading.Lock()
+# transformers renamed the KV cache argument (and output field) from ``past_key_values`` to
+# ``cache`` in 5.24, behind a deprecation shim; autotp reads the name off the model's forward
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_argument(fn: Any) -> str:
+    """The name under which ``fn`` (a model's forward, or ``generate``) takes the KV cache."""
+    params = inspect.signature(fn).parameters
+    for name in CACHE_NAMES:
+        if name in params:
+            return name
+    raise ConfigError(
+        f"{getattr(fn, '__qualname__', fn)} takes no KV cache argument (neither of "
+        f"{', '.join(CACHE_NAMES)}); {versions()}")
 
 
 # ---- what is captured ----------------------------------------------------------------------
@@ -88,6 +102,9 @@ class Slots(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.keys.shape[2]
 
+    def get_max_cache_shape(self) -> int:  # abstract in transformers < 5.20
+        return self.keys.shape[2]
+
 
 class Step(nn.Module):
     """The model run on new tokens with a cache of explicit slots: what prefill and decode
@@ -106,9 +123,9 @@ class Step(nn.Module):
         kwargs: dict[str, Any] = {}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = self.logits_to_keep
+        kwargs[cache_argument(self.model.forward)] = Cache(layers=layers)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=Cache(layers=layers),
-                         use_cache=True, **kwargs)
+                         position_ids=position_ids, use_cache=True, **kwargs)
         return out.logits
 
 
@@ -189,7 +206,7 @@ def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **{cache_argument(model.forward): cache})
     shapes = []
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
@@ -518,6 +535,9 @@ class LocalLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.capacity
 
+    def get_max_cache_shape(self) -> int:  # abstract in transformers < 5.20
+        return self.cache.capacity
+
 
 class KVCache(Cache):
     """This rank's cache: keys and values ``[B, local k/v heads, capacity, head_dim]`` per
@@ -627,6 +647,7 @@ class Decoder:
         self.device = sharded._device()
         self.dtype = weights_dtype(sharded)
         self.host = _host(self)
+        self.cache_name = cache_argument(info.model_class.forward)
 
     def program(self, prompt: bool, logits_to_keep: int) -> Program:
         key = (prompt, logits_to_keep if prompt else 1)
@@ -659,24 +680,27 @@ class Decoder:
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                past_key_values: Any = None, use_cache: Optional[bool] = None,
-                logits_to_keep: int = 0, **kwargs: Any) -> Any:
+                use_cache: Optional[bool] = None, logits_to_keep: int = 0,
+                **kwargs: Any) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        name = self.cache_name
+        given = [kwargs.pop(key) for key in CACHE_NAMES if kwargs.get(key) is not None]
         unknown = sorted(k for k, v in kwargs.items()
                          if v is not None and k not in _IGNORED)
-        if unknown or input_ids is None:
+        if unknown or input_ids is None or len(given) > 1:
             raise ConfigError(
                 f"the decoding programs take input_ids, attention_mask, position_ids and "
-                f"past_key_values; got {unknown or 'no input_ids'}")
-        cache = past_key_values
+                f"{name}; got {unknown or ('no input_ids' if input_ids is None else '')}"
+                f"{' and two caches: ' + ' and '.join(CACHE_NAMES) if len(given) > 1 else ''}")
+        cache = given[0] if given else None
         if cache is None:
             cache = KVCache(self, None)
         elif getattr(cache, "decoder", None) is not self:
             raise ConfigError(
-                f"past_key_values must be the cache this sharded model returned (a "
+                f"{name}= must be the cache this sharded model returned (a "
                 f"{type(cache).__name__} holds every head of every rank); start with "
-                "past_key_values=None")
+                f"{name}=None")
         batch, tokens = input_ids.shape
         past = cache.seen
         limit = self.max_positions()
@@ -722,8 +746,10 @@ class Decoder:
         else:
             logits = program(**inputs)
         cache.seen = past + tokens
+        field = next(key for key in CACHE_NAMES
+                     if key in CausalLMOutputWithPast.__dataclass_fields__)
         return CausalLMOutputWithPast(logits=logits,
-                                      past_key_values=cache if use_cache is not False else None)
+                                      **{field: cache if use_cache is not False else None})
 
     def _graphs(self, cache: "KVCache") -> bool:
         """Whether this cache's decode steps replay a CUDA graph: on a GPU, for a cache of
@@ -736,9 +762,9 @@ class Decoder:
 
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         graphs = kwargs.pop("cuda_graphs", True)
-        if kwargs.get("past_key_values") is not None:
+        if any(kwargs.get(key) is not None for key in CACHE_NAMES):
             raise ConfigError("generate() on a sharded model makes its own cache: leave "
-                              "past_key_values out")
+                              f"{self.cache_name} out")
         for key in ("assistant_model", "prompt_lookup_num_tokens", "cache_implementation"):
             if kwargs.get(key) is not None:
                 raise ConfigError(f"generate({key}=...) is not supported on a sharded model")
@@ -752,7 +778,7 @@ class Decoder:
                 f"a prompt of {ids.shape[-1]} tokens plus the new tokens needs {total} "
                 f"positions, more than the model's {limit} (max_position_embeddings): "
                 "lower max_new_tokens or shorten the prompt")
-        kwargs["past_key_values"] = KVCache(self, total, graphs=bool(graphs))
+        kwargs[self.cache_name] = KVCache(self, total, graphs=bool(graphs))
         self._check_plan()
         return self.host.generate(inputs, **kwargs)
 

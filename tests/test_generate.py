@@ -16,7 +16,7 @@ import torch
 import autotp
 import gen_cases as gc
 from autotp.errors import ConfigError
-from autotp.generate import decoder_of
+from autotp.generate import cache_argument, decoder_of
 from autotp.launch import run_processes
 
 LAYERS = 2
@@ -165,7 +165,7 @@ def test_generate_errors(llama_sim) -> None:
         rank.generate(ids, attention_mask=mask, max_new_tokens=60)
     from transformers import DynamicCache
 
-    with pytest.raises(ConfigError, match="past_key_values must be the cache"):
+    with pytest.raises(ConfigError, match="must be the cache this sharded model returned"):
         rank(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True)
 
 
@@ -189,13 +189,16 @@ def test_cached_forward(llama_sim) -> None:
     steps = [(ids, mask), (more[:, :1], torch.cat([mask, ones[:, :1]], 1)),
              (more[:, 1:], torch.cat([mask, ones], 1))]
 
+    # the cache goes by the name this transformers gives it: past_key_values, cache since 5.24
+    name = cache_argument(type(reference).forward)
+
     def run(model):
         past, out = None, []
         with torch.no_grad():
             for step_ids, step_mask in steps:
-                result = model(step_ids, attention_mask=step_mask, past_key_values=past,
-                               use_cache=True)
-                past = result.past_key_values
+                result = model(step_ids, attention_mask=step_mask, use_cache=True,
+                               **{name: past})
+                past = getattr(result, name)
                 out.append(result.logits)
         return out, past
 
