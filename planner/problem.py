@@ -30,6 +30,7 @@ from autotp.layout import (
     smaller_whole,
 )
 from autotp.planner.cost import CostModel
+from autotp.planner.saved import saved_values
 from autotp.rules.registry import Registry, Strategy
 from autotp.rules.views import view_groups
 
@@ -54,6 +55,7 @@ class PNode:
     seq_dims: frozenset = frozenset()  # dims of the sequence (sequence parallelism only)
     is_state: bool = False  # an input the caller keeps per rank in the planned layout (a cache)
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
+    saved: bool = False  # a reader keeps it for backward (planner/saved.py): activation memory
 
     def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
         """Whether have -> want moves a shard of the sequence (sequence parallelism's
@@ -295,6 +297,9 @@ def build_problem(
         if pn.kind == "op":
             pn.flops = _flops(node, cost_model, dims)
         pnodes.append(pn)
+    kept = saved_values(gm.graph, lambda n: grad.get(n.name, False))
+    for pn in pnodes:
+        pn.saved = pn.node.name in kept
     return pnodes
 
 

@@ -231,7 +231,8 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
             continue
         new_cost, new_entries = result
         out = strategy.output
-        if options.sequence_parallel and pn.requires_grad and not isinstance(out, tuple):
+        if options.sequence_parallel and pn.requires_grad and pn.saved and \
+                not isinstance(out, tuple):
             held = pn.nbytes / (tp if isinstance(out, Shard) else 1)
             new_cost += cost_model.activation_weight * held
         if out is not None and pn.live:
