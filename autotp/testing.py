@@ -98,7 +98,8 @@ def _clone(value: Any) -> Any:
 
 def _scale(expected: Any) -> float:
     leaves = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
-    return max((float(t.abs().max()) for t in leaves if t.numel() and t.is_floating_point()),
+    return max((float(t.abs().max()) for t in leaves
+                if t.numel() and (t.is_floating_point() or t.is_complex())),
                default=1.0)
 
 
@@ -143,7 +144,7 @@ def _compare(expected: Any, outputs: list[Any], layout: Any) -> float:
 def _diff(a: torch.Tensor, b: Optional[torch.Tensor]) -> float:
     if b is None or a.shape != b.shape:
         return float("inf")
-    if not a.is_floating_point():
+    if not (a.is_floating_point() or a.is_complex()):
         return 0.0 if torch.equal(a, b) else float("inf")
     return float((a - b).abs().max()) if a.numel() else 0.0
 

@@ -333,8 +333,10 @@ def _map_out(out: Any, layout: Layout) -> Any:
 
 
 def _floating(val: Any) -> bool:
+    """Whether ``val`` can carry a gradient: floating point or complex (a complex tensor is
+    a float tensor with a trailing dim of 2: rotary embeddings differentiate through it)."""
     if isinstance(val, torch.Tensor):
-        return val.dtype.is_floating_point
+        return val.dtype.is_floating_point or val.dtype.is_complex
     if isinstance(val, (tuple, list)):
         return any(_floating(v) for v in val)
     return False

@@ -43,6 +43,8 @@ REPLICATED_ONLY: list[Any] = [
     aten.repeat_interleave.self_Tensor,
     aten.index_select.default,
     aten.sort.default,
+    aten.argsort.default,
+    aten.argsort.stable,
     aten.topk.default,
     aten.histc.default,
     aten.bincount.default,

@@ -51,6 +51,7 @@ NONLINEAR = [
     aten.abs.default,
     aten.sin.default,
     aten.cos.default,
+    aten.polar.default,
     aten.erf.default,
     aten.reciprocal.default,
     aten.square.default,

@@ -223,6 +223,26 @@ def unsqueeze_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy((Shard(dim, blocks),), Shard(dim + (dim >= new), blocks), name="view")
 
 
+@rules.register(aten.view_as_complex.default)
+def view_as_complex_rule(call: OpCall) -> Iterator[Strategy]:
+    """``[..., n, 2] -> [..., n]`` (complex): a complex tensor is a float tensor with a
+    trailing (real, imaginary) pair, so every dim but the pair keeps its shard. Linear:
+    vac(A1 + A2) = vac(A1) + vac(A2)."""
+    src = call.inputs[0]
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(src, call):
+        if dim < src.ndim - 1:
+            yield Strategy((Shard(dim, blocks),), Shard(dim, blocks), name="view")
+
+
+@rules.register(aten.view_as_real.default)
+def view_as_real_rule(call: OpCall) -> Iterator[Strategy]:
+    """``[..., n]`` (complex) ``-> [..., n, 2]``: every dim keeps its shard; linear."""
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(call.inputs[0], call):
+        yield Strategy((Shard(dim, blocks),), Shard(dim, blocks), name="view")
+
+
 @rules.register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def squeeze_rule(call: OpCall) -> Iterator[Strategy]:
     src = call.inputs[0]
