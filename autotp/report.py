@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -147,7 +148,33 @@ def origin_text(collective: dict[str, Any], layer: Optional[int]) -> str:
     source = collective["source"]
     parts = [relative_name(module, layer) if module else "",
              os.path.basename(source) if source else ""]
-    return "  ".join(p for p in parts if p) or collective["node"]
+    text = "  ".join(p for p in parts if p) or collective["node"]
+    prefix = "grad sync:"
+    if text.startswith(prefix):
+        names = [n.strip() for n in text[len(prefix):].split(",") if n.strip()]
+        return f"{prefix} {group_names(names)}"
+    return text
+
+
+def group_names(names: list[str]) -> str:
+    """Parameter names folded by their layer index: ``model.layers.{0-31}.mlp.w`` for the
+    same parameter of 32 layers; names without an index are listed as they are."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for name in names:
+        match = re.match(r"^(.*?\.)(\d+)(\..*)$", name)
+        if match:
+            groups.setdefault((match.group(1), match.group(3)), []).append(int(match.group(2)))
+        else:
+            groups.setdefault((name, ""), [])
+    parts = []
+    for (head, tail), layers in groups.items():
+        if not layers:
+            parts.append(head)
+        elif len(layers) == 1:
+            parts.append(f"{head}{layers[0]}{tail}")
+        else:
+            parts.append(f"{head}{{{layer_ranges(layers)}}}{tail}")
+    return ", ".join(parts)
 
 
 def _shape(shape: tuple) -> str:

@@ -25,7 +25,7 @@ import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
-from autotp.report import fold_layers, human_bytes, to_dict, to_table
+from autotp.report import fold_layers, group_names, human_bytes, to_dict, to_table
 from models import BUILDERS
 
 COST = CostModel()
@@ -86,6 +86,17 @@ def test_collectives_name_their_module_and_the_models_own_line(llama_plan: Plan)
     assert "linear.py" not in table and "for all_reduce" not in table
     page = to_html(llama_plan, COST)
     assert '<td class="mono">model.layers.0.self_attn.o_proj</td>' in page
+
+
+def test_grad_sync_names_are_folded_by_layer(llama_plan: Plan) -> None:
+    """The after-backward sum of replicated parameters lists each parameter once with its
+    layers as a range, not one name per layer (128 names for a 32-layer LLaMA)."""
+    synced = sorted(n for n, p in llama_plan.params.items() if p.grad_sync)
+    assert "model.layers.1.self_attn.k_proj.weight" in synced  # k/v: 2 heads at tp 4
+    line = next(line for line in to_table(llama_plan, COST).splitlines() if "grad sync:" in line)
+    assert "model.layers.{0-1}.self_attn.k_proj.weight" in line
+    assert "model.layers.0." not in line and "model.layers.1." not in line
+    assert group_names(["a.3.w", "a.0.w", "a.1.w", "a.9.w", "b"]) == "a.{0-1, 3, 9}.w, b"
 
 
 def test_summary_counts_collectives_in_words(llama_plan: Plan) -> None:
