@@ -49,6 +49,11 @@ def split_layers(gm: fx.GraphModule) -> list[str]:
         path = owner.get(node)
         if path is not None:
             members.setdefault(path, []).append(node)
+    # an entry that holds no parameter (an activation, x-transformers' Residual) is not a
+    # module of the program: its nodes stay in the root, between the layers around it
+    for path in [p for p in members if not _has_submodule(gm, p)]:
+        for node in members.pop(path):
+            del owner[node]
     if not members:
         return []
     # the layers' containers must exist in the program (they hold the layers' parameters)
@@ -88,6 +93,14 @@ def split_layers(gm: fx.GraphModule) -> list[str]:
     gm.graph.lint()
     gm.recompile()
     return list(built)
+
+
+def _has_submodule(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def program_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
@@ -177,17 +190,27 @@ def _layer_module(gm: fx.GraphModule, path: str,
         env[node] = copy
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     module = fx.GraphModule(holder, graph, class_name=f"Layer{path.rsplit('.', 1)[-1]}")
-    # what the graph does not read (unused parameters, buffers) stays at its path too
-    for name, child in holder.named_children():
-        if name not in module._modules:
-            module.add_module(name, child)
-    for name, param in holder.named_parameters(recurse=False):
+    _keep_subtree(module, holder)
+    return module, inputs, outputs
+
+
+def _keep_subtree(module: nn.Module, original: nn.Module) -> None:
+    """Everything under ``original`` stays reachable at its path in ``module``: what the
+    layer's graph does not read (unused parameters, buffers), and what the root reads of the
+    layer (DiT's final conditioning runs ``blocks[0].norm1.emb`` again). fx copies only the
+    attributes a graph reads, into fresh containers; the rest is put back here."""
+    for name, param in original.named_parameters(recurse=False):
         if name not in module._parameters:
             module.register_parameter(name, param)
-    for name, buf in holder.named_buffers(recurse=False):
+    for name, buf in original.named_buffers(recurse=False):
         if name not in module._buffers:
             module.register_buffer(name, buf)
-    return module, inputs, outputs
+    for name, child in original.named_children():
+        mine = module._modules.get(name)
+        if mine is None:
+            module.add_module(name, child)
+        elif mine is not child:
+            _keep_subtree(mine, child)
 
 
 def _install(gm: fx.GraphModule, built: dict[str, fx.GraphModule]) -> None:
