@@ -114,15 +114,42 @@ def normalize_example(
 
 
 def _dynamic_shapes(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Batch and sequence (dims 0 and 1) of every tensor input are symbolic."""
+    """Batch and sequence (dims 0 and 1) of every tensor input are symbolic; the spec has the
+    inputs' own structure (a dict holding no tensor is a dict of None, as export wants)."""
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return {d: Dim.AUTO for d in range(min(value.dim(), 2))} or None
         return None
 
-    return {name: pytree.tree_map(spec, value) if _has_tensor(value) else None
-            for name, value in kwargs.items()}
+    return {name: pytree.tree_map(spec, value) if isinstance(value, (dict, list, tuple))
+            or _has_tensor(value) else None for name, value in kwargs.items()}
+
+
+@contextlib.contextmanager
+def _named_forward(model: torch.nn.Module, names: list[str],
+                   signature: Optional[inspect.Signature]) -> Iterator[None]:
+    """Inputs that ``forward(..., **kwargs)`` collects become named parameters while the
+    model is exported: torch.export's dynamic shapes cannot address them under ``kwargs``
+    (x-transformers' ``context=``, peft's ``PeftModel(**inputs)``). The module is the same
+    object, so the program's parameter and module paths do not change."""
+    var_keyword = signature is not None and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    if not var_keyword or "forward" in model.__dict__:
+        yield
+        return
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def _has_tensor(value: Any) -> bool:
@@ -157,7 +184,8 @@ def capture(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
     try:
         with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
-                _ListIndexKept() if meta else contextlib.nullcontext():
+                _ListIndexKept() if meta else contextlib.nullcontext(), \
+                _named_forward(model, list(named), signature):
             ep = torch.export.export(
                 model, (), named, strict=False,
                 dynamic_shapes=dynamic_shapes if dynamic_shapes is not None

@@ -8,6 +8,9 @@ gradient, within 1e-5 relative to the largest entry (fp32).
   residual]`` per layer; its Residual holds nothing)
 - a submodule of one layer called again from outside it (diffusers' DiT runs
   ``transformer_blocks[0].norm1.emb`` again for its final conditioning)
+- a tensor passed through ``**kwargs`` (x-transformers' ``TransformerWrapper(x,
+  context=...)``, peft's ``PeftModel(**inputs)``), and a dict input that holds no tensor
+  (diffusers' PixArt ``added_cond_kwargs={"resolution": None}``)
 """
 
 from __future__ import annotations
@@ -67,15 +70,18 @@ class ReusedSubmodule(nn.Module):
         return self.out(x) + self.blocks[0].norm1.emb(c)[:, None]
 
 
-def check_exact(model: nn.Module, args: tuple, tp: int, **options: Any) -> autotp.Simulation:
+def check_exact(model: nn.Module, args: tuple, tp: int, kwargs: Any = None,
+                **options: Any) -> autotp.Simulation:
     """The sharded model's output and gradients equal the unsharded model's."""
+    kwargs = kwargs or {}
     reference = copy.deepcopy(model)
-    want = reference(*args)
+    want = reference(*args, **kwargs)
     want.square().sum().backward()
-    sim = autotp.simulate(model, tp, example_args=args, **options)
+    sim = autotp.simulate(model, tp, example_args=args or None, example_kwargs=kwargs or None,
+                          **options)
 
     def step(rank: nn.Module) -> tuple[torch.Tensor, dict]:
-        out = rank(*args)
+        out = rank(*args, **kwargs)
         out.square().sum().backward()
         return out.detach(), autotp.full_state_dict(rank, grads=True)
 
@@ -107,3 +113,43 @@ def test_layer_splitting_keeps_what_it_cannot_split_in_the_root(name: str, tp: i
     else:  # the entries with parameters are layers; the others run in the root
         for path in ("layers.0", "layers.2"):
             assert isinstance(rank.program.get_submodule(path), torch.fx.GraphModule)
+
+
+class ContextThroughKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.ctx = nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = x + self.ctx(kwargs["context"]).mean(1, keepdim=True)
+        return self.fc2(F.gelu(self.fc1(h)))
+
+
+class DictOfNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor, added_cond_kwargs: Any = None) -> torch.Tensor:
+        assert added_cond_kwargs["resolution"] is None
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_through_kwargs_is_an_input(tp: int) -> None:
+    torch.manual_seed(0)
+    model = ContextThroughKwargs()
+    sim = check_exact(model, (), tp, {"x": torch.randn(2, 16, 64),
+                                      "context": torch.randn(2, 8, 64)})
+    assert not sim.plan.fallbacks
+    # other batch and context lengths than the traced ones, the context by keyword
+    x, context = torch.randn(3, 5, 64), torch.randn(3, 7, 64)
+    want = model(x, context=context)
+    for out in sim.run(lambda rank: rank(x, context=context)):
+        assert (out - want).abs().max().item() <= RTOL * want.abs().max().item()
+
+
+def test_a_dict_input_without_tensors_is_accepted() -> None:
+    torch.manual_seed(0)
+    check_exact(DictOfNone(), (), 2, {"x": torch.randn(2, 16, 64),
+                                      "added_cond_kwargs": {"resolution": None}})
