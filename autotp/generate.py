@@ -204,9 +204,15 @@ def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-              use_cache=True, **{cache_argument(model.forward): cache})
+    # transformers checks the ids for padding (reading their values, which meta tensors do
+    # not have) when the config names a pad token: the probe runs without one
+    pad, model.config.pad_token_id = getattr(model.config, "pad_token_id", None), None
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  use_cache=True, **{cache_argument(model.forward): cache})
+    finally:
+        model.config.pad_token_id = pad
     shapes = []
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
@@ -367,7 +373,9 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = _direct(node.target)
         elif node.op == "get_attr":
             flat = "w_" + str(node.target).replace(".", "_")
-            attrs[flat] = model_tensor(gm, str(node.target))
+            value = model_tensor(gm, str(node.target))
+            # not a tensor: the body of a higher-order op (a no-grad region's graph module)
+            attrs[flat] = value if value is not None else gm.get_submodule(str(node.target))
             node.target = flat
         elif node.op == "call_module":
             attrs[str(node.target)] = gm.get_submodule(str(node.target))
@@ -773,7 +781,7 @@ class Decoder:
             raise ConfigError("generate() on a sharded model needs input_ids")
         total = self._total_length(ids.shape[-1], kwargs)
         limit = self.max_positions()
-        if limit is not None and total > limit:
+        if limit is not None and total is not None and total > limit:
             raise ConfigError(
                 f"a prompt of {ids.shape[-1]} tokens plus the new tokens needs {total} "
                 f"positions, more than the model's {limit} (max_position_embeddings): "
@@ -786,12 +794,18 @@ class Decoder:
         if not self.sharded._plan_checked:
             self.sharded.check_plan()
 
-    def _total_length(self, prompt: int, kwargs: dict[str, Any]) -> int:
+    def _total_length(self, prompt: int, kwargs: dict[str, Any]) -> Optional[int]:
+        """The tokens the cache must hold; None where neither the call nor the generation
+        config says (transformers' own default applies, which versions differ on: the cache
+        then grows as it fills, and is not replayed as a CUDA graph)."""
         config = kwargs.get("generation_config") or self.host.generation_config
-        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        new = kwargs.get("max_new_tokens")
+        if new is None:
+            new = getattr(config, "max_new_tokens", None)
         if new is not None:
             return prompt + int(new)
-        return max(int(kwargs.get("max_length", getattr(config, "max_length", 20))), prompt + 1)
+        length = kwargs.get("max_length") or getattr(config, "max_length", None)
+        return max(int(length), prompt + 1) if length else None
 
 
 _IGNORED = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",

@@ -273,3 +273,34 @@ def test_direct_calls_compute_the_program() -> None:
     assert got_cache[1].abs().sum() > 0  # the write into the cache happened
     next(gm.parameters()).data.mul_(2)  # the same storage: updates reach the lean program
     assert torch.equal(gm(x, want_cache), lean(x, got_cache))
+
+
+def test_generate_with_a_pad_token_and_no_length() -> None:
+    """GPT-2 whose config names a pad token (transformers then checks the ids for padding,
+    which the meta probe of the cache shapes cannot), generating with neither
+    max_new_tokens nor max_length (transformers' own default length applies)."""
+    import transformers as tf
+
+    def build():
+        torch.manual_seed(0)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(
+            n_layer=2, n_embd=64, n_head=8, vocab_size=gc.VOCAB, n_positions=64,
+            pad_token_id=0, eos_token_id=None, bos_token_id=None)).eval()
+
+    reference = build()
+    sim = autotp.simulate(build(), 2)
+    ids = torch.randint(1, gc.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = reference.generate(ids, do_sample=False)
+    assert want.shape[1] > ids.shape[1]
+    for got in sim.run(lambda m: m.generate(ids, do_sample=False)):
+        assert torch.equal(got, want)
+
+
+def test_cached_forward_with_autograd_on(llama_sim) -> None:
+    """forward(use_cache=True) outside no_grad: the decoding programs run the same logits
+    (a no-grad region of the model, e.g. a rotary embedding, is a submodule they keep)."""
+    reference, sim = llama_sim
+    ids, mask = gc.prompts()
+    want = reference(ids, attention_mask=mask, use_cache=True).logits
+    for got in sim.run(lambda m: m(ids, attention_mask=mask, use_cache=True).logits):
+        assert float((got - want).abs().max()) < 1e-5
