@@ -125,8 +125,12 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     after = shortfalls(alt)
     if after == before or any(a > b for a, b in zip(after, before)):
         return plan
+    # "large" against the first plan's largest collective of the layer: a plan whose own
+    # largest is inflated (a hidden-sharded residual stream gathering expert inputs) must
+    # not make its other collectives look small
+    reference = _largest(plan, cost_model)
     counted_before = _large_collectives(plan, cost_model)
-    for key, count in _large_collectives(alt, cost_model).items():
+    for key, count in _large_collectives(alt, cost_model, reference).items():
         if count > max(4, counted_before.get(key, 0)):
             return plan
     return alt
@@ -139,17 +143,30 @@ def record_bytes(record: Any, cost_model: CostModel) -> float:
     return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
 
 
-def _large_collectives(plan: Plan, cost_model: CostModel) -> dict[tuple, int]:
-    """(layer, phase) -> the collectives carrying at least an eighth of the bytes of the
-    layer's largest, at the cost model's reference batch and sequence."""
+def _layer_sizes(plan: Plan, cost_model: CostModel) -> dict[tuple, list[float]]:
+    """(layer, phase) -> the bytes of each collective, at the reference batch and sequence."""
     sizes: dict[tuple, list[float]] = {}
     for record in plan.collectives:
         if record.layer is not None:
             sizes.setdefault((record.layer, record.phase), []).append(
                 record_bytes(record, cost_model))
+    return sizes
+
+
+def _largest(plan: Plan, cost_model: CostModel) -> dict[Any, float]:
+    """layer -> the bytes of its largest collective."""
     largest: dict[Any, float] = {}
-    for (layer, _), values in sizes.items():
+    for (layer, _), values in _layer_sizes(plan, cost_model).items():
         largest[layer] = max(largest.get(layer, 0.0), *values)
+    return largest
+
+
+def _large_collectives(plan: Plan, cost_model: CostModel,
+                       reference: Optional[dict[Any, float]] = None) -> dict[tuple, int]:
+    """(layer, phase) -> the collectives carrying at least an eighth of the bytes of the
+    layer's largest (``reference``'s where it has the layer, else this plan's own)."""
+    sizes = _layer_sizes(plan, cost_model)
+    largest = {**_largest(plan, cost_model), **(reference or {})}
     return {key: sum(1 for v in values if v * 8 >= largest[key[0]])
             for key, values in sizes.items()}
 
