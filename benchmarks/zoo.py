@@ -1,0 +1,210 @@
+"""Every causal-LM architecture the installed transformers ships, planned and run at tp 2.
+
+    python benchmarks/zoo.py --json zoo-5.24.json          # sweep (about 10 minutes, 2 cores)
+    python benchmarks/zoo.py --only llama,mixtral          # a few model types
+    python benchmarks/zoo.py --diff old.json new.json      # what moved between two sweeps
+
+Unlike benchmarks/coverage.py (a fixed list of families with hand-made configs), this walks
+transformers' own registry of causal LMs (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), so a new or
+changed architecture shows up without anyone adding it. Each config keeps its class defaults
+with the common size fields shrunk (hidden 64, 2 layers, 8 heads, 4 k/v heads, vocabulary
+128, experts 4); every weight is perturbed and the model is run unsharded and in simulation
+on the same weights and inputs (benchmarks/coverage.py's row: logits, a loss, every
+gradient). Per architecture it prints the status (exact / refused / MISMATCH / CRASH /
+"not built": the shrunk config or its model could not be made, a limit of this sweep, not of
+autotp), the collectives per layer and the bytes against Megatron's two all-reduces per
+layer. "at bound": exact, at most (2, 2) collectives and 1.01x Megatron's bytes per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import coverage  # noqa: E402  (benchmarks/coverage.py: the row of one model)
+
+SMALL = {  # field -> value, set where the config has the field
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2,
+    "num_layers": 2, "num_attention_heads": 8, "n_head": 8, "num_key_value_heads": 4,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "head_dim": 8,
+    "vocab_size": coverage.VOCAB, "max_position_embeddings": 64, "n_positions": 64,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "sliding_window": 16,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 8, "layer_types": None, "pad_token_id": 0, "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+BOUND = (2, 2)
+
+
+def architectures() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def small_config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    text = getattr(config, "text_config", None)
+    for target in (config,) + ((text,) if text is not None and text is not config else ()):
+        for key, value in SMALL.items():
+            if key in target.to_dict() and value is not None:
+                setattr(target, key, value)
+        if "layer_types" in target.to_dict() and isinstance(target.layer_types, list):
+            target.layer_types = target.layer_types[:2]
+    return config
+
+
+MAX_PARAMETERS = 20_000_000  # a config the shrinking missed (sub-configs of its own): skipped
+
+
+def builder(model_type: str, class_name: str) -> Any:
+    def build() -> Any:
+        import torch
+        import transformers
+
+        cls = getattr(transformers, class_name)
+        with torch.device("meta"):
+            count = sum(p.numel() for p in cls(small_config(model_type)).parameters())
+        if count > MAX_PARAMETERS:
+            raise ValueError(f"{count / 1e6:.0f}M parameters after shrinking the config")
+        return cls(small_config(model_type))
+    build.__name__ = class_name
+    return build
+
+
+def inputs() -> dict[str, Any]:
+    """The ids, with use_cache=False as autotp traces a transformers model: a model whose
+    logits depend on it (Dory's recurrent loops read the cache inside one forward) is then
+    compared with the computation autotp runs."""
+    return {**coverage.text(), "use_cache": False}
+
+
+def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
+          resume: bool = False) -> list[dict[str, Any]]:
+    """The rows of every architecture; written to ``out`` after each one, and with
+    ``resume`` the architectures already there are kept rather than run again."""
+    import transformers
+
+    rows = json.loads(out.read_text()) if resume and out and out.exists() else []
+    done = {row["model_type"] for row in rows}
+    for model_type, class_name in architectures().items():
+        if (only and model_type not in only) or model_type in done:
+            continue
+        name = f"zoo:{model_type}"
+        coverage.FAMILIES[name] = coverage.Family(builder(model_type, class_name), inputs)
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = coverage.check_family(name, tps)
+        for row in results:
+            row["model_type"] = model_type
+            row["transformers"] = transformers.__version__
+            row["at_bound"] = at_bound(row)
+            rows.append(row)
+            print(f"{model_type:28s} tp={row['tp']} {summary(row)}  "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+        if out:
+            out.write_text(json.dumps(rows, indent=1, default=str))
+    return rows
+
+
+def status(row: dict[str, Any]) -> str:
+    """The row's status; "not built" where the shrunk model failed before autotp ran (its
+    construction or its unsharded step: coverage.py's setup, which takes no time)."""
+    text = str(row["status"])
+    if text.startswith("CRASH") and row.get("seconds") == 0.0:
+        return f"not built: {row.get('detail', '')}"
+    if text == "refused":
+        return f"refused: {row.get('detail', '')}"
+    return text
+
+
+def at_bound(row: dict[str, Any]) -> bool:
+    if not str(row.get("status", "")).startswith("exact"):
+        return False
+    counts = row.get("per_layer") or []
+    ratios = row.get("bytes_ratio") or []
+    return all(f <= BOUND[0] and b <= BOUND[1] for f, b in counts) and \
+        all(f <= 1.01 and b <= 1.01 for f, b in ratios)
+
+
+def summary(row: dict[str, Any]) -> str:
+    text = status(row)
+    if not text.startswith("exact"):
+        return text[:140]
+    counts = ", ".join(f"({f}, {b})" for f, b in row.get("per_layer") or []) or "none"
+    ratios = ", ".join(f"({f:g}, {b:g})" for f, b in row.get("bytes_ratio") or []) or "-"
+    return f"{text}; per layer {counts}; x Megatron {ratios}" + \
+        ("" if row["at_bound"] else "  ABOVE BOUND")
+
+
+def totals(rows: list[dict[str, Any]]) -> str:
+    words = {"planned": 0, "exact": 0, "at bound": 0, "refused": 0, "MISMATCH": 0, "CRASH": 0,
+             "not built": 0}
+    for row in rows:
+        text = status(row)
+        if text.startswith("not built"):
+            words["not built"] += 1
+            continue
+        words["planned"] += 1
+        word = coverage.status_word(text)
+        words["exact" if word.startswith("exact") else word] = \
+            words.get("exact" if word.startswith("exact") else word, 0) + 1
+        words["at bound"] += bool(row["at_bound"])
+    return ", ".join(f"{k} {v}" for k, v in words.items())
+
+
+def diff(old_path: str, new_path: str) -> None:
+    old = {(r["model_type"], r["tp"]): r for r in json.loads(Path(old_path).read_text())}
+    new = {(r["model_type"], r["tp"]): r for r in json.loads(Path(new_path).read_text())}
+    versions = [next(iter(d.values()))["transformers"] if d else "?" for d in (old, new)]
+    print(f"transformers {versions[0]} -> {versions[1]}")
+    print(f"  {versions[0]}: {totals(list(old.values()))}")
+    print(f"  {versions[1]}: {totals(list(new.values()))}")
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a is None or b is None:
+            print(f"{key[0]:28s} tp={key[1]} only in {versions[1] if a is None else versions[0]}")
+            continue
+        if (summary(a), a["at_bound"]) != (summary(b), b["at_bound"]):
+            print(f"{key[0]:28s} tp={key[1]}\n    {versions[0]}: {summary(a)}\n"
+                  f"    {versions[1]}: {summary(b)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types")
+    parser.add_argument("--tp", default="2", help="comma-separated degrees (default 2)")
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the architectures already in --json, run the rest")
+    args = parser.parse_args()
+    if args.diff:
+        diff(*args.diff)
+        return
+    import torch
+
+    import transformers
+
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}", flush=True)
+    rows = sweep(args.only.split(",") if args.only else None,
+                 [int(t) for t in args.tp.split(",")], Path(args.json) if args.json else None,
+                 args.resume)
+    print(totals(rows))
+
+
+if __name__ == "__main__":
+    main()
