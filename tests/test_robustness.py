@@ -498,3 +498,27 @@ def test_values_of_the_inputs_alone_are_computed_replicated() -> None:
               if name in ("cos", "sin") or name.startswith(("cos_", "sin_"))]
     assert rotary and all(plan.values[name] == "R" for name in rotary), \
         {name: plan.values[name] for name in rotary}
+
+
+def test_wide_matrices_kept_whole_for_their_heads_are_recorded() -> None:
+    """k/v projections whose heads are fewer than tp stay whole on every rank, their gradient
+    summed after backward. Where such a matrix is wide (4 k/v heads of 8 at h = 64: 32 x 64,
+    h x h/2) the plan's fallbacks say so, with why; narrow ones (2 heads: 16 x 64) are
+    replicated by design, as in Megatron, and not listed."""
+    import transformers as tf
+
+    def plan(kv_heads: int, tp: int) -> Any:
+        config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=kv_heads,
+                                vocab_size=128, max_position_embeddings=64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autotp.plan(tf.LlamaForCausalLM(config), tp)
+
+    wide = plan(4, 8)
+    listed = sorted(f.split(" ")[0] for f in wide.fallbacks)
+    assert listed == [f"model.layers.{i}.self_attn.{p}_proj.weight"
+                      for i in range(2) for p in ("k", "v")], wide.fallbacks
+    assert all("fewer heads than tp" in f for f in wide.fallbacks)
+    assert all(wide.params[name].grad_sync for name in listed)
+    assert plan(2, 4).fallbacks == []
