@@ -109,6 +109,22 @@ def reduce_keep_rule(call: OpCall) -> Iterator[Strategy]:
     yield from _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False)))
 
 
+@rules.register(aten.max.dim, aten.min.dim)
+def max_dim_rule(call: OpCall) -> Iterator[Strategy]:
+    """``max(x, d) -> (values, indices)`` per position over d: shards elsewhere stay."""
+    reduced = _reduced_dims(call, call.args[1])
+    for strategy in _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False))):
+        yield Strategy(strategy.inputs, (strategy.output, strategy.output), name="keep shard")
+
+
+@rules.register(aten.linalg_vector_norm.default)
+def vector_norm_rule(call: OpCall) -> Iterator[Strategy]:
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, per-head qk-norm):
+    a reduction over ``dim``; shards on the other dims stay."""
+    reduced = _reduced_dims(call, call.arg(2, "dim", None))
+    yield from _kept_shards(call, reduced, bool(call.arg(3, "keepdim", False)))
+
+
 @rules.register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
                 aten.log_softmax.int, aten.cumsum.default)
 def softmax_rule(call: OpCall) -> Iterator[Strategy]:

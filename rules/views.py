@@ -395,6 +395,21 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
                                  for whole in whole_segments(mixed)), name="split blocks")
 
 
+@rules.register(aten.unbind.int)
+def unbind_rule(call: OpCall) -> Iterator[Strategy]:
+    """``unbind(x, d)`` = the slices ``x[..., i, ...]`` along d (timm's ``qkv.unbind(0)``):
+    a shard on another dim stays, one dim lower past d; linear."""
+    src = call.inputs[0]
+    outputs = call.output
+    assert isinstance(outputs, tuple)
+    n = len(outputs)
+    dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
+    yield Strategy((P,), (P,) * n, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), (Shard(d - (d > dim), blocks),) * n, name="view")
+
+
 @rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)
 def localize_split_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     layout = strategy.inputs[0]
