@@ -163,9 +163,10 @@ def _period_split(period: Period, dst: TensorMeta, major_out: list[int],
 
 
 @rules.register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                aten.view_copy.default, aten.flatten.using_ints)
+                aten.view_copy.default, aten.flatten.using_ints, aten.unflatten.int)
 def view_rule(call: OpCall) -> Iterator[Strategy]:
-    """Any reshape, by the view algebra (flatten takes dims, not sizes: nothing to localize)."""
+    """Any reshape, by the view algebra (flatten takes dims, not sizes: nothing to localize;
+    unflatten's sizes are localized below)."""
     src, dst = call.inputs[0], call.out
     yield Strategy((P,), P, name="linear")
     for dim, blocks in shardable_dims(src, call):
@@ -186,6 +187,21 @@ def localize_shape_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
         else:
             shape[out.dim] = ctx.local_size_arg(size, node)
         node.args = (node.args[0], shape, *node.args[2:])
+
+
+@rules.lowering(aten.unflatten.int)
+def localize_unflatten_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    """``unflatten(x, d, sizes)``: the size of the output dim that holds the shard is local
+    (Flux's ``q.unflatten(-1, (heads, -1))``: heads -> heads / tp)."""
+    out = strategy.output
+    if not isinstance(out, Shard):
+        return
+    src_ndim = len(node.args[0].meta["val"].shape)
+    dim = normalize_dim(node.args[1], src_ndim)
+    sizes = list(node.args[2])
+    if 0 <= out.dim - dim < len(sizes):
+        sizes[out.dim - dim] = ctx.local_size_arg(sizes[out.dim - dim], node)
+        node.args = (node.args[0], node.args[1], sizes, *node.args[3:])
 
 
 @rules.register(aten.transpose.int)

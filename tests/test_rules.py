@@ -294,6 +294,9 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.min.dim: [s(X3, 0)],
     aten.linalg_vector_norm.default: [s(X3, 2, [2], True), s(X3, 2, [1]), s(X3, 1, [0, 2])],
     aten.unbind.int: [s(randn(3, 4, 8), 0), s(randn(2, 8, 12), 1)],
+    # Flux's q.unflatten(-1, (heads, -1)), and a split of the leading dim
+    aten.unflatten.int: [s(randn(2, 3, 16), -1, [4, -1]), s(randn(2, 3, 24), 2, [-1, 4]),
+                         s(randn(8, 12), 0, [2, 4])],
     aten.where.Scalar: [s(XB, 1.0, 0.0)],
     aten.argsort.default: [s(X, -1), s(X, 0, True)],
     aten.argsort.stable: [s(X, stable=True, dim=0)],
