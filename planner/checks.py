@@ -50,10 +50,13 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
            aten.addmm.default)
 
 
-def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset()
+def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset(),
+                        wide_heads: bool = False
                         ) -> Iterator[tuple[fx.Node, list[fx.Node], list[int]]]:
     """The matrices multiplied replicated on every rank although tp divides one of their
-    sizes, not by design: (parameter node, its products, the sizes tp does not divide)."""
+    sizes, not by design: (parameter node, its products, the sizes tp does not divide).
+    ``wide_heads``: also the wide ones kept whole by design (k/v heads fewer than tp), which
+    the plan reports but no other plan can shard."""
     if plan.tp == 1:
         return  # nothing is sharded at tp = 1
     for node in gm.graph.nodes:
@@ -72,8 +75,8 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         # when tp exceeds the k/v heads, replicated by design (their gradients are summed).
         # Recorded all the same where the matrix is wide (one side at least half the other:
         # h x h/2 and more), where keeping it whole costs real memory and compute.
-        if not products or (param.grad_sync and not odd and
-                            2 * min(param.global_shape) < max(param.global_shape)):
+        if not products or (param.grad_sync and not odd and not (
+                wide_heads and 2 * min(param.global_shape) >= max(param.global_shape))):
             continue
         if min(param.global_shape) * 4 * plan.tp <= max(param.global_shape):
             # A narrow matrix (a router over a few experts, a scalar gate): replicated by
@@ -90,7 +93,7 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
     of its use exists (a fused projection split into unequal parts). The first is an error
     with ``strict``; both are recorded in the plan with a warning otherwise: never silent.
     Narrow matrices (one size at most the other / (4 tp)) are replicated by design."""
-    for node, products, odd in replicated_products(plan, gm, reported):
+    for node, products, odd in replicated_products(plan, gm, reported, wide_heads=True):
         param = plan.params[node.target]
         why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
                f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else

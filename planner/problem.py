@@ -306,8 +306,8 @@ def build_problem(
 
 
 def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> None:
-    """Without sequence parallelism, values computed from the inputs and buffers alone,
-    without gradient (rotary cos/sin from the positions, masks from the attention mask),
+    """Without sequence parallelism, values computed from the inputs and buffers alone (no
+    parameter, no state such as a KV cache), without gradient (rotary cos/sin from the positions, masks from the attention mask),
     are computed replicated, as when they sit in a no-grad region: a reader that shards
     meets them with a free slice, so sharding them saves nothing, while the search could
     shard them along the sequence and land on a plan that gathers more (FlexOlmo once its
@@ -317,7 +317,7 @@ def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> No
     from_params: set[str] = set()
     for pn in pnodes:
         name = pn.node.name
-        if pn.is_param or any(n in from_params for n in pn.inputs):
+        if pn.is_param or pn.is_state or any(n in from_params for n in pn.inputs):
             from_params.add(name)
             continue
         if pn.kind != "op" or grad.get(name, False) or pn.fallback:
