@@ -307,13 +307,13 @@ def build_problem(
 
 def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> None:
     """Without sequence parallelism, values computed from the inputs and buffers alone (no
-    parameter, no state such as a KV cache), without gradient (rotary cos/sin from the positions, masks from the attention mask),
-    are computed replicated, as when they sit in a no-grad region: a reader that shards
-    meets them with a free slice, so sharding them saves nothing, while the search could
-    shard them along the sequence and land on a plan that gathers more (FlexOlmo once its
-    rotary embedding left its no-grad region: 7 all-reduces per layer, 5.5x Megatron's
-    bytes). With sequence parallelism a sequence shard of cos/sin is what a sequence-sharded
-    region reads, and they stay free."""
+    parameter, no state such as a KV cache), without gradient (rotary cos/sin from the
+    positions, masks from the attention mask), are computed replicated, as when they sit
+    in a no-grad region: a reader that shards meets them with a free slice, so sharding
+    them saves nothing, while the search could shard them along the sequence and land on a
+    plan that gathers more (FlexOlmo once its rotary embedding left its no-grad region: 7
+    all-reduces per layer, 5.5x Megatron's bytes). With sequence parallelism a sequence
+    shard of cos/sin is what a sequence-sharded region reads, and they stay free."""
     from_params: set[str] = set()
     for pn in pnodes:
         name = pn.node.name
