@@ -507,3 +507,17 @@ def error_case(rank: int, world_size: int, directory: str, other: str) -> dict[s
             lambda: autotp.load_checkpoint(sharded, work / "gpt2-ckpt"))
     json.dumps(out)
     return out
+
+
+def generation_config_case(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """from_pretrained, then generate() with no length: the checkpoint's
+    generation_config.json (max_new_tokens, pad token) decides, as for transformers' load."""
+    import autotp
+
+    tf = _tf()
+    torch.set_num_threads(1)
+    ids = batch()[:, :5]
+    sharded = autotp.from_pretrained(directory, tp=world_size)
+    reference = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return {"sharded": sharded.generate(ids, do_sample=False).tolist(),
+            "reference": reference.generate(ids, do_sample=False).tolist()}

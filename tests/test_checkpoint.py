@@ -201,3 +201,18 @@ def test_loading_reads_slices_not_the_whole_model(tmp_path: Path) -> None:
         assert r["bytes_read"] == r["param_bytes"], (r, full)
         assert r["growth"] <= 1.15 * r["local_bytes"] + cc.MEMORY_SLACK, (r, full)
         assert r["growth"] < full, (r, full)  # the naive load holds at least the whole model
+
+
+def test_generate_follows_the_checkpoints_generation_config(tmp_path: Path) -> None:
+    """A checkpoint's generation_config.json (3 new tokens, a pad token, no eos) is what
+    generate() uses after from_pretrained, with no length given in the call."""
+    import transformers as tf
+
+    directory = str(tmp_path / "gpt2")
+    cc.save_hf("gpt2", directory)
+    config = tf.GenerationConfig(max_new_tokens=3, pad_token_id=0, eos_token_id=None,
+                                 bos_token_id=None)
+    config.save_pretrained(directory)
+    for result in run_processes(cc.generation_config_case, 2, directory, timeout=240):
+        assert result["sharded"] == result["reference"]
+        assert len(result["sharded"][0]) == 5 + 3
