@@ -156,9 +156,12 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
         if tiling:
             counts.add(proportions(tiling))
             counts.add(smaller_whole(proportions(tiling)))
+        if node.op == "call_function" and node.target == aten.unbind.int:
+            counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
         if node.op == "call_function" and node.target in _VIEWS:
             counts.update(_merged_periods(node))
     counts.discard(None)
+    counts.discard(0)
     return tuple(sorted(counts, key=lambda b: (isinstance(b, Period), isinstance(b, tuple),
                                                b.length if isinstance(b, Period) else b)))
 

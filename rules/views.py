@@ -121,6 +121,13 @@ def map_shard_through_view(
             if trailing is None:
                 return None
             return _period_split(Period(layout.blocks.length * trailing), dst, major_out, tp)
+        # k equal blocks split into (k, n1, ...): the blocks become the leading dim and each
+        # block's slice is a slice of n1 (timm's qkv.reshape(B, N, 3, heads, hs): heads)
+        blocks = layout.blocks
+        if isinstance(blocks, int) and blocks > 1 and len(major_in) == 1 and \
+                len(major_out) >= 2 and dst.static(out_dim) == blocks:
+            inner = major_out[1]
+            return Shard(inner) if dst.shardable(inner, tp) else None
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
         # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
         aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \
@@ -297,6 +304,26 @@ def expand_rule(call: OpCall) -> Iterator[Strategy]:
     for dim, blocks in shardable_dims(src, call):
         if _expr(src.shape[dim]) == _expr(dst.shape[dim + offset]):
             yield Strategy((Shard(dim, blocks),), Shard(dim + offset, blocks), name="view")
+
+
+@rules.register(aten.expand_as.default)
+def expand_as_rule(call: OpCall) -> Iterator[Strategy]:
+    """``expand_as(x, other)``: x broadcast to other's shape (``F.normalize``'s norm over a
+    head). The output takes other's local shape, so other carries the output's layout
+    (a partial x against a whole other); x's dim is sharded alike or broadcast (size 1)."""
+    src, other, dst = call.inputs[0], call.inputs[1], call.out
+    offset = dst.ndim - src.ndim
+    yield Strategy((P, R), P, name="linear")
+    for dim, blocks in shardable_dims(other, call):
+        if not dst.shardable(dim, call.tp, blocks):
+            continue
+        mine = dim - offset
+        if mine < 0 or _expr(src.shape[mine]) == 1:
+            yield Strategy((R, Shard(dim, blocks)), Shard(dim, blocks), name="broadcast")
+        elif _expr(src.shape[mine]) == _expr(dst.shape[dim]) and \
+                src.shardable(mine, call.tp, blocks):
+            yield Strategy((Shard(mine, blocks), Shard(dim, blocks)), Shard(dim, blocks),
+                           name="view")
 
 
 def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -> bool:

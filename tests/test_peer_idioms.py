@@ -11,6 +11,8 @@ gradient, within 1e-5 relative to the largest entry (fp32).
 - a tensor passed through ``**kwargs`` (x-transformers' ``TransformerWrapper(x,
   context=...)``, peft's ``PeftModel(**inputs)``), and a dict input that holds no tensor
   (diffusers' PixArt ``added_cond_kwargs={"resolution": None}``)
+- timm's attention: ``qkv(x).reshape(B, N, 3, heads, hs).permute(2, 0, 3, 1, 4).unbind(0)``
+  (the fused projection column-parallel in 3 blocks, the heads sharded, Megatron's plan)
 """
 
 from __future__ import annotations
@@ -153,3 +155,52 @@ def test_a_dict_input_without_tensors_is_accepted() -> None:
     torch.manual_seed(0)
     check_exact(DictOfNone(), (), 2, {"x": torch.randn(2, 16, 64),
                                       "added_cond_kwargs": {"resolution": None}})
+
+
+class TimmAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 8
+        self.qkv, self.proj = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, nh, N, hs)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_timm_attention_shards_the_fused_qkv_by_heads(tp: int) -> None:
+    torch.manual_seed(0)
+    sim = check_exact(TimmAttention(), (torch.randn(2, 16, 64),), tp)
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"qkv.weight": "S(0)x3", "proj.weight": "S(1)"}, layouts
+    assert not sim.plan.fallbacks
+    forward = [c for c in sim.plan.collectives if c.phase == "forward"]
+    assert [c.kind for c in forward] == ["all_reduce"], sim.plan.summary()
+
+
+class L2QKNorm(nn.Module):
+    """x-transformers' ``attn_qk_norm``: ``F.normalize`` of q and k over each head's dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (lin(x).view(b, n, 8, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, scale=10.0)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_per_head_l2_norm_keeps_the_heads_sharded(tp: int) -> None:
+    torch.manual_seed(0)
+    sim = check_exact(L2QKNorm(), (torch.randn(2, 16, 64),), tp)
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)",
+                       "o.weight": "S(1)"}, layouts

@@ -140,10 +140,14 @@ SAMPLES: dict[Any, list[Sample]] = {
         s(randn(4, 1, 24), [4, 24]),
         s(randn(4, 24), [4, 24]),
     ],
-    aten.reshape.default: [s(randn(2, 3, 16), [2, 3, 4, 4]), s(randn(2, 3, 4, 4), [6, -1])],
+    aten.reshape.default: [s(randn(2, 3, 16), [2, 3, 4, 4]), s(randn(2, 3, 4, 4), [6, -1]),
+                           # timm's fused qkv: 3 blocks become a dim, heads keep the shard
+                           s(randn(2, 3, 96), [2, 3, 3, 8, 4])],
     aten._unsafe_view.default: [s(randn(2, 3, 16), [2, 3, 4, 4])],
     aten.view_copy.default: [s(randn(2, 3, 4, 4), [2, 3, 16])],
     aten.expand.default: [s(randn(2, 1, 16), [2, 4, -1]), s(randn(4, 16), [3, 4, 16])],
+    aten.expand_as.default: [s(randn(2, 4, 1), randn(2, 4, 12)), s(randn(8, 12), X3),
+                             s(randn(1, 8, 12), randn(6, 8, 12))],
     aten.slice.Tensor: [
         s(X3, 1, 0, MAX_INT),
         s(X3, 2, 2, 10),
@@ -611,9 +615,12 @@ SHARD_THROUGH_VIEW = [
     ((2, 3, 16), (6, 16), Shard(2), 2, Shard(1)),
     ((S0, S1, 192), (S0 * S1, 192), Shard(2), 4, Shard(1)),
     ((S0, S1, 192), (S0 * S1, 192), Shard(1), 2, None),
-    # blocked shards only pass through one-to-one groups
+    # blocked shards pass through one-to-one groups, and k blocks split into (k, n) put
+    # the shard on n (timm's fused qkv); a split whose leading dim is not the blocks does not
     ((4, 24), (4, 24), Shard(1, 3), 2, Shard(1, 3)),
-    ((4, 24), (4, 3, 8), Shard(1, 3), 2, None),
+    ((4, 24), (4, 3, 8), Shard(1, 3), 2, Shard(2)),
+    ((4, 24), (4, 3, 8), Shard(1, 3), 4, Shard(2)),
+    ((4, 24), (4, 2, 12), Shard(1, 3), 2, None),
     # heads merged after a symbolic batch: B segments of the heads, each sliced (Bloom)
     ((S0, 8, S1, 16), (S0 * 8, S1, 16), Shard(1), 4, Shard(0, Period(8))),
     ((S0, 8, 16), (S0 * 128,), Shard(1), 2, Shard(0, Period(128))),
