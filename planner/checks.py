@@ -73,10 +73,11 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         odd = [size for size in param.global_shape if size % plan.tp]
         # Replicated with partial gradients and every size divisible: the k/v projections
         # when tp exceeds the k/v heads, replicated by design (their gradients are summed).
-        # Recorded all the same where the matrix is wide (one side at least half the other:
-        # h x h/2 and more), where keeping it whole costs real memory and compute.
+        # Recorded all the same where the matrix is wide (one side more than half the other:
+        # above h x h/2), where keeping it whole costs real memory and compute; narrower
+        # ones (k/v heads, MLA's low-rank down-projections) are Megatron's own choice.
         if not products or (param.grad_sync and not odd and not (
-                wide_heads and 2 * min(param.global_shape) >= max(param.global_shape))):
+                wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
         if min(param.global_shape) * 4 * plan.tp <= max(param.global_shape):
             # A narrow matrix (a router over a few experts, a scalar gate): replicated by
@@ -97,8 +98,8 @@ def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
         param = plan.params[node.target]
         why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
                f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else
-               "fewer heads than tp (k/v heads): computed whole on every rank, its gradient "
-               "summed after backward" if param.grad_sync else
+               "a reader needs all of it, so it is computed whole on every rank and its "
+               "partial gradients are summed after backward" if param.grad_sync else
                "no exact sharding of its use exists (e.g. a fused projection split into "
                "unequal parts)")
         text = (f"{node.target} {list(param.global_shape)} stays replicated and its product "

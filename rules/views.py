@@ -121,11 +121,12 @@ def map_shard_through_view(
             if trailing is None:
                 return None
             return _period_split(Period(layout.blocks.length * trailing), dst, major_out, tp)
-        # k equal blocks split into (k, n1, ...): the blocks become the leading dim and each
-        # block's slice is a slice of n1 (timm's qkv.reshape(B, N, 3, heads, hs): heads)
+        # k equal blocks split into (k, heads, hs): the blocks become the leading dim and
+        # each block's slice is a slice of the heads (timm's qkv.reshape(B, N, 3, nh, hs)).
+        # Only a split into three or more: (k, n) would shard within a head's features.
         blocks = layout.blocks
         if isinstance(blocks, int) and blocks > 1 and len(major_in) == 1 and \
-                len(major_out) >= 2 and dst.static(out_dim) == blocks:
+                len(major_out) >= 3 and dst.static(out_dim) == blocks:
             inner = major_out[1]
             return Shard(inner) if dst.shardable(inner, tp) else None
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autotp
@@ -431,9 +432,7 @@ def test_partial_statistics_leave_megatron_plans_alone() -> None:
     without = _plan_generic(config, 4, partial_statistics=False)
     assert {t: p.layout for t, p in plan.params.items()} == \
         {t: p.layout for t, p in without.params.items()}
-    # the k/v projections (h/2 x h) kept whole by design are reported, nothing else
-    assert plan.fallbacks and all("fewer heads than tp" in f for f in plan.fallbacks), \
-        plan.fallbacks
+    assert plan.fallbacks == []
     assert plan.params["blocks.0.attn.k_proj.weight"].layout == "R"
     assert not any("partial statistic" in c.strategy for c in plan.choices.values())
     for layer, counts in _collectives_per_layer(plan).items():
@@ -502,25 +501,38 @@ def test_values_of_the_inputs_alone_are_computed_replicated() -> None:
         {name: plan.values[name] for name in rotary}
 
 
-def test_wide_matrices_kept_whole_for_their_heads_are_recorded() -> None:
-    """k/v projections whose heads are fewer than tp stay whole on every rank, their gradient
-    summed after backward. Where such a matrix is wide (4 k/v heads of 8 at h = 64: 32 x 64,
-    h x h/2) the plan's fallbacks say so, with why; narrow ones (2 heads: 16 x 64) are
-    replicated by design, as in Megatron, and not listed."""
+class WholeAndSliced(nn.Module):
+    """k is read by the attention (sliced by heads) and whole, by a term of the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        k = self.k(x)
+        q, kh, v = (t.view(b, n, 8, 8).transpose(1, 2) for t in (self.q(x), k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, kh, v)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64)) + k.square()
+
+
+def test_wide_matrices_kept_whole_with_summed_gradients_are_recorded() -> None:
+    """A matrix kept whole on every rank whose gradient is summed after backward is listed in
+    the plan's fallbacks with why when it is wide (above h x h/2: here k, 64 x 64); k/v
+    projections with fewer heads than tp (at most h x h/2) are Megatron's choice, not listed."""
     import transformers as tf
 
-    def plan(kv_heads: int, tp: int) -> Any:
-        config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=8, num_key_value_heads=kv_heads,
-                                vocab_size=128, max_position_embeddings=64)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return autotp.plan(tf.LlamaForCausalLM(config), tp)
-
-    wide = plan(4, 8)
-    listed = sorted(f.split(" ")[0] for f in wide.fallbacks)
-    assert listed == [f"model.layers.{i}.self_attn.{p}_proj.weight"
-                      for i in range(2) for p in ("k", "v")], wide.fallbacks
-    assert all("fewer heads than tp" in f for f in wide.fallbacks)
-    assert all(wide.params[name].grad_sync for name in listed)
-    assert plan(2, 4).fallbacks == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autotp.plan(WholeAndSliced(), 2, example_args=(torch.randn(2, 16, 64),))
+    assert plan.params["k.weight"].layout == "R" and plan.params["k.weight"].grad_sync
+    assert [f.split(" ")[0] for f in plan.fallbacks] == ["k.weight"], plan.fallbacks
+    assert "partial gradients are summed after backward" in plan.fallbacks[0]
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
+                            max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kv = autotp.plan(tf.LlamaForCausalLM(config), 8)  # k/v 32 x 64, whole at tp 8
+    assert kv.params["model.layers.0.self_attn.k_proj.weight"].grad_sync
+    assert kv.fallbacks == []

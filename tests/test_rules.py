@@ -615,12 +615,14 @@ SHARD_THROUGH_VIEW = [
     ((2, 3, 16), (6, 16), Shard(2), 2, Shard(1)),
     ((S0, S1, 192), (S0 * S1, 192), Shard(2), 4, Shard(1)),
     ((S0, S1, 192), (S0 * S1, 192), Shard(1), 2, None),
-    # blocked shards pass through one-to-one groups, and k blocks split into (k, n) put
-    # the shard on n (timm's fused qkv); a split whose leading dim is not the blocks does not
+    # blocked shards pass through one-to-one groups, and k blocks split into (k, heads, hs)
+    # put the shard on the heads (timm's fused qkv); (k, n) or a split whose leading dim is
+    # not the blocks does not keep it
     ((4, 24), (4, 24), Shard(1, 3), 2, Shard(1, 3)),
-    ((4, 24), (4, 3, 8), Shard(1, 3), 2, Shard(2)),
-    ((4, 24), (4, 3, 8), Shard(1, 3), 4, Shard(2)),
-    ((4, 24), (4, 2, 12), Shard(1, 3), 2, None),
+    ((4, 24), (4, 3, 2, 4), Shard(1, 3), 2, Shard(2)),
+    ((4, 48), (4, 3, 4, 4), Shard(1, 3), 4, Shard(2)),
+    ((4, 24), (4, 3, 8), Shard(1, 3), 2, None),
+    ((4, 24), (4, 2, 3, 4), Shard(1, 3), 2, None),
     # heads merged after a symbolic batch: B segments of the heads, each sliced (Bloom)
     ((S0, 8, S1, 16), (S0 * 8, S1, 16), Shard(1), 4, Shard(0, Period(8))),
     ((S0, 8, 16), (S0 * 128,), Shard(1), 2, Shard(0, Period(128))),
