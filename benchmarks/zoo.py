@@ -92,7 +92,7 @@ def inputs() -> dict[str, Any]:
 
 
 def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
-          resume: bool = False) -> list[dict[str, Any]]:
+          resume: bool = False, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The rows of every architecture; written to ``out`` after each one, and with
     ``resume`` the architectures already there are kept rather than run again."""
     import transformers
@@ -100,7 +100,7 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
     rows = json.loads(out.read_text()) if resume and out and out.exists() else []
     done = {row["model_type"] for row in rows}
     for model_type, class_name in architectures().items():
-        if (only and model_type not in only) or model_type in done:
+        if (only and model_type not in only) or model_type in done or model_type in skip:
             continue
         name = f"zoo:{model_type}"
         coverage.FAMILIES[name] = coverage.Family(builder(model_type, class_name), inputs)
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--diff", nargs=2, metavar=("OLD", "NEW"))
     parser.add_argument("--resume", action="store_true",
                         help="keep the architectures already in --json, run the rest")
+    parser.add_argument("--skip", default="", help="comma-separated model types not to run")
     args = parser.parse_args()
     if args.diff:
         diff(*args.diff)
@@ -202,7 +203,7 @@ def main() -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}", flush=True)
     rows = sweep(args.only.split(",") if args.only else None,
                  [int(t) for t in args.tp.split(",")], Path(args.json) if args.json else None,
-                 args.resume)
+                 args.resume, tuple(t for t in args.skip.split(",") if t))
     print(totals(rows))
 
 
