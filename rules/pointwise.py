@@ -46,6 +46,7 @@ NONLINEAR = [
     aten.tanh.default,
     aten.exp.default,
     aten.expm1.default,
+    aten.rsub.Scalar,  # c - x: a constant minus a partial sum would count c tp times
     aten.log_sigmoid.default,
     aten.log.default,
     aten.rsqrt.default,

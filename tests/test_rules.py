@@ -302,6 +302,7 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.unflatten.int: [s(randn(2, 3, 16), -1, [4, -1]), s(randn(2, 3, 24), 2, [-1, 4]),
                          s(randn(8, 12), 0, [2, 4])],
     aten.where.Scalar: [s(XB, 1.0, 0.0)],
+    aten.rsub.Scalar: [s(X, 1.0), s(X, 2.0, 0.5)],
     aten.argsort.default: [s(X, -1), s(X, 0, True)],
     aten.argsort.stable: [s(X, stable=True, dim=0)],
     aten.topk.default: [s(X, 3)],
