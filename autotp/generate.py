@@ -656,6 +656,11 @@ class Decoder:
         self.dtype = weights_dtype(sharded)
         self.host = _host(self)
         self.cache_name = cache_argument(info.model_class.forward)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        # the output's field for the cache, renamed like the argument
+        self.output_field = next(key for key in CACHE_NAMES
+                                 if key in CausalLMOutputWithPast.__dataclass_fields__)
 
     def program(self, prompt: bool, logits_to_keep: int) -> Program:
         key = (prompt, logits_to_keep if prompt else 1)
@@ -696,11 +701,13 @@ class Decoder:
         given = [kwargs.pop(key) for key in CACHE_NAMES if kwargs.get(key) is not None]
         unknown = sorted(k for k, v in kwargs.items()
                          if v is not None and k not in _IGNORED)
-        if unknown or input_ids is None or len(given) > 1:
+        if len(given) > 1:
+            raise ConfigError(f"pass the KV cache once, as {name}= (got both "
+                              f"{' and '.join(CACHE_NAMES)})")
+        if unknown or input_ids is None:
             raise ConfigError(
                 f"the decoding programs take input_ids, attention_mask, position_ids and "
-                f"{name}; got {unknown or ('no input_ids' if input_ids is None else '')}"
-                f"{' and two caches: ' + ' and '.join(CACHE_NAMES) if len(given) > 1 else ''}")
+                f"{name}; got {unknown or 'no input_ids'}")
         cache = given[0] if given else None
         if cache is None:
             cache = KVCache(self, None)
@@ -754,10 +761,8 @@ class Decoder:
         else:
             logits = program(**inputs)
         cache.seen = past + tokens
-        field = next(key for key in CACHE_NAMES
-                     if key in CausalLMOutputWithPast.__dataclass_fields__)
-        return CausalLMOutputWithPast(logits=logits,
-                                      **{field: cache if use_cache is not False else None})
+        return CausalLMOutputWithPast(
+            logits=logits, **{self.output_field: cache if use_cache is not False else None})
 
     def _graphs(self, cache: "KVCache") -> bool:
         """Whether this cache's decode steps replay a CUDA graph: on a GPU, for a cache of

@@ -37,6 +37,7 @@ from autotp.report import (
     PHASE_SHORT,
     Group,
     fold_layers,
+    grad_sync_params,
     human_bytes,
     layer_ranges,
     relative_name,
@@ -250,11 +251,6 @@ def _nodes(plan: Plan, consumers: dict[str, list[str]]) -> dict[str, NodeInfo]:
     return nodes
 
 
-def _grad_sync_params(record: CollectiveRecord) -> list[str]:
-    prefix = "grad sync:"
-    if not record.node.startswith(prefix):
-        return []
-    return [p.strip() for p in record.node[len(prefix):].split(",") if p.strip()]
 
 
 def build_view(plan: Plan, cost_model: CostModel) -> View:
@@ -378,7 +374,7 @@ def _grad_sync_lines(view: View) -> list[str]:
                if info.kind == "param" and view.drawn(name)}
     for index, s in enumerate(v for v in view.shown if v.site is None):
         node_id = f"collective:grad-sync:{index}"
-        params = _grad_sync_params(s.record)
+        params = grad_sync_params(s.record.node)
         label = f"{_collective_line(s)}\ngrad sync of {len(params)} replicated parameter(s)"
         lines.append(f"  {dot_quote(node_id)} " + dot_attrs(
             label=label, shape="diamond", style="filled", fillcolor="#fee2e2",

@@ -149,11 +149,18 @@ def origin_text(collective: dict[str, Any], layer: Optional[int]) -> str:
     parts = [relative_name(module, layer) if module else "",
              os.path.basename(source) if source else ""]
     text = "  ".join(p for p in parts if p) or collective["node"]
-    prefix = "grad sync:"
-    if text.startswith(prefix):
-        names = [n.strip() for n in text[len(prefix):].split(",") if n.strip()]
-        return f"{prefix} {group_names(names)}"
-    return text
+    names = grad_sync_params(text)
+    return f"{GRAD_SYNC} {group_names(names)}" if names else text
+
+
+GRAD_SYNC = "grad sync:"  # how the plan names the after-backward sum of replicated gradients
+
+
+def grad_sync_params(node: str) -> list[str]:
+    """The parameters of a grad-sync collective's node text; [] for any other collective."""
+    if not node.startswith(GRAD_SYNC):
+        return []
+    return [p.strip() for p in node[len(GRAD_SYNC):].split(",") if p.strip()]
 
 
 def group_names(names: list[str]) -> str:

@@ -153,10 +153,11 @@ def _layer_sizes(plan: Plan, cost_model: CostModel) -> dict[tuple, list[float]]:
     return sizes
 
 
-def _largest(plan: Plan, cost_model: CostModel) -> dict[Any, float]:
+def _largest(plan: Plan, cost_model: CostModel,
+             sizes: Optional[dict[tuple, list[float]]] = None) -> dict[Any, float]:
     """layer -> the bytes of its largest collective."""
     largest: dict[Any, float] = {}
-    for (layer, _), values in _layer_sizes(plan, cost_model).items():
+    for (layer, _), values in (sizes or _layer_sizes(plan, cost_model)).items():
         largest[layer] = max(largest.get(layer, 0.0), *values)
     return largest
 
@@ -166,7 +167,7 @@ def _large_collectives(plan: Plan, cost_model: CostModel,
     """(layer, phase) -> the collectives carrying at least an eighth of the bytes of the
     layer's largest (``reference``'s where it has the layer, else this plan's own)."""
     sizes = _layer_sizes(plan, cost_model)
-    largest = {**_largest(plan, cost_model), **(reference or {})}
+    largest = {**_largest(plan, cost_model, sizes), **(reference or {})}
     return {key: sum(1 for v in values if v * 8 >= largest[key[0]])
             for key, values in sizes.items()}
 

@@ -404,8 +404,14 @@ def localize_slice_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
 
 @rules.register(aten.select.int)
 def select_rule(call: OpCall) -> Iterator[Strategy]:
+    yield from _select_strategies(call, call.args[1])
+
+
+def _select_strategies(call: OpCall, dim: int) -> Iterator[Strategy]:
+    """``x[..., i, ...]`` along ``dim``: a shard on another dim stays, one dim lower past
+    it; linear."""
     src = call.inputs[0]
-    dim = normalize_dim(call.args[1], src.ndim)
+    dim = normalize_dim(dim, src.ndim)
     yield Strategy((P,), P, name="linear")
     for d, blocks in shardable_dims(src, call):
         if d != dim:
@@ -441,17 +447,12 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
 
 @rules.register(aten.unbind.int)
 def unbind_rule(call: OpCall) -> Iterator[Strategy]:
-    """``unbind(x, d)`` = the slices ``x[..., i, ...]`` along d (timm's ``qkv.unbind(0)``):
-    a shard on another dim stays, one dim lower past d; linear."""
-    src = call.inputs[0]
-    outputs = call.output
-    assert isinstance(outputs, tuple)
-    n = len(outputs)
-    dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
-    yield Strategy((P,), (P,) * n, name="linear")
-    for d, blocks in shardable_dims(src, call):
-        if d != dim:
-            yield Strategy((Shard(d, blocks),), (Shard(d - (d > dim), blocks),) * n, name="view")
+    """``unbind(x, d)`` = every ``select(x, d, i)`` (timm's ``qkv.unbind(0)``): select's
+    strategies, for each part."""
+    assert isinstance(call.output, tuple)
+    for strategy in _select_strategies(call, call.arg(1, "dim", 0)):
+        yield Strategy(strategy.inputs, (strategy.output,) * len(call.output),
+                       name=strategy.name)
 
 
 @rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)
