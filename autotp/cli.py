@@ -4,6 +4,7 @@
     autotp plan hf:gpt2 --tp 4 --format json -o plan.json
     autotp explain hf:llama --tp 8 model.layers.0.self_attn.o_proj.weight
     autotp verify hf:llama --tp 4 --set num_hidden_layers=2 --set hidden_size=256 [--procs]
+    autotp estimate hf:llama --gpus 64 --hardware a100-80gb --global-batch 512 --seq 4096
 """
 
 from __future__ import annotations
@@ -329,6 +330,109 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
             "worst_param": cmp.worst_param, "counts": layer_counts(sharded.comm.log)}
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from autotp.capture import capture
+    from autotp.planner import hardware as hw_module
+    from autotp.planner.configure import (
+        Estimate,
+        Planner,
+        Request,
+        attention_heads,
+        parse_mesh,
+        search,
+        training_example,
+    )
+    from autotp.planner.estimate_view import write
+    from autotp.planner.memory import precision
+    from autotp.zoo import load_model, parse_overrides
+
+    progress = Progress(not args.quiet)
+    base = hw_module.hardware(args.hardware)
+    if args.calibrate:
+        with progress.step(f"measuring this device against {base.name}"):
+            measured, _ = hw_module.calibrate(base, dtype=args.dtype)
+        path = args.output or f"{measured.name}.json"
+        hw_module.save(measured, path)
+        print(f"autotp: wrote {path} (use --hardware {path})", file=sys.stderr)
+        return 0
+    if args.model is None:
+        raise ConfigError("autotp estimate needs a MODEL (or --calibrate)")
+    if args.gpus is None or args.global_batch is None:
+        raise ConfigError("autotp estimate needs --gpus N and --global-batch B")
+    start = time.perf_counter()
+    with progress.step(f"building {args.model} on the meta device"):
+        loaded = load_model(args.model, parse_overrides(args.overrides), meta=True)
+    example_args, example_kwargs = loaded.example_args, loaded.example_kwargs
+    if example_args is None and example_kwargs is None:
+        example_kwargs = training_example(loaded.model)
+    with progress.step("tracing with torch.export"):
+        captured = capture(loaded.model, example_args, example_kwargs)
+    req = Request(
+        gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
+        gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
+        mesh=parse_mesh(args.mesh) if args.mesh else None, checkpointing=args.checkpointing,
+        sequence_parallel=None if args.sequence_parallel is None
+        else args.sequence_parallel == "on",
+        dtype=args.dtype, precision=args.precision, optimizer=args.optimizer,
+        dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
+        max_micro_batch=args.max_micro_batch)
+    planner = Planner(captured, args.model, args.seq, attention_heads(loaded.model))
+    with progress.step("planning and ranking configurations"):
+        configs = search(planner, base, req)
+    est = Estimate(model=args.model, hardware=base, gpus=req.gpus,
+                   global_batch=req.global_batch, seq=req.seq, dtype=req.dtype,
+                   precision=precision(req.precision, req.optimizer).name, configs=configs,
+                   seconds=time.perf_counter() - start)
+    text = write(est, args.format, top=args.top)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        if not args.quiet:
+            print(f"autotp: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0 if est.best is not None else 1
+
+
+def _add_estimate_args(s: argparse.ArgumentParser) -> None:
+    from autotp.planner.hardware import PRESETS
+
+    s.add_argument("model", nargs="?", help="hf:<model_type>, a directory with config.json, "
+                                            "or file.py:factory / package.module:factory")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, or a factory keyword (repeatable)")
+    s.add_argument("--gpus", type=int, help="GPUs in all")
+    s.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    s.add_argument("--hardware", default="h100",
+                   help=f"{', '.join(PRESETS)}, or a JSON/TOML file (default h100)")
+    s.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    s.add_argument("--micro-batch", type=int, help="sequences per micro-batch (searched)")
+    s.add_argument("--max-micro-batch", type=int, default=8,
+                   help="the largest micro-batch searched (default 8)")
+    s.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    s.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
+    s.add_argument("--precision", default="bf16-mixed",
+                   help="bf16-mixed (16-bit weights and grads, float32 master and moments), "
+                        "fp16-mixed or fp32")
+    s.add_argument("--optimizer", default="adam", help="adam, sgd or sgd-nomomentum")
+    s.add_argument("--dp-shard", default="fsdp", choices=["fsdp", "optimizer", "none"],
+                   help="what data parallelism shards: everything (FSDP2, default), the "
+                        "optimizer state, or nothing (DDP)")
+    s.add_argument("--mesh", help="evaluate this mesh only: pp=P,dp=D,tp=T")
+    s.add_argument("--checkpointing", choices=["none", "selective", "full"],
+                   help="activation recomputation (searched)")
+    s.add_argument("--sequence-parallel", choices=["on", "off"], help="(searched)")
+    s.add_argument("--tp-across-nodes", action="store_true",
+                   help="also try tp larger than a node")
+    s.add_argument("--format", choices=["table", "json", "html"], default="table")
+    s.add_argument("--top", type=int, default=20, help="rows of the table (default 20)")
+    s.add_argument("-o", "--output", help="write to this file instead of stdout")
+    s.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's GPU (GEMMs, memory, collectives) starting "
+                        "from --hardware, and write a hardware file (-o FILE)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -348,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--procs", action="store_true", help="real gloo processes, not simulation")
     v.add_argument("--atol", type=float, default=1e-4, help="tolerance (outputs, gradients)")
     v.set_defaults(func=cmd_verify)
+    s = sub.add_parser("estimate", help="memory and step time of every tp x pp x dp, ranked")
+    _add_estimate_args(s)
+    s.set_defaults(func=cmd_estimate)
     return parser
 
 

@@ -1,0 +1,374 @@
+"""Which tp x pp x dp to run: every configuration's memory and step time, ranked.
+
+    estimate = capture the model once (on meta: no weights)
+             -> plan it at each tensor-parallel degree, with and without sequence parallelism
+             -> profile each plan at each micro-batch (profile.py: the rank program's ops,
+                saved activations and collectives in numbers)
+             -> for each pp (stages balanced by time), dp, micro-batch and recomputation
+                policy: peak memory per GPU (memory.py) and step time (timing.py)
+             -> refuse what does not fit or cannot be built, with the reason; rank the rest
+                by step time
+
+Planning is the expensive part and depends only on (tp, sequence parallelism); everything
+else is arithmetic over the profile, so a search over hundreds of configurations of a 70B
+model takes seconds once its few plans exist.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from autotp.errors import AutotpError, ConfigError
+from autotp.planner.hardware import Hardware, hardware as get_hardware
+from autotp.planner.memory import (
+    DATA_PARALLEL,
+    POLICIES,
+    Memory,
+    Precision,
+    balanced_stages,
+    precision as get_precision,
+    stage_memory,
+)
+from autotp.planner.profile import Profile, build_profile
+from autotp.planner.timing import Layout, StageWork, StepTime, stage_work, step_time
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "tfloat32": 4}
+
+
+@dataclass
+class Config:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    sequence_parallel: bool
+    checkpointing: str
+    fits: bool = False
+    why: str = ""
+    memory: Optional[Memory] = None
+    time: Optional[StepTime] = None
+    mfu: float = 0.0
+    stages: list[list[int]] = field(default_factory=list)
+
+    @property
+    def mesh(self) -> str:
+        return f"pp={self.pp},dp={self.dp},tp={self.tp}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
+            "sequence_parallel": self.sequence_parallel, "checkpointing": self.checkpointing,
+            "fits": self.fits, "why": self.why, "memory": None, "time": None,
+            "mfu": round(self.mfu, 4)}
+        if self.memory is not None:
+            m = self.memory
+            out["memory"] = {"parameters": int(m.parameters), "gradients": int(m.gradients),
+                             "optimizer": int(m.optimizer), "activations": int(m.activations),
+                             "transient": int(m.transient), "total": int(m.total),
+                             "stage": m.stage}
+        if self.time is not None:
+            t = self.time
+            out["time"] = {"step_s": t.step, "compute_s": t.compute, "tp_comm_s": t.tp_comm,
+                           "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm}
+        return out
+
+
+@dataclass
+class Estimate:
+    model: str
+    hardware: Hardware
+    gpus: int
+    global_batch: int
+    seq: int
+    dtype: str
+    precision: str
+    configs: list[Config]
+    seconds: float = 0.0  # how long the search took
+
+    @property
+    def best(self) -> Optional[Config]:
+        return next((c for c in self.configs if c.fits), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "autotp.estimate/1", "model": self.model,
+                "hardware": asdict(self.hardware), "gpus": self.gpus,
+                "global_batch": self.global_batch, "seq": self.seq, "dtype": self.dtype,
+                "precision": self.precision,
+                "configs": [c.to_dict() for c in self.configs]}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks: the job and which knobs are free (None: searched)."""
+
+    gpus: int
+    global_batch: int
+    seq: int
+    gpus_per_node: Optional[int] = None
+    micro_batch: Optional[int] = None
+    mesh: Optional[tuple[int, int, int]] = None  # (pp, dp, tp)
+    checkpointing: Optional[str] = None
+    sequence_parallel: Optional[bool] = None
+    dtype: str = "bfloat16"
+    precision: str = "bf16-mixed"
+    optimizer: str = "adam"
+    dp_shard: str = "fsdp"
+    tp_across_nodes: bool = False
+    max_micro_batch: int = 8
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """``pp=2,dp=4,tp=8`` (any order; a missing dim is 1) -> (pp, dp, tp)."""
+    sizes = {"pp": 1, "dp": 1, "tp": 1}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"--mesh takes pp=P,dp=D,tp=T with positive sizes, got {text!r}")
+        sizes[key] = int(value)
+    return sizes["pp"], sizes["dp"], sizes["tp"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def attention_heads(model: Any) -> Optional[int]:
+    """The model's query heads where its config names them (transformers, nanoGPT)."""
+    config = getattr(model, "config", None)
+    for name in ("num_attention_heads", "n_head", "num_heads", "n_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class Planner:
+    """The plans and profiles of one captured model, made once each and kept."""
+
+    def __init__(self, captured: Any, model_name: str, seq: int, heads: Optional[int] = None):
+        self.captured = captured
+        self.model_name = model_name
+        self.seq = seq
+        self.heads = heads
+        self.plans: dict[tuple[int, bool], Any] = {}
+        self.errors: dict[tuple[int, bool], str] = {}
+        self.profiles: dict[tuple[int, bool, int], Profile] = {}
+
+    def plan(self, tp: int, sp: bool) -> Any:
+        from autotp.planner.cost import CostModel
+        from autotp.planner.solve import PlanOptions, plan_graph
+
+        key = (tp, sp)
+        if self.heads and self.heads % tp:
+            raise ConfigError(f"tp={tp} does not divide the {self.heads} attention heads")
+        if key not in self.plans and key not in self.errors:
+            try:
+                self.plans[key] = plan_graph(
+                    self.captured, tp, cost_model=CostModel(batch=1, seq=self.seq),
+                    options=PlanOptions(sequence_parallel=sp), model_name=self.model_name)
+            except AutotpError as exc:
+                self.errors[key] = str(exc).splitlines()[0]
+        if key in self.errors:
+            raise ConfigError(self.errors[key])
+        return self.plans[key]
+
+    def profile(self, tp: int, sp: bool, micro_batch: int, dtype_bytes: int) -> Profile:
+        key = (tp, sp, micro_batch)
+        if key not in self.profiles:
+            self.profiles[key] = build_profile(self.captured, self.plan(tp, sp), micro_batch,
+                                               self.seq, dtype_bytes)
+        return self.profiles[key]
+
+
+def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
+    """Every configuration ``req`` leaves open, evaluated; fitting ones first, fastest first."""
+    g = req.gpus_per_node or hw.gpus_per_node
+    if req.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {req.dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    if req.dp_shard not in DATA_PARALLEL:
+        raise ConfigError(f"unknown data-parallel sharding {req.dp_shard!r}; use one of "
+                          f"{', '.join(DATA_PARALLEL)}")
+    prec = get_precision(req.precision, req.optimizer)
+    hw.peak(req.dtype)
+    if req.mesh is not None:
+        pp, dp, tp = req.mesh
+        if pp * dp * tp != req.gpus:
+            raise ConfigError(f"the mesh pp={pp} x dp={dp} x tp={tp} = {pp * dp * tp} GPUs, "
+                              f"not the {req.gpus} of --gpus")
+        meshes = [(pp, dp, tp)]
+    else:
+        tps = [t for t in _divisors(req.gpus) if req.tp_across_nodes or t <= g]
+        meshes = [(pp, req.gpus // (tp * pp), tp) for tp in tps
+                  for pp in _divisors(req.gpus // tp)]
+    policies = [req.checkpointing] if req.checkpointing else list(POLICIES)
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown checkpointing {policy!r}; use one of "
+                              f"{', '.join(POLICIES)}")
+    dtype_bytes = DTYPE_BYTES[req.dtype]
+    model_flops = _model_flops(planner, req, dtype_bytes)
+    configs: list[Config] = []
+    for pp, dp, tp in meshes:
+        sps = [req.sequence_parallel] if req.sequence_parallel is not None else \
+            ([False, True] if tp > 1 else [False])
+        for sp in sps:
+            if sp and tp == 1:
+                continue
+            if req.global_batch % dp:
+                configs.append(Config(tp, pp, dp, req.micro_batch or 1, sp, policies[0],
+                                      why=f"global batch {req.global_batch} is not divisible "
+                                          f"by dp={dp}"))
+                continue
+            per_replica = req.global_batch // dp
+            mbs = [req.micro_batch] if req.micro_batch else \
+                [m for m in _divisors(per_replica) if m <= req.max_micro_batch]
+            for mb in mbs:
+                for policy in policies:
+                    configs.append(_evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp,
+                                             policy, dtype_bytes, g, model_flops))
+    configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
+                                c.memory.total if c.memory else math.inf))
+    return configs
+
+
+def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
+    """Training FLOPs of one sample: 3 x the forward products of the unsharded program."""
+    try:
+        prof = planner.profile(1, False, 1, dtype_bytes)
+    except ConfigError:
+        return 0.0
+    return 3.0 * sum(op.flops for op in prof.ops if op.kind != "memory")
+
+
+def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp: int, pp: int,
+              dp: int, mb: int, sp: bool, policy: str, dtype_bytes: int, g: int,
+              model_flops: float) -> Config:
+    config = Config(tp, pp, dp, mb, sp, policy)
+    per_replica = req.global_batch // dp
+    if per_replica % mb:
+        config.why = (f"the global batch {req.global_batch} over dp={dp} is {per_replica}, "
+                      f"not a multiple of micro-batch {mb}")
+        return config
+    if sp and req.seq % tp:
+        config.why = f"sequence parallelism needs tp={tp} to divide the sequence {req.seq}"
+        return config
+    try:
+        prof = planner.profile(tp, sp, mb, dtype_bytes)
+    except ConfigError as exc:
+        config.why = str(exc)
+        return config
+    if pp > len(prof.layers):
+        config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
+        return config
+    mesh = Layout(tp=tp, pp=pp, dp=dp, gpus_per_node=g)
+    m = per_replica // mb
+    # stages balanced by each layer's time (the embeddings and head weigh on the ends)
+    one = {layer: stage_work(prof, hw, [layer], first=False, last=False, policy=policy,
+                             dtype=req.dtype, mesh=mesh) for layer in prof.layers}
+    weight = {k: w.forward + w.backward + w.recompute + w.comm for k, w in one.items()}
+    ends = [stage_work(prof, hw, [], first=side == "first", last=side == "last",
+                       policy=policy, dtype=req.dtype, mesh=mesh) for side in ("first", "last")]
+    stages = balanced_stages(list(prof.layers), pp, weight,
+                             *(w.forward + w.backward + w.comm for w in ends))
+    config.stages = stages
+    memories = [stage_memory(prof, i, stages, micro_batches=m, policy=policy, prec=prec,
+                             dp=dp, dp_shard=req.dp_shard) for i in range(pp)]
+    config.memory = max(memories, key=lambda x: x.total)
+    works: list[StageWork] = [
+        stage_work(prof, hw, stage, first=i == 0, last=i == pp - 1, policy=policy,
+                   dtype=req.dtype, mesh=mesh) for i, stage in enumerate(stages)]
+    stage_params = [_stage_param_numel(prof, stages, i) for i in range(pp)]
+    boundary = max(prof.layer_inputs.values(), default=0.0)
+    config.time = step_time(works, prof, hw, micro_batches=m, mesh=mesh, prec=prec,
+                            stage_params=stage_params, boundary_bytes=boundary,
+                            layers_per_stage=[len(s) for s in stages], dp_shard=req.dp_shard)
+    peak = hw.peak(req.dtype)
+    if config.time.step > 0 and model_flops:
+        config.mfu = model_flops * req.global_batch / (config.time.step * req.gpus * peak)
+    usable = hw.usable_memory
+    if config.memory.total > usable:
+        config.why = (f"{_gb(config.memory.total)} on GPU {config.memory.stage * tp * dp} "
+                      f"(stage {config.memory.stage}) > {_gb(usable)} usable of "
+                      f"{_gb(hw.memory)}: " + _largest_part(config.memory))
+    else:
+        config.fits = True
+    return config
+
+
+def _stage_param_numel(prof: Profile, stages: Sequence[Sequence[int]], stage: int) -> float:
+    mine = set(stages[stage])
+    pp = len(stages)
+    sides = {"first", "both"} if stage == 0 else set()
+    sides |= {"last", "both"} if stage == pp - 1 else set()
+    return float(sum(p.numel for p in prof.params
+                     if (p.end == "layer" and p.layer in mine) or p.end in sides))
+
+
+def _largest_part(m: Memory) -> str:
+    parts = {"activations": m.activations, "optimizer state": m.optimizer,
+             "parameters": m.parameters, "gradients": m.gradients,
+             "recompute/gather buffers": m.transient}
+    name = max(parts, key=lambda k: parts[k])
+    return f"{name} {_gb(parts[name])}"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
+             hardware: Any = "h100", example_args: Optional[tuple] = None,
+             example_kwargs: Optional[dict] = None, model_name: Optional[str] = None,
+             **options: Any) -> Estimate:
+    """Rank every tp x pp x dp (x micro-batch, sequence parallelism, recomputation) of
+    training ``model`` on ``gpus`` GPUs of ``hardware`` (a preset name, a ``Hardware`` or a
+    JSON/TOML file): memory per GPU and step time of each, best first. Options are the
+    fields of ``Request`` (``mesh=(pp, dp, tp)``, ``micro_batch``, ``checkpointing``,
+    ``sequence_parallel``, ``gpus_per_node``, ``dtype``, ``precision``, ``optimizer``,
+    ``dp_shard``); the ones left out are searched. The model may be on the meta device."""
+    import time
+
+    from autotp.capture import capture
+
+    start = time.perf_counter()
+    hw = get_hardware(hardware)
+    req = Request(gpus=_positive("gpus", gpus), global_batch=_positive("global_batch",
+                                                                          global_batch),
+                  seq=_positive("seq", seq), **options)
+    if example_args is None and example_kwargs is None:
+        example_kwargs = training_example(model)
+    captured = capture(model, example_args, example_kwargs)
+    planner = Planner(captured, model_name or type(model).__name__, seq,
+                      attention_heads(model))
+    configs = search(planner, hw, req)
+    return Estimate(model=model_name or type(model).__name__, hardware=hw, gpus=req.gpus,
+                    global_batch=req.global_batch, seq=seq, dtype=req.dtype,
+                    precision=get_precision(req.precision, req.optimizer).name,
+                    configs=configs, seconds=time.perf_counter() - start)
+
+
+def training_example(model: torch.nn.Module) -> dict[str, Any]:
+    """A transformers model's example with ``labels=`` when it computes its own loss."""
+    import inspect
+
+    from autotp.capture import default_example
+
+    example = default_example(model)
+    if "labels" in inspect.signature(model.forward).parameters:
+        example["labels"] = example["input_ids"]
+    return example
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def fitting(configs: Iterable[Config]) -> list[Config]:
+    return [c for c in configs if c.fits]

@@ -1,0 +1,273 @@
+"""What a GPU and its interconnect can do: the numbers the time and memory model runs on.
+
+A ``Hardware`` is one accelerator kind and the cluster around it: peak dense FLOP/s per
+dtype, memory capacity and bandwidth, the bandwidth and latency of collectives within a node
+and across nodes, and how close real kernels get to those peaks. Named presets cover the
+common machines; anything else is a JSON or TOML file with the same fields
+(``autotp estimate --hardware my.json``), which ``autotp estimate --calibrate`` writes from
+measurements on the GPU at hand.
+
+The achieved fractions are what large, well-shaped kernels reach in practice, not marketing
+peaks: a GEMM of ``flops`` FLOPs takes ``(flops + gemm_knee) / (peak * gemm_efficiency)``
+seconds, so small GEMMs (a tensor-parallel slice of a small model) run far below peak and big
+ones approach ``gemm_efficiency`` of it. Memory-bound kernels move their bytes at
+``memory_efficiency`` of the HBM bandwidth after a fixed ``kernel_overhead``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from autotp.errors import ConfigError
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: dict[str, float]  # peak dense FLOP/s per dtype name ("bfloat16", "float16", ...)
+    memory: float  # bytes of device memory per GPU
+    memory_bandwidth: float  # bytes/s of device memory
+    intra_node_bandwidth: float  # bytes/s one GPU sends to its node's peers (one direction)
+    inter_node_bandwidth: float  # bytes/s one GPU sends across nodes (its share of the NICs)
+    gpus_per_node: int = 8
+    intra_node_latency: float = 10e-6  # s, a small collective within a node
+    inter_node_latency: float = 25e-6  # s, across nodes
+    gemm_efficiency: float = 0.75  # fraction of peak the largest GEMMs reach
+    gemm_knee: float = 2e9  # FLOPs: a GEMM this size runs at half of gemm_efficiency
+    memory_efficiency: float = 0.8  # fraction of memory bandwidth elementwise kernels reach
+    kernel_overhead: float = 5e-6  # s per kernel (launch and tail)
+    collective_efficiency: float = 0.8  # achieved bus bandwidth over the link's
+    memory_reserved: float = 0.05  # fraction of memory the framework and allocator keep
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ConfigError(f"hardware {self.name!r} gives no peak FLOP/s for {dtype}; it "
+                              f"has {', '.join(sorted(self.flops))}")
+        return self.flops[dtype]
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory * (1 - self.memory_reserved)
+
+    def gemm_time(self, flops: float, dtype: str) -> float:
+        if flops <= 0:
+            return 0.0
+        return (flops + self.gemm_knee) / (self.peak(dtype) * self.gemm_efficiency)
+
+    def memory_time(self, nbytes: float) -> float:
+        return self.kernel_overhead + nbytes / (self.memory_bandwidth * self.memory_efficiency)
+
+    def link(self, within_node: bool) -> tuple[float, float]:
+        """(latency s, achieved bus bandwidth bytes/s) of a collective group."""
+        if within_node:
+            return self.intra_node_latency, self.intra_node_bandwidth * self.collective_efficiency
+        return self.inter_node_latency, self.inter_node_bandwidth * self.collective_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Sources: vendor data sheets (peak dense tensor-core FLOP/s without sparsity, memory size and
+# bandwidth, NVLink/NVSwitch bandwidth per GPU, NICs per node); the achieved fractions are
+# typical of cuBLAS GEMMs and NCCL bus bandwidth on these systems as published by their
+# vendors' benchmark reports (nccl-tests, MLPerf training submissions).
+PRESETS: dict[str, Hardware] = {
+    # DGX-2H: 16 V100-SXM3 32 GB at 450 W, NVSwitch (6 NVLink2 links: 150 GB/s per direction
+    # per GPU), 8 x 100 Gb/s InfiniBand EDR for 16 GPUs. The setting of Megatron-LM (2019).
+    "v100": Hardware(
+        name="v100", flops={"float16": 130 * TFLOPS, "float32": 16.4 * TFLOPS},
+        memory=32 * 2**30, memory_bandwidth=900 * GB, intra_node_bandwidth=150 * GB,
+        inter_node_bandwidth=6.25 * GB, gpus_per_node=16, gemm_efficiency=0.72,
+        gemm_knee=1.5e9, kernel_overhead=8e-6, intra_node_latency=15e-6,
+        inter_node_latency=30e-6,
+        source="NVIDIA DGX-2H data sheet; Tesla V100 data sheet (SXM3 450 W)"),
+    # DGX A100: 8 A100-SXM4, NVLink3 via NVSwitch (300 GB/s per direction per GPU),
+    # 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+    "a100-40gb": Hardware(
+        name="a100-40gb", flops={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS,
+                                 "tfloat32": 156 * TFLOPS, "float32": 19.5 * TFLOPS},
+        memory=40 * 2**30, memory_bandwidth=1555 * GB, intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB, gemm_efficiency=0.8, gemm_knee=3e9,
+        source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 40 GB); DGX A100 data sheet"),
+    "a100-80gb": Hardware(
+        name="a100-80gb", flops={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS,
+                                 "tfloat32": 156 * TFLOPS, "float32": 19.5 * TFLOPS},
+        memory=80 * 2**30, memory_bandwidth=2039 * GB, intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB, gemm_efficiency=0.8, gemm_knee=3e9,
+        source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80 GB); DGX A100 data sheet"),
+    # DGX H100: 8 H100-SXM5, NVLink4 via NVSwitch (450 GB/s per direction per GPU),
+    # 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU).
+    "h100": Hardware(
+        name="h100", flops={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS,
+                            "tfloat32": 494 * TFLOPS, "float32": 67 * TFLOPS},
+        memory=80 * 2**30, memory_bandwidth=3350 * GB, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, gemm_efficiency=0.7, gemm_knee=8e9,
+        kernel_overhead=4e-6,
+        source="NVIDIA H100 Tensor Core GPU data sheet (SXM5); DGX H100 data sheet"),
+    # H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (HGX H200, 8 per node).
+    "h200": Hardware(
+        name="h200", flops={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS,
+                            "tfloat32": 494 * TFLOPS, "float32": 67 * TFLOPS},
+        memory=141 * GB, memory_bandwidth=4800 * GB, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, gemm_efficiency=0.7, gemm_knee=8e9,
+        kernel_overhead=4e-6,
+        source="NVIDIA H200 Tensor Core GPU data sheet (SXM); HGX H200"),
+}
+
+_FILE_HELP = (
+    "a JSON or TOML file with the fields of autotp.planner.hardware.Hardware: name, flops "
+    "(peak FLOP/s per dtype, e.g. {\"bfloat16\": 989e12}), memory (bytes), memory_bandwidth, "
+    "intra_node_bandwidth, inter_node_bandwidth (bytes/s per GPU), and optionally "
+    "gpus_per_node, latencies, efficiencies (`autotp estimate --calibrate -o FILE` writes one "
+    "from measurements on a GPU)")
+
+
+def hardware(spec: Any) -> Hardware:
+    """A preset by name, a ``Hardware``, or a JSON/TOML file describing one."""
+    if isinstance(spec, Hardware):
+        return spec
+    text = str(spec)
+    if text.lower() in PRESETS:
+        return PRESETS[text.lower()]
+    if os.path.isfile(text):
+        return load(text)
+    raise ConfigError(f"unknown hardware {text!r}: use one of {', '.join(PRESETS)}, or "
+                      f"{_FILE_HELP}")
+
+
+def load(path: str) -> Hardware:
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        else:
+            data = json.loads(raw)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot read hardware file {path}: {exc}\n  expected {_FILE_HELP}") \
+            from exc
+    names = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(data) - names)
+    missing = sorted(f.name for f in dataclasses.fields(Hardware)
+                     if f.default is dataclasses.MISSING and f.name not in data)
+    if unknown or missing:
+        raise ConfigError(f"hardware file {path}: " + "; ".join(
+            part for part in (f"unknown field(s) {', '.join(unknown)}" if unknown else "",
+                              f"missing field(s) {', '.join(missing)}" if missing else "")
+            if part) + f"\n  expected {_FILE_HELP}")
+    data["flops"] = {str(k): float(v) for k, v in data["flops"].items()}
+    return Hardware(**data)
+
+
+def save(hw: Hardware, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(hw.to_dict(), handle, indent=1)
+        handle.write("\n")
+
+
+# ---- calibration: measure the device at hand ---------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """What ``calibrate`` timed: (size, seconds) pairs, kept for the report."""
+
+    gemms: list[tuple[int, float, float]] = field(default_factory=list)  # n, flops, seconds
+    copies: list[tuple[float, float]] = field(default_factory=list)  # bytes, seconds
+    collectives: list[tuple[float, float]] = field(default_factory=list)  # bytes, seconds
+
+
+def _timed(fn: Any, device: Any, repeats: int) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _fit_gemm(points: list[tuple[int, float, float]], peak: float) -> tuple[float, float]:
+    """Least squares of ``seconds = (flops + knee) / (peak * eff)``: a line in flops."""
+    xs = [f for _, f, _ in points]
+    ys = [t for _, _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / \
+        max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    slope = max(slope, 1e-30)
+    intercept = max(my - slope * mx, 0.0)
+    eff = min(1.0, 1.0 / (slope * peak))
+    return eff, intercept / slope
+
+
+def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] = None,
+              group: Any = None, sizes: Optional[tuple[int, ...]] = None,
+              repeats: int = 5) -> tuple[Hardware, Measurement]:
+    """Measure GEMM throughput, memory bandwidth and (with a process group of 2 or more
+    ranks) all-reduce bandwidth on this device; return ``base`` with the measured numbers."""
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if sizes is None:
+        sizes = (512, 1024, 2048, 4096, 8192) if dev.type == "cuda" else (128, 256, 512)
+    torch_dtype = getattr(torch, dtype if dtype != "tfloat32" else "float32")
+    m = Measurement()
+    for n in sizes:
+        a = torch.randn(n, n, device=dev, dtype=torch_dtype)
+        b = torch.randn(n, n, device=dev, dtype=torch_dtype)
+        m.gemms.append((n, 2.0 * n**3, _timed(lambda a=a, b=b: a @ b, dev, repeats)))
+    peak = base.flops.get(dtype) or max(2.0 * n**3 / t for n, _, t in m.gemms)
+    eff, knee = _fit_gemm(m.gemms, peak)
+    big = torch.empty((256 if dev.type == "cuda" else 32) * 2**20, dtype=torch.uint8,
+                      device=dev)
+    out = torch.empty_like(big)
+    copy = _timed(lambda: out.copy_(big), dev, repeats)
+    m.copies.append((2.0 * big.numel(), copy))  # read + write
+    bandwidth = 2.0 * big.numel() / copy
+    fields: dict[str, Any] = dict(
+        name=f"{base.name}-calibrated", gemm_efficiency=round(eff, 4), gemm_knee=float(knee),
+        memory_efficiency=round(min(1.0, bandwidth / base.memory_bandwidth), 4),
+        source=f"measured by autotp estimate --calibrate on {_device_name(dev)} ({dtype}), "
+               f"starting from {base.name}")
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        world = dist.get_world_size(group)
+        if world > 1:
+            times = []
+            for nbytes in (1 << 20, 1 << 24, 1 << 28):
+                t = torch.ones(nbytes // 2, dtype=torch.float16, device=dev)
+                seconds = _timed(lambda t=t: dist.all_reduce(t, group=group), dev, repeats)
+                m.collectives.append((float(nbytes), seconds))
+                times.append((nbytes, seconds))
+            (b0, t0), (b1, t1) = times[0], times[-1]
+            bus = 2.0 * (world - 1) / world * (b1 - b0) / max(t1 - t0, 1e-9)
+            fields.update(intra_node_bandwidth=bus / base.collective_efficiency,
+                          intra_node_latency=max(t0 - 2.0 * (world - 1) / world * b0 / bus,
+                                                 1e-6))
+    return dataclasses.replace(base, **fields), m
+
+
+def _device_name(dev: Any) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return "cpu"

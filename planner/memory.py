@@ -1,0 +1,188 @@
+"""Memory per GPU of a training configuration: weights, gradients, optimizer state and the
+activations autograd keeps, as the plan, the data-parallel sharding and the pipeline stage
+hold them.
+
+    model states  = sum over the stage's parameters of  local numel x (weight + gradient +
+                    optimizer bytes per element), divided by dp where FSDP shards them
+    activations   = in-flight micro-batches x (what the stage's layers keep for backward under
+                    the recomputation policy) + the embeddings' / head's own
+    peak          = model states + activations + the transient of the policy (a fully
+                    recomputed layer's activations, rebuilt during its backward) + FSDP's
+                    gathered weights of the layers in flight
+
+Activations come from ``profile.py``, which reads them off the captured program and the plan
+(the tensors autograd saves on one rank), not from a formula. Under 1F1B the first stage
+holds ``pp`` micro-batches' activations, stage ``i`` holds ``pp - i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from autotp.errors import ConfigError
+from autotp.planner.profile import Profile
+
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter element of each model state."""
+
+    name: str
+    weight: int
+    grad: int
+    optimizer: int  # master weights and moments
+
+
+PRECISIONS = {
+    # mixed precision with Adam: 16-bit weights and gradients, float32 master weights and
+    # two float32 moments (Rajbhandari et al., ZeRO: 2 + 2 + 12 bytes per parameter)
+    "bf16-mixed": Precision("bf16-mixed", 2, 2, 12),
+    "fp16-mixed": Precision("fp16-mixed", 2, 2, 12),
+    "fp32": Precision("fp32", 4, 4, 8),  # Adam's two moments
+}
+# optimizer state per element beyond the weights (float32), by optimizer
+OPTIMIZER_STATE = {"adam": 8, "adamw": 8, "sgd": 4, "sgd-nomomentum": 0}
+DATA_PARALLEL = ("fsdp", "optimizer", "none")  # what dp shards: everything, the optimizer, nothing
+
+
+def precision(name: str, optimizer: str = "adam") -> Precision:
+    if name not in PRECISIONS:
+        raise ConfigError(f"unknown precision {name!r}; use one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of "
+                          f"{', '.join(OPTIMIZER_STATE)}")
+    base = PRECISIONS[name]
+    master = 4 if base.weight < 4 else 0
+    return Precision(f"{name}/{optimizer}", base.weight, base.grad,
+                     master + OPTIMIZER_STATE[optimizer])
+
+
+@dataclass
+class Memory:
+    """Bytes on the GPU of one pipeline stage (the fullest one when it is a result)."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    transient: float  # recomputation buffers, FSDP's gathered weights
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + \
+            self.transient
+
+
+def layer_activations(prof: Profile, policy: str) -> dict[int, float]:
+    """Bytes one micro-batch leaves saved per layer under ``policy``."""
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown checkpointing {policy!r}; use one of {', '.join(POLICIES)}")
+    out = {layer: 0.0 for layer in prof.layers}
+    if policy == "full":
+        for layer, nbytes in prof.layer_inputs.items():
+            out[layer] = out.get(layer, 0.0) + nbytes
+        return out
+    for s in prof.saved:
+        if s.layer is not None and not (policy == "selective" and s.quadratic):
+            out[s.layer] = out.get(s.layer, 0.0) + s.nbytes
+    return out
+
+
+def end_activations(prof: Profile, side: str) -> float:
+    return sum(s.nbytes for s in prof.saved if s.layer is None and s.side == side)
+
+
+def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
+                 micro_batches: int, policy: str, prec: Precision, dp: int,
+                 dp_shard: str = "fsdp") -> Memory:
+    """The memory of pipeline stage ``stage`` (``stages``: the layers of each stage)."""
+    pp = len(stages)
+    mine = set(stages[stage])
+    sides = {"layer"} | ({"first", "both"} if stage == 0 else set()) | \
+        ({"last", "both"} if stage == pp - 1 else set())
+    numel = 0.0
+    largest_layer: dict[int, float] = {}
+    for p in prof.params:
+        on_stage = (p.layer in mine) if p.end == "layer" else (p.end in sides)
+        if p.end == "layer" and p.layer is None:
+            on_stage = stage == 0
+        if on_stage:
+            numel += p.numel
+            key = p.layer if p.layer is not None else -1
+            largest_layer[key] = largest_layer.get(key, 0.0) + p.numel
+    shard = dp if dp_shard == "fsdp" else 1
+    opt_shard = dp if dp_shard in ("fsdp", "optimizer") else 1
+    per_layer = layer_activations(prof, policy)
+    in_flight = max(1, min(pp - stage, micro_batches))
+    act = sum(per_layer.get(layer, 0.0) for layer in mine)
+    if stage == 0:
+        act += end_activations(prof, "first")
+    if stage == pp - 1:
+        act += end_activations(prof, "last")
+    transient = 0.0
+    if policy == "full" and mine:
+        full = layer_activations(prof, "none")
+        transient += max(full.get(layer, 0.0) for layer in mine)
+    if dp_shard == "fsdp" and dp > 1 and largest_layer:
+        # the unsharded weights of the layer in use and the one prefetched
+        biggest = sorted(largest_layer.values(), reverse=True)[:2]
+        transient += sum(biggest) * prec.weight
+    return Memory(stage=stage, parameters=numel * prec.weight / shard,
+                  gradients=numel * prec.grad / shard, optimizer=numel * prec.optimizer / opt_shard,
+                  activations=act * in_flight, transient=transient)
+
+
+def peak_memory(prof: Profile, stages: Sequence[Sequence[int]], **kwargs: object) -> Memory:
+    """The fullest stage's memory (the GPU that decides whether the configuration fits)."""
+    return max((stage_memory(prof, i, stages, **kwargs) for i in range(len(stages))),  # type: ignore[arg-type]
+               key=lambda m: m.total)
+
+
+def even_stages(layers: Sequence[int], pp: int,
+                weights: Optional[dict[int, float]] = None) -> list[list[int]]:
+    """Contiguous stages of ``layers`` balancing ``weights`` (default: equal layers)."""
+    layers = list(layers)
+    if pp > len(layers):
+        raise ConfigError(f"pp={pp} is more than the {len(layers)} layers")
+    if weights is None:
+        base, extra = divmod(len(layers), pp)
+        out, start = [], 0
+        for i in range(pp):
+            size = base + (1 if i < extra else 0)
+            out.append(layers[start:start + size])
+            start += size
+        return out
+    return balanced_stages(layers, pp, weights)
+
+
+def balanced_stages(layers: list[int], pp: int, weights: dict[int, float],
+                    first: float = 0.0, last: float = 0.0) -> list[list[int]]:
+    """Contiguous stages minimising the largest stage's weight (``first``/``last``: what the
+    embeddings and the head add to the first and last stage), by dynamic programming."""
+    n = len(layers)
+    prefix = [0.0]
+    for layer in layers:
+        prefix.append(prefix[-1] + weights.get(layer, 0.0))
+    inf = float("inf")
+    # best[k][j]: the smallest largest stage of the first j layers in k stages
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for j in range(k, n - (pp - k) + 1):
+            for i in range(k - 1, j):
+                cost = prefix[j] - prefix[i] + (first if k == 1 else 0.0) + \
+                    (last if k == pp else 0.0)
+                value = max(best[k - 1][i], cost)
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    out, j = [], n
+    for k in range(pp, 0, -1):
+        i = cut[k][j]
+        out.append(layers[i:j])
+        j = i
+    return out[::-1]

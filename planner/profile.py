@@ -1,0 +1,460 @@
+"""One rank's program in numbers: the work, the saved activations and the collectives of a
+plan, per layer, at a given micro-batch and sequence length.
+
+The captured graph knows every op with its shapes as expressions of the batch ``B`` and the
+sequence ``T``; the plan knows the layout each op reads and writes. Together they say what
+one rank of the sharded program does: the FLOPs of each product on its local shapes, the bytes
+each memory-bound kernel moves, the tensors autograd keeps for backward (``saved.py``: which
+inputs each op keeps, plus the masks and statistics ops keep beside them), and the bytes of
+each collective. The memory model (``memory.py``) and the time model (``timing.py``) read
+nothing else.
+
+Views allocate nothing: a saved view keeps its base's storage, counted once, as autograd's
+own ``saved_tensors_hooks`` see it. Float tensors are counted at the training dtype
+(``dtype_bytes``), whatever dtype the model was traced in; masks, indices and the float32
+statistics of norms keep theirs.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autotp.capture import Captured, size_expr, tensor_inputs
+from autotp.layout import Layout, Replicate, Shard, local_shape, parse_layout
+from autotp.planner.plan import Plan
+from autotp.planner.saved import saves_input
+
+aten = torch.ops.aten
+
+# ops that allocate nothing: their output shares its input's storage
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.slice.Tensor,
+    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+    aten.unbind.int, aten.detach.default, aten.view_as_real.default,
+    aten.view_as_complex.default, aten.unflatten.int, aten.as_strided.default,
+    aten.expand_as.default, aten.view_as.default, aten.sym_size.int, operator.getitem,
+    aten.reshape.default, aten.flatten.using_ints, aten.lift_fresh_copy.default,
+}
+PRODUCTS = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
+            aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.einsum.default}
+ATTENTION = {aten.scaled_dot_product_attention.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default}
+DROPOUTS = {aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+            aten.alpha_dropout.default}
+NORMS = {aten.layer_norm.default: 2, aten.native_layer_norm.default: 2,
+         aten.rms_norm.default: 1, aten.group_norm.default: 2}  # float32 statistics per row
+# ops whose backward keeps only some inputs: (op, the tensor-input positions kept)
+_KEEPS_ONLY = {
+    aten.masked_fill.Scalar: (1,), aten.masked_fill.Tensor: (1,), aten.where.self: (0,),
+    aten.embedding.default: (1,), aten.index_select.default: (1,), aten.gather.default: (1,),
+}
+
+
+@dataclass
+class Op:
+    """One kernel of one rank's forward."""
+
+    name: str
+    layer: Optional[int]  # None: before the layers (embeddings) or after them (head, loss)
+    kind: str  # "gemm" (FLOP-bound), "attention" or "memory" (bandwidth-bound)
+    flops: float  # forward FLOPs on this rank
+    nbytes: float  # bytes read and written (memory-bound kernels)
+    quadratic: bool  # its size grows with the square of the sequence (attention core)
+    side: str = "layer"  # "first" (before the layers) or "last" (after) when layer is None
+
+
+@dataclass
+class Saved:
+    """One storage autograd keeps from the forward for the backward."""
+
+    key: str
+    layer: Optional[int]
+    nbytes: float
+    quadratic: bool
+    side: str = "layer"
+
+
+@dataclass
+class Comm:
+    kind: str  # all_reduce / all_gather / reduce_scatter
+    phase: str  # forward / backward
+    layer: Optional[int]
+    nbytes: float  # the full tensor's bytes (what the ring factor applies to)
+    side: str = "layer"
+
+
+@dataclass
+class Param:
+    name: str
+    layer: Optional[int]
+    end: str  # "layer", "first" (before the layers), "last" (after them), "both" (tied)
+    numel: int  # on this rank
+    ndim: int
+    grad_sync: bool
+
+
+@dataclass
+class Profile:
+    """One rank's program at one micro-batch and sequence length."""
+
+    tp: int
+    sequence_parallel: bool
+    micro_batch: int
+    seq: int
+    dtype_bytes: int
+    layers: list[int]
+    ops: list[Op] = field(default_factory=list)
+    saved: list[Saved] = field(default_factory=list)
+    comms: list[Comm] = field(default_factory=list)
+    params: list[Param] = field(default_factory=list)
+    # per layer: the bytes of the values it reads from outside itself (what a fully
+    # recomputed layer keeps), each value counted at the first layer that reads it
+    layer_inputs: dict[int, float] = field(default_factory=dict)
+
+
+class _Sizes:
+    """Shapes of the captured graph at a batch and sequence length."""
+
+    def __init__(self, captured: Captured, batch: int, seq: int):
+        self.subs = tuple(sorted((str(sym), batch if name.startswith("B") else seq)
+                                 for sym, name in captured.dim_names.items()))
+        self.seq_syms = frozenset(str(sym) for sym, name in captured.dim_names.items()
+                                  if name.startswith("T"))
+
+    def shape(self, val: torch.Tensor) -> tuple[int, ...]:
+        return tuple(_value(size_expr(s), self.subs) for s in val.shape)
+
+    def quadratic(self, val: Any) -> bool:
+        """Two or more dims (or one dim's square) grow with the sequence."""
+        if not isinstance(val, torch.Tensor):
+            return False
+        degree = 0
+        for s in val.shape:
+            expr = size_expr(s)
+            if isinstance(expr, int):
+                continue
+            degree += sum(sympy.degree(expr, sym) for sym in expr.free_symbols
+                          if str(sym) in self.seq_syms)
+        return degree >= 2
+
+
+@lru_cache(maxsize=1 << 16)
+def _value_text(text: str, subs: tuple[tuple[str, int], ...]) -> int:
+    expr = sympy.sympify(text)
+    values = dict(subs)
+    return int(expr.subs({s: values.get(str(s), 1) for s in expr.free_symbols}))
+
+
+def _value(expr: Any, subs: tuple[tuple[str, int], ...]) -> int:
+    return expr if isinstance(expr, int) else _value_text(str(expr), subs)
+
+
+def _local_numel(shape: tuple[int, ...], layout: Layout, tp: int) -> float:
+    if isinstance(layout, Shard):
+        try:
+            return float(math.prod(local_shape(shape, layout, tp)))
+        except ValueError:
+            return math.prod(shape) / tp
+    return float(math.prod(shape))
+
+
+def _element_bytes(val: torch.Tensor, dtype_bytes: int) -> int:
+    if val.dtype.is_floating_point:
+        return dtype_bytes
+    if val.dtype.is_complex:
+        return 2 * dtype_bytes
+    return val.element_size()
+
+
+def _layout(text: Optional[str]) -> Layout:
+    if not text or text.startswith("(") or text == "-":
+        return Replicate()
+    return parse_layout(text)
+
+
+def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
+                  dtype_bytes: int = 2, mask_bytes: int = 1) -> Profile:
+    """``mask_bytes``: what a dropout keeps per element (CUDA's kernel a bool mask; the CPU
+    kernel a mask of the input's dtype)."""
+    gm = captured.gm
+    tp = plan.tp
+    sizes = _Sizes(captured, micro_batch, seq)
+    layers = sorted({x for x in plan.node_layers.values() if x is not None})
+    prof = Profile(tp=tp, sequence_parallel=plan.sequence_parallel, micro_batch=micro_batch,
+                   seq=seq, dtype_bytes=dtype_bytes, layers=layers)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    reads = {(e.value, e.consumer): e for e in plan.edges}
+
+    def local_bytes(node: fx.Node, layout: Layout) -> float:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return 0.0
+        return _local_numel(sizes.shape(val), layout, tp) * _element_bytes(val, dtype_bytes)
+
+    def read_layout(value: fx.Node, consumer: fx.Node, position: int) -> Layout:
+        edge = reads.get((value.name, consumer.name))
+        if edge is not None:
+            return _layout(edge.dst)
+        choice = plan.choices.get(consumer.name)
+        if choice is not None and position < len(choice.inputs):
+            return _layout(choice.inputs[position])
+        return _layout(plan.values.get(value.name))
+
+    def root(node: fx.Node) -> fx.Node:
+        while node.op == "call_function" and node.target in VIEWS and node.args and \
+                isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        return node
+
+    grads = _requires_grad(gm, plan)
+    kept: dict[str, Saved] = {}
+    side = _sides(gm, plan)
+
+    def keep(key: str, node: fx.Node, nbytes: float, quadratic: bool) -> None:
+        if key not in kept and nbytes > 0:
+            kept[key] = Saved(key, plan.node_layers.get(node.name), nbytes, quadratic,
+                              side[node.name])
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in plan.values:
+            continue
+        layer = plan.node_layers.get(node.name)
+        val = node.meta.get("val")
+        out_layout = _layout(plan.values.get(node.name))
+        ins = tensor_inputs(node)
+        in_layouts = [read_layout(a, node, i) for i, a in enumerate(ins)]
+        # the attention core: ops writing a (.., s, s) tensor, and the products reading one
+        quadratic = sizes.quadratic(val) or (node.target in PRODUCTS and any(
+            sizes.quadratic(a.meta.get("val")) for a in ins))
+        if node.target in VIEWS:
+            pass
+        elif node.target in PRODUCTS or node.target in ATTENTION:
+            prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
+                               else "gemm", _flops(node, ins, in_layouts, sizes, tp),
+                               0.0, quadratic, side[node.name]))
+        else:
+            moved = sum(local_bytes(a, lay) for a, lay in zip(ins, in_layouts))
+            if isinstance(val, torch.Tensor):
+                moved += local_bytes(node, out_layout)
+            prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
+                               side[node.name]))
+        if not grads.get(node.name, False):
+            continue
+        # what this op's backward keeps
+        only = _KEEPS_ONLY.get(node.target)
+        for i, (arg, lay) in enumerate(zip(ins, in_layouts)):
+            if node.target in DROPOUTS or arg.op == "get_attr" or (only and i not in only):
+                continue
+            if only is None and not saves_input(node, arg, lambda n: grads.get(n.name, False)):
+                continue
+            edge = reads.get((arg.name, node.name))
+            if edge is not None and edge.forward is not None:
+                # a redistributed copy: its own storage (a sequence-parallel all-gather keeps
+                # only the shard, gathered again in backward)
+                if edge.forward == "all_gather" and plan.sequence_parallel:
+                    keep(f"{arg.name}:{edge.src}", arg, local_bytes(arg, _layout(edge.src)),
+                         quadratic)
+                else:
+                    keep(f"{arg.name}:{edge.dst}", arg, local_bytes(arg, lay), quadratic)
+            else:
+                base = root(arg)
+                if base.op == "get_attr":
+                    continue
+                keep(base.name, base, local_bytes(base, _layout(plan.values.get(base.name))),
+                     sizes.quadratic(base.meta.get("val")))
+        if not isinstance(val, torch.Tensor) and node.target not in DROPOUTS:
+            if node.target in ATTENTION or node.target in NORMS:
+                _keep_extras(node, ins, in_layouts, sizes, tp, dtype_bytes, keep)
+            continue
+        if node.target in DROPOUTS:  # a mask of the input's shape
+            shape = sizes.shape(ins[0].meta["val"])
+            keep(f"{node.name}:mask", node,
+                 _local_numel(shape, in_layouts[0], tp) * mask_bytes, quadratic)
+        elif node.target in NORMS or node.target in ATTENTION:
+            _keep_extras(node, ins, in_layouts, sizes, tp, dtype_bytes, keep)
+        elif _saves_output(node):
+            keep(node.name, node, local_bytes(node, out_layout), quadratic)
+    prof.saved = list(kept.values())
+    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side)
+    prof.params = _params(gm, plan, side)
+    prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
+    return prof
+
+
+def _saves_output(node: fx.Node) -> bool:
+    from autotp.planner.saved import _SAVES_OUTPUT
+
+    return node.target in _SAVES_OUTPUT
+
+
+def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,
+                 tp: int, dtype_bytes: int, keep: Any) -> None:
+    """Norm statistics (float32 per row); attention's output and logsumexp."""
+    x = sizes.shape(ins[0].meta["val"])
+    if node.target in NORMS:
+        normalized = node.args[1] if len(node.args) > 1 else ()
+        rows = math.prod(x[:len(x) - len(normalized)]) if normalized else math.prod(x[:-1])
+        if isinstance(layouts[0], Shard) and layouts[0].dim < len(x) - len(normalized):
+            rows /= tp
+        keep(f"{node.name}:stats", node, NORMS[node.target] * 4.0 * rows, False)
+    else:  # q (B, H, Tq, D): the output and a float32 logsumexp per query row
+        heads = _local_numel(x, layouts[0], tp) / x[-1]
+        keep(f"{node.name}:out", node, _local_numel(x, layouts[0], tp) * dtype_bytes, False)
+        keep(f"{node.name}:lse", node, heads * 4.0, False)
+
+
+def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,
+           tp: int) -> float:
+    """Forward FLOPs of a product or an attention on this rank's local shapes."""
+    local = [_local_shape(sizes.shape(a.meta["val"]), lay, tp) for a, lay in zip(ins, layouts)]
+    if node.target in ATTENTION:
+        q, k = local[0], local[1]
+        flops = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]  # QK^T and PV
+        causal = node.kwargs.get("is_causal", False) or \
+            (len(node.args) > 5 and node.args[5] is True)
+        return flops / 2 if causal else flops
+    if node.target == aten.einsum.default:
+        val = node.meta["val"]
+        return 2.0 * math.prod(sizes.shape(val)) / tp
+    a = local[-2] if node.target in (aten.addmm.default, aten.baddbmm.default,
+                                     aten.addbmm.default) else local[0]
+    # the output's size from the local operands: a row-parallel product's partial output is
+    # full size, its contraction local
+    return 2.0 * _out_numel(node, local) * a[-1]
+
+
+def _local_shape(shape: tuple[int, ...], layout: Layout, tp: int) -> tuple[int, ...]:
+    if isinstance(layout, Shard):
+        try:
+            return local_shape(shape, layout, tp)
+        except ValueError:
+            out = list(shape)
+            out[layout.dim] = max(1, out[layout.dim] // tp)
+            return tuple(out)
+    return shape
+
+
+def _out_numel(node: fx.Node, local: list[tuple[int, ...]]) -> float:
+    """Rows x columns of a product from its local operands (batch dims broadcast)."""
+    if node.target in (aten.linear.default,):
+        x, w = local[0], local[1]
+        return math.prod(x[:-1]) * w[0]
+    if node.target in (aten.addmm.default,):
+        return local[1][0] * local[2][1]
+    if node.target in (aten.baddbmm.default, aten.addbmm.default):
+        b1, b2 = local[1], local[2]
+        return math.prod(b1[:-1]) * b2[-1]
+    a, b = local[0], local[1]
+    if len(b) == 1:
+        return math.prod(a[:-1])
+    batch = [max(x, y) for x, y in zip(reversed(a[:-2]), reversed(b[:-2]))]
+    longer = a[:-2] if len(a) > len(b) else b[:-2]
+    batch += list(reversed(longer[:abs(len(a) - len(b))]))
+    rows = a[-2] if len(a) >= 2 else 1
+    return math.prod(batch) * rows * b[-1]
+
+
+def _requires_grad(gm: fx.GraphModule, plan: Plan) -> dict[str, bool]:
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    grad: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            grad[node.name] = node.target in params and params[node.target].requires_grad
+        elif node.op == "placeholder":
+            grad[node.name] = isinstance(val, torch.Tensor) and bool(val.requires_grad)
+        elif node.op == "call_function":
+            floating = any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or
+                                                            v.dtype.is_complex)
+                           for v in (val if isinstance(val, (tuple, list)) else (val,)))
+            grad[node.name] = floating and any(grad.get(a.name, False)
+                                               for a in tensor_inputs(node))
+            if node.target is operator.getitem:
+                grad[node.name] = grad.get(node.args[0].name, False) and floating
+    return grad
+
+
+def _sides(gm: fx.GraphModule, plan: Plan) -> dict[str, str]:
+    """Each node's place: in a layer, or before the first layer's first op ("first"), or
+    after it ("last")."""
+    order = [n.name for n in gm.graph.nodes]
+    inside = [i for i, name in enumerate(order) if plan.node_layers.get(name) is not None]
+    first = inside[0] if inside else len(order)
+    return {name: ("layer" if plan.node_layers.get(name) is not None else
+                   "first" if i < first else "last") for i, name in enumerate(order)}
+
+
+def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: int,
+           side: dict[str, str]) -> list[Comm]:
+    out = []
+    for c in plan.collectives:
+        node = nodes.get(c.node)
+        if node is None:  # the after-backward sum of replicated parameters' gradients
+            nbytes = float(sympy.sympify(c.bytes_expr)) / 4 * dtype_bytes
+        else:
+            val = node.meta.get("val")
+            numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0
+            nbytes = numel * _element_bytes(val, dtype_bytes) if numel else 0.0
+            if c.src.startswith("P(") and c.src != "P":
+                nbytes *= plan.tp
+        where = "layer" if c.layer is not None else side.get(c.node, "last")
+        out.append(Comm(c.kind, c.phase, c.layer, float(nbytes), where))
+    return out
+
+
+def _params(gm: fx.GraphModule, plan: Plan, side: dict[str, str]) -> list[Param]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in plan.params:
+            continue
+        p = plan.params[node.target]
+        sides = {side[u.name] for u in node.users}
+        if p.layer is not None or "layer" in sides:
+            end = "layer"
+        else:
+            end = "both" if sides == {"first", "last"} else (sides.pop() if sides else "last")
+        out.append(Param(node.target, p.layer if end == "layer" else None, end,
+                         math.prod(p.local_shape), len(p.global_shape), p.grad_sync))
+    return out
+
+
+def _layer_inputs(plan: Plan, nodes: dict[str, fx.Node], local_bytes: Any,
+                  read_layout: Any) -> dict[int, float]:
+    """The activations each layer reads from outside itself (what a fully recomputed layer
+    keeps): edges of the dataflow graph that enter the layer from an earlier op."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for consumer, inputs in plan.graph.items():
+        for value in inputs:
+            graph.add_edge(value, consumer)
+    entering: dict[str, tuple[int, float]] = {}
+    for value, consumer in sorted(graph.edges, key=lambda e: plan.node_layers.get(e[1]) or 0):
+        layer = plan.node_layers.get(consumer)
+        src = nodes.get(value)
+        if layer is None or src is None or src.op == "get_attr" or \
+                plan.node_layers.get(value) == layer:
+            continue
+        node = nodes.get(consumer)
+        if node is None or node.op != "call_function":
+            continue
+        position = tensor_inputs(node).index(src) if src in tensor_inputs(node) else 0
+        if value not in entering:
+            entering[value] = (layer, local_bytes(src, read_layout(src, node, position)))
+    out: dict[int, float] = {}
+    for layer, nbytes in entering.values():
+        out[layer] = out.get(layer, 0.0) + nbytes
+    return out

@@ -1,0 +1,147 @@
+"""Step time of a training configuration, from the rank program's own ops and collectives.
+
+    compute    each product at  (FLOPs + knee) / (peak x efficiency)  (small GEMMs run further
+               from peak: the tensor-parallel slices of a small model), each other kernel at
+               its bytes over the memory bandwidth plus a fixed overhead; backward = 2x forward
+               (2.5x for fused attention); recomputation adds the forward it repeats
+    tp comm    every collective of the plan: latency + ring factor x bytes / bus bandwidth,
+               within a node or across nodes as the group lies
+    pp bubble  1F1B: (pp - 1) micro-batch slots of the slowest stage, plus the stage-to-stage
+               sends of activations and their gradients
+    dp comm    the gradients' reduce (and FSDP's weight gathers), overlapped with backward
+               except the last layer's share
+
+The ranks are laid out as a (pp, dp, tp) mesh: tp innermost (adjacent GPUs, within a node),
+then dp, then pp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autotp.planner.hardware import Hardware
+from autotp.planner.memory import Precision
+from autotp.planner.profile import Profile
+from autotp.planner.transitions import Collective
+
+BACKWARD = {"gemm": 2.0, "attention": 2.5, "memory": 2.0}
+
+
+@dataclass
+class StepTime:
+    step: float
+    compute: float
+    tp_comm: float
+    pp_bubble: float
+    dp_comm: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the groups of a (pp, dp, tp) mesh lie."""
+
+    tp: int
+    pp: int
+    dp: int
+    gpus_per_node: int
+
+    @property
+    def tp_within_node(self) -> bool:
+        return self.tp <= self.gpus_per_node
+
+    @property
+    def dp_within_node(self) -> bool:
+        return self.tp * self.dp <= self.gpus_per_node
+
+    @property
+    def pp_within_node(self) -> bool:
+        return self.tp * self.dp * self.pp <= self.gpus_per_node
+
+
+def collective_time(hw: Hardware, kind: str, nbytes: float, group: int, within: bool) -> float:
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    latency, bandwidth = hw.link(within)
+    return latency + Collective(kind).ring_factor(group) * nbytes / bandwidth
+
+
+def _op_time(hw: Hardware, kind: str, flops: float, nbytes: float, dtype: str) -> float:
+    if kind in ("gemm", "attention"):
+        return hw.gemm_time(flops, dtype)
+    return hw.memory_time(nbytes)
+
+
+@dataclass
+class StageWork:
+    """One micro-batch through one stage: seconds of compute and of tp collectives."""
+
+    forward: float
+    backward: float
+    recompute: float
+    comm: float
+    model_flops: float  # forward FLOPs of the stage's products (for MFU)
+
+
+def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
+               policy: str, dtype: str, mesh: Layout) -> StageWork:
+    mine = set(layers)
+
+    def on_stage(layer: object, side: str) -> bool:
+        if layer is not None:
+            return layer in mine
+        return (side == "first" and first) or (side == "last" and last)
+
+    fwd = bwd = rec = flops = 0.0
+    for op in prof.ops:
+        if not on_stage(op.layer, op.side):
+            continue
+        t = _op_time(hw, op.kind, op.flops, op.nbytes, dtype)
+        fwd += t
+        bwd += BACKWARD[op.kind] * t
+        flops += op.flops
+        if op.layer is not None and (policy == "full" or (policy == "selective" and
+                                                          op.quadratic)):
+            rec += t
+    comm = 0.0
+    for c in prof.comms:
+        if not on_stage(c.layer, c.side):
+            continue
+        t = collective_time(hw, c.kind, c.nbytes, prof.tp, mesh.tp_within_node)
+        comm += t
+        if policy == "full" and c.layer is not None and c.phase == "forward":
+            comm += t  # the recomputed forward communicates again
+    return StageWork(fwd, bwd, rec, comm, flops)
+
+
+def step_time(works: Sequence[StageWork], prof: Profile, hw: Hardware, *, micro_batches: int,
+              mesh: Layout, prec: Precision, stage_params: Sequence[float],
+              boundary_bytes: float, layers_per_stage: Sequence[int],
+              dp_shard: str = "fsdp") -> StepTime:
+    """The step of ``micro_batches`` micro-batches through the stages of ``works``."""
+    slots = [w.forward + w.backward + w.recompute + w.comm for w in works]
+    slowest = max(range(len(works)), key=lambda i: slots[i])
+    w = works[slowest]
+    m = micro_batches
+    compute = m * (w.forward + w.backward + w.recompute)
+    tp_comm = m * w.comm
+    pp = mesh.pp
+    bubble = 0.0
+    if pp > 1:
+        latency, bandwidth = hw.link(mesh.pp_within_node)
+        send = latency + boundary_bytes / bandwidth
+        bubble = (pp - 1) * slots[slowest] + (m + pp - 1) * 2 * send
+    dp_comm = 0.0
+    if mesh.dp > 1:
+        params = stage_params[slowest]
+        ring = 2.0 * (mesh.dp - 1) / mesh.dp
+        _, bandwidth = hw.link(mesh.dp_within_node)
+        latency, _ = hw.link(mesh.dp_within_node)
+        total = latency + ring * params * prec.grad / bandwidth  # reduce-scatter + all-gather
+        if dp_shard == "fsdp":  # weights gathered for each micro-batch's forward and backward
+            total += m * 2 * (mesh.dp - 1) / mesh.dp * params * prec.weight / bandwidth
+        overlap = m * w.backward + (m * w.forward if dp_shard == "fsdp" else 0.0)
+        tail = total / max(1, layers_per_stage[slowest])
+        dp_comm = max(total - overlap, tail)
+    return StepTime(step=compute + tp_comm + bubble + dp_comm, compute=compute,
+                    tp_comm=tp_comm, pp_bubble=bubble, dp_comm=dp_comm)
