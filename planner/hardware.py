@@ -235,7 +235,9 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
         a = torch.randn(n, n, device=dev, dtype=torch_dtype)
         b = torch.randn(n, n, device=dev, dtype=torch_dtype)
         m.gemms.append((n, 2.0 * n**3, _timed(lambda a=a, b=b: a @ b, dev, repeats)))
-    peak = base.flops.get(dtype) or max(2.0 * n**3 / t for n, _, t in m.gemms)
+    best = max(flops / t for _, flops, t in m.gemms)
+    # a GPU is measured against its data-sheet peak; any other device's peak is its best rate
+    peak = base.flops.get(dtype, best) if dev.type == "cuda" else best
     eff, knee = _fit_gemm(m.gemms, peak)
     big = torch.empty((256 if dev.type == "cuda" else 32) * 2**20, dtype=torch.uint8,
                       device=dev)
@@ -244,8 +246,9 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
     m.copies.append((2.0 * big.numel(), copy))  # read + write
     bandwidth = 2.0 * big.numel() / copy
     fields: dict[str, Any] = dict(
-        name=f"{base.name}-calibrated", gemm_efficiency=round(eff, 4), gemm_knee=float(knee),
-        memory_efficiency=round(min(1.0, bandwidth / base.memory_bandwidth), 4),
+        name=f"{base.name}-calibrated", gemm_efficiency=eff, gemm_knee=float(knee),
+        flops={**base.flops, dtype: peak},
+        memory_efficiency=min(1.0, bandwidth / base.memory_bandwidth),
         source=f"measured by autotp estimate --calibrate on {_device_name(dev)} ({dtype}), "
                f"starting from {base.name}")
     if group is not None or (dist.is_available() and dist.is_initialized()):
