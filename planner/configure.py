@@ -229,8 +229,10 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                 [m for m in _divisors(per_replica) if m <= req.max_micro_batch]
             for mb in mbs:
                 for policy in policies:
-                    configs.append(_evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp,
-                                             policy, dtype_bytes, g, model_flops))
+                    config = _evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp, policy,
+                                       dtype_bytes, g, model_flops, asked=bool(req.checkpointing))
+                    if config is not None:
+                        configs.append(config)
     configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
                                 c.memory.total if c.memory else math.inf))
     return configs
@@ -247,7 +249,9 @@ def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
 
 def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp: int, pp: int,
               dp: int, mb: int, sp: bool, policy: str, dtype_bytes: int, g: int,
-              model_flops: float) -> Config:
+              model_flops: float, asked: bool = True) -> Optional[Config]:
+    """One configuration evaluated; None for selective recomputation where the attention
+    keeps nothing quadratic (a fused attention): the same as none, left out unless asked."""
     config = Config(tp, pp, dp, mb, sp, policy)
     per_replica = req.global_batch // dp
     if per_replica % mb:
@@ -262,6 +266,9 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     except ConfigError as exc:
         config.why = str(exc)
         return config
+    if policy == "selective" and not asked and not any(
+            s.quadratic and s.layer is not None for s in prof.saved):
+        return None
     if pp > len(prof.layers):
         config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
         return config

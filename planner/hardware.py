@@ -45,6 +45,9 @@ class Hardware:
     gemm_knee: float = 2e9  # FLOPs: a GEMM this size runs at half of gemm_efficiency
     memory_efficiency: float = 0.8  # fraction of memory bandwidth elementwise kernels reach
     kernel_overhead: float = 5e-6  # s per kernel (launch and tail)
+    # s of host time eager PyTorch spends dispatching one op (Python, autograd, launch): a
+    # kernel shorter than this leaves the GPU waiting for the next one
+    host_overhead: float = 10e-6
     collective_efficiency: float = 0.8  # achieved bus bandwidth over the link's
     memory_reserved: float = 0.05  # fraction of memory the framework and allocator keep
     source: str = ""
@@ -62,10 +65,12 @@ class Hardware:
     def gemm_time(self, flops: float, dtype: str) -> float:
         if flops <= 0:
             return 0.0
-        return (flops + self.gemm_knee) / (self.peak(dtype) * self.gemm_efficiency)
+        return max(self.host_overhead,
+                   (flops + self.gemm_knee) / (self.peak(dtype) * self.gemm_efficiency))
 
     def memory_time(self, nbytes: float) -> float:
-        return self.kernel_overhead + nbytes / (self.memory_bandwidth * self.memory_efficiency)
+        return max(self.host_overhead, self.kernel_overhead +
+                   nbytes / (self.memory_bandwidth * self.memory_efficiency))
 
     def link(self, within_node: bool) -> tuple[float, float]:
         """(latency s, achieved bus bandwidth bytes/s) of a collective group."""

@@ -81,6 +81,13 @@ def layer_activations(prof: Profile, policy: str) -> dict[int, float]:
     """Bytes one micro-batch leaves saved per layer under ``policy``."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown checkpointing {policy!r}; use one of {', '.join(POLICIES)}")
+    key = ("activations", policy)
+    if key not in prof.cache:
+        prof.cache[key] = _layer_activations(prof, policy)
+    return prof.cache[key]
+
+
+def _layer_activations(prof: Profile, policy: str) -> dict[int, float]:
     out = {layer: 0.0 for layer in prof.layers}
     if policy == "full":
         for layer, nbytes in prof.layer_inputs.items():

@@ -123,6 +123,7 @@ class Profile:
     # per layer: the bytes of the values it reads from outside itself (what a fully
     # recomputed layer keeps), each value counted at the first layer that reads it
     layer_inputs: dict[int, float] = field(default_factory=dict)
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
 class _Sizes:

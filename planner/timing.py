@@ -83,35 +83,55 @@ class StageWork:
     model_flops: float  # forward FLOPs of the stage's products (for MFU)
 
 
-def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
-               policy: str, dtype: str, mesh: Layout) -> StageWork:
-    mine = set(layers)
+def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
+               tp_within_node: bool) -> dict[object, StageWork]:
+    """Each layer's (and each end's: "first", "last") work for one micro-batch, computed once
+    per profile and kept on it."""
+    key = ("work", id(hw), policy, dtype, tp_within_node)
+    if key in prof.cache:
+        return prof.cache[key]
+    out: dict[object, StageWork] = {}
 
-    def on_stage(layer: object, side: str) -> bool:
-        if layer is not None:
-            return layer in mine
-        return (side == "first" and first) or (side == "last" and last)
+    def slot(layer: object, side: str) -> StageWork:
+        at = layer if layer is not None else side
+        if at not in out:
+            out[at] = StageWork(0.0, 0.0, 0.0, 0.0, 0.0)
+        return out[at]
 
-    fwd = bwd = rec = flops = 0.0
     for op in prof.ops:
-        if not on_stage(op.layer, op.side):
-            continue
+        w = slot(op.layer, op.side)
         t = _op_time(hw, op.kind, op.flops, op.nbytes, dtype)
-        fwd += t
-        bwd += BACKWARD[op.kind] * t
-        flops += op.flops
+        w.forward += t
+        w.backward += BACKWARD[op.kind] * t
+        w.model_flops += op.flops
         if op.layer is not None and (policy == "full" or (policy == "selective" and
                                                           op.quadratic)):
-            rec += t
-    comm = 0.0
+            w.recompute += t
     for c in prof.comms:
-        if not on_stage(c.layer, c.side):
-            continue
-        t = collective_time(hw, c.kind, c.nbytes, prof.tp, mesh.tp_within_node)
-        comm += t
+        w = slot(c.layer, c.side)
+        t = collective_time(hw, c.kind, c.nbytes, prof.tp, tp_within_node)
+        w.comm += t
         if policy == "full" and c.layer is not None and c.phase == "forward":
-            comm += t  # the recomputed forward communicates again
-    return StageWork(fwd, bwd, rec, comm, flops)
+            w.comm += t  # the recomputed forward communicates again
+    prof.cache[key] = out
+    return out
+
+
+def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
+               policy: str, dtype: str, mesh: Layout) -> StageWork:
+    per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node)
+    keys: list[object] = list(layers) + (["first"] if first else []) + \
+        (["last"] if last else [])
+    total = StageWork(0.0, 0.0, 0.0, 0.0, 0.0)
+    for key in keys:
+        w = per.get(key)
+        if w is not None:
+            total.forward += w.forward
+            total.backward += w.backward
+            total.recompute += w.recompute
+            total.comm += w.comm
+            total.model_flops += w.model_flops
+    return total
 
 
 def step_time(works: Sequence[StageWork], prof: Profile, hw: Hardware, *, micro_batches: int,

@@ -1,0 +1,217 @@
+"""``autotp estimate`` against published measurements: predicted beside published.
+
+    python benchmarks/estimate_published.py [--only activations,megatron,llama70b,gpu]
+
+1. activations: activation memory per layer of a Megatron-style GPT (pre-LayerNorm, fused
+   qkv, eager softmax attention with dropout on the probabilities, 4h GELU MLP, dropouts;
+   examples/nanogpt.py with flash=False) at h 2048, 16 heads, s 256, b 4, 16-bit, no
+   recomputation: the difference between a 4- and a 2-layer model, halved, against Korthikanti
+   et al. 2022 (Table 2): tp 1 sbh(34 + 5as/h), tp t sbh(10 + 24/t + 5as/(ht)), tp t with
+   sequence parallelism sbh/t (34 + 5as/h), at t = 8.
+2. megatron: Megatron-LM (Shoeybi et al. 2019) on a DGX-2H (V100), fp16, activation
+   checkpointing, batch 8, sequence 1024: the strong scaling of the 1.2B GPT-2 (h 1536,
+   16 heads, 40 layers, vocabulary 51200) at tp 2/4/8 (published speedups 1.64/2.34/2.98),
+   and the 8.3B (h 3072, 32 heads, 72 layers) at tp 8 at 77 % of the 1.2B's per-GPU FLOP
+   rate on one GPU.
+3. llama70b: a LLaMA-2-70B shape on 64 A100-80GB (8 per node), global batch 512 x 4096
+   tokens, bf16: the whole search on the meta device, its time, the best configuration and
+   its MFU (published Megatron runs of this size sit near 50 %), and why the others are out.
+4. gpu (only where CUDA is present): the predicted step time of a small model at tp 1
+   against the measured one on this GPU.
+
+Every model is built on the meta device (no weights); nothing here needs a GPU but step 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def _quiet() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def activations() -> None:
+    import nanogpt as nano
+
+    from autotp.capture import capture
+    from autotp.planner.memory import layer_activations
+    from autotp.planner.profile import build_profile
+    from autotp.planner.solve import PlanOptions, plan_graph
+
+    h, a, s, b, t = 2048, 16, 256, 4, 8
+
+    def saved(layers: int, tp: int, sp: bool) -> float:
+        with torch.device("meta"):
+            model = nano.GPT(nano.GPTConfig(n_layer=layers, n_head=a, n_embd=h, vocab_size=512,
+                                            block_size=s, dropout=0.1, flash=False))
+        model.train()
+        captured = capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), {})
+        plan = plan_graph(captured, tp, options=PlanOptions(sequence_parallel=sp))
+        prof = build_profile(captured, plan, b, s, dtype_bytes=2, mask_bytes=1)
+        return sum(layer_activations(prof, "none").values())
+
+    sbh = s * b * h
+    rows = [("tp 1", 1, False, sbh * (34 + 5 * a * s / h)),
+            (f"tp {t}", t, False, sbh * (10 + 24 / t + 5 * a * s / (h * t))),
+            (f"tp {t} + SP", t, True, sbh / t * (34 + 5 * a * s / h))]
+    print(f"1. activation memory per layer, Megatron-style GPT h={h} a={a} s={s} b={b}, "
+          "16-bit, no recomputation")
+    print(f"   {'':<10} {'autotp estimate':>16} {'Korthikanti':>12} {'ratio':>7}")
+    for label, tp, sp, published in rows:
+        got = (saved(4, tp, sp) - saved(2, tp, sp)) / 2
+        print(f"   {label:<10} {got / 2**20:>12.2f} MiB {published / 2**20:>8.2f} MiB "
+              f"{got / published:>7.3f}")
+
+
+def _gpt2(h: int, heads: int, layers: int) -> torch.nn.Module:
+    transformers = _quiet()
+    config = transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=layers, vocab_size=51200,
+                                     n_positions=1024)
+    config._attn_implementation = "eager"  # Megatron-LM's unfused softmax attention
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _planner(model: torch.nn.Module, name: str, seq: int) -> Any:
+    from autotp.capture import capture
+    from autotp.planner.configure import Planner, attention_heads, training_example
+
+    return Planner(capture(model, None, training_example(model)), name, seq,
+                   attention_heads(model))
+
+
+def megatron() -> None:
+    from autotp.planner.configure import Request, search
+    from autotp.planner.hardware import PRESETS
+
+    hw = PRESETS["v100"]
+
+    def run(planner: Any, tp: int) -> Any:
+        req = Request(gpus=tp, global_batch=8, seq=1024, mesh=(1, 1, tp), micro_batch=8,
+                      checkpointing="full", sequence_parallel=False, dtype="float16",
+                      precision="fp16-mixed", dp_shard="none")
+        return search(planner, hw, req)[0]
+
+    small = _planner(_gpt2(1536, 16, 40), "gpt2-1.2B", 1024)
+    results = {tp: run(small, tp) for tp in (1, 2, 4, 8)}
+    print("2. Megatron-LM 2019, DGX-2H V100, fp16, full recomputation, batch 8 x 1024")
+    print(f"   1.2B on 1 GPU: {results[1].time.step:.3f} s per step predicted, "
+          f"{results[1].mfu * hw.peak('float16') / 1e12:.1f} TFLOP/s of model FLOPs")
+    print(f"   {'tp':>4} {'step s':>8} {'compute':>8} {'tp comm':>8} {'speedup':>8} "
+          f"{'published':>9} {'ratio':>6}")
+    published = {2: 1.64, 4: 2.34, 8: 2.98}
+    for tp in (2, 4, 8):
+        c = results[tp]
+        speedup = results[1].time.step / c.time.step
+        print(f"   {tp:>4} {c.time.step:>8.3f} {c.time.compute:>8.3f} {c.time.tp_comm:>8.3f} "
+              f"{speedup:>8.2f} {published[tp]:>9.2f} {speedup / published[tp]:>6.2f}")
+    big = run(_planner(_gpt2(3072, 32, 72), "gpt2-8.3B", 1024), 8)
+    ratio = big.mfu / results[1].mfu
+    print(f"   8.3B at tp 8: {big.time.step:.3f} s per step, per-GPU FLOP rate "
+          f"{ratio:.0%} of the 1.2B's on one GPU (published 77 %)")
+
+
+def llama70b() -> None:
+    from autotp.planner.configure import Estimate, Request, search
+    from autotp.planner.estimate_view import to_table
+    from autotp.planner.hardware import PRESETS
+
+    transformers = _quiet()
+    start = time.perf_counter()
+    config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672,
+                                      num_attention_heads=64, num_key_value_heads=8,
+                                      num_hidden_layers=80, vocab_size=32000,
+                                      max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    planner = _planner(model, "llama-2-70b", 4096)
+    hw = PRESETS["a100-80gb"]
+    req = Request(gpus=64, global_batch=512, seq=4096)
+    configs = search(planner, hw, req)
+    est = Estimate(model="LLaMA-2-70B shape", hardware=hw, gpus=64, global_batch=512,
+                   seq=4096, dtype="bfloat16", precision="bf16-mixed/adam", configs=configs,
+                   seconds=time.perf_counter() - start)
+    print("3. LLaMA-2-70B shape, 64 x A100-80GB, global batch 512 x 4096, bf16 "
+          "(published Megatron runs near 50 % MFU)")
+    print("   " + to_table(est, top=8).replace("\n", "\n   "))
+
+
+def gpu() -> None:
+    if not torch.cuda.is_available():
+        print("4. no CUDA device: the predicted-against-measured step time is skipped")
+        return
+    from autotp.planner.configure import Request, search
+    from autotp.planner.hardware import PRESETS, calibrate
+
+    transformers = _quiet()
+    name = torch.cuda.get_device_name().lower()
+    base = PRESETS["h200" if "h200" in name else "h100" if "h100" in name else "a100-80gb"]
+    hw, _ = calibrate(base, dtype="bfloat16")
+    print(f"4. {torch.cuda.get_device_name()}: predicted (calibrated {base.name}) against "
+          "measured step time, tp 1, bf16, no recomputation")
+    for hidden, layers, batch, seq in ((1024, 8, 8, 1024), (2048, 8, 4, 2048)):
+        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4,
+                                          num_attention_heads=hidden // 128,
+                                          num_key_value_heads=hidden // 128,
+                                          num_hidden_layers=layers, vocab_size=32000)
+        with torch.device("meta"):
+            meta = transformers.LlamaForCausalLM(config)
+        req = Request(gpus=1, global_batch=batch, seq=seq, mesh=(1, 1, 1), micro_batch=batch,
+                      checkpointing="none", sequence_parallel=False, dp_shard="none")
+        predicted = search(_planner(meta, "llama", seq), hw, req)[0]
+        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+
+        for _ in range(3):
+            _train_step(model, opt, ids)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(5):
+            _train_step(model, opt, ids)
+        torch.cuda.synchronize()
+        measured = (time.perf_counter() - start) / 5
+        peak = torch.cuda.max_memory_allocated()
+        print(f"   h={hidden} L={layers} b={batch} s={seq}: step "
+              f"{predicted.time.step * 1e3:.1f} ms predicted, {measured * 1e3:.1f} ms measured "
+              f"({predicted.time.step / measured:.2f}x); memory {predicted.memory.total / 2**30:.2f} GiB predicted, "
+              f"{peak / 2**30:.2f} GiB measured peak")
+
+
+def _train_step(model: torch.nn.Module, opt: Any, ids: torch.Tensor) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+STEPS = {"activations": activations, "megatron": megatron, "llama70b": llama70b, "gpu": gpu}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(STEPS), help="comma-separated steps")
+    args = parser.parse_args()
+    for name in args.only.split(","):
+        start = time.perf_counter()
+        STEPS[name.strip()]()
+        print(f"   ({time.perf_counter() - start:.1f} s)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
