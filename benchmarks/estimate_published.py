@@ -189,7 +189,8 @@ def gpu() -> None:
         peak = torch.cuda.max_memory_allocated()
         print(f"   h={hidden} L={layers} b={batch} s={seq}: step "
               f"{predicted.time.step * 1e3:.1f} ms predicted, {measured * 1e3:.1f} ms measured "
-              f"({predicted.time.step / measured:.2f}x); memory {predicted.memory.total / 2**30:.2f} GiB predicted, "
+              f"({predicted.time.step / measured:.2f}x); memory "
+              f"{predicted.memory.total / 2**30:.2f} GiB predicted, "
               f"{peak / 2**30:.2f} GiB measured peak")
 
 
