@@ -4,6 +4,7 @@
     plan = autotp.plan(model, tp=8)                  # no process group needed
     sim = autotp.simulate(model, tp=4)               # all ranks in one process
     sharded = autotp.from_pretrained("model-dir", tp=8)   # each rank reads only its slices
+    best = autotp.estimate(model, gpus=64, global_batch=512, seq=4096, hardware="a100-80gb").best
 """
 
 from autotp.api import (
@@ -20,11 +21,13 @@ from autotp.errors import AutotpError, ConfigError, NoRuleError, PlanError, Trac
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
 from autotp.materialize import empty_weights
 from autotp.pipeline import pipeline_stages
+from autotp.planner.configure import Estimate, estimate
 from autotp.planner.plan import Plan
 
 __all__ = [
     "AutotpError",
     "ConfigError",
+    "Estimate",
     "NoRuleError",
     "P",
     "Partial",
@@ -39,6 +42,7 @@ __all__ = [
     "Simulation",
     "TraceError",
     "empty_weights",
+    "estimate",
     "from_pretrained",
     "full_state_dict",
     "load_checkpoint",

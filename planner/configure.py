@@ -58,6 +58,15 @@ class Config:
     def mesh(self) -> str:
         return f"pp={self.pp},dp={self.dp},tp={self.tp}"
 
+    @property
+    def mesh_shape(self) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
+        """``init_device_mesh("cuda", *config.mesh_shape)``: (pp, dp, tp), tp innermost."""
+        return (self.pp, self.dp, self.tp), ("pp", "dp", "tp")
+
+    def parallelize_kwargs(self) -> dict[str, Any]:
+        """What ``autotp.parallelize`` takes from this configuration."""
+        return {"tp": self.tp, "sequence_parallel": self.sequence_parallel}
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,

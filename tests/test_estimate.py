@@ -162,6 +162,7 @@ def test_search_finds_the_answer_known_by_hand() -> None:
     configs = search(planner, _tiny_hw(memory), req)
     best = next(c for c in configs if c.fits)
     assert (best.tp, best.pp, best.dp) == (2, 1, 1)
+    assert best.parallelize_kwargs() == {"tp": 2, "sequence_parallel": False}
     refused = {(c.tp, c.pp, c.dp): c.why for c in configs if not c.fits}
     assert "usable" in refused[(1, 1, 2)]
     roomy = search(planner, _tiny_hw(1e12), req)
