@@ -242,3 +242,24 @@ def test_complex_values_taken_as_not_differentiable_are_caught(
             torch.randn(2, TOKENS, HIDDEN),), strict=False, registry=registry)
     flow = gradient_flow(plan, captured.gm)
     assert all(grad in (Grad(Form.WHOLE), Grad(Form.OWN)) for grad in flow.params.values())
+
+
+def test_simulate_checks_the_plan_before_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_plan=True (the default) refuses a plan the check refuses; False builds it."""
+    import autotp.api as api
+
+    real = api.prepare
+
+    def corrupted(*args: Any, **kwargs: Any) -> Any:
+        captured, plan = real(*args, **kwargs)
+        for i, edge in enumerate(plan.edges):
+            if (edge.src, edge.dst) == ("P", "R") and edge.consumer != "output":
+                plan.edges[i] = dataclasses.replace(edge, backward="all_reduce")
+        return captured, plan
+
+    monkeypatch.setattr(api, "prepare", corrupted)
+    model = BUILDERS["nanogpt"]()
+    args, _ = example("nanogpt")
+    with pytest.raises(autotp.GradientFlowError, match="2 times the true gradient"):
+        autotp.simulate(model, 2, example_args=args)
+    assert autotp.simulate(model, 2, example_args=args, check_plan=False).tp == 2
