@@ -17,7 +17,8 @@ from autotp.api import (
 )
 from autotp.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
                                save_pretrained)
-from autotp.errors import AutotpError, ConfigError, NoRuleError, PlanError, TraceError
+from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError, PlanError,
+                           TraceError)
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
 from autotp.materialize import empty_weights
 from autotp.pipeline import pipeline_stages
@@ -28,6 +29,7 @@ __all__ = [
     "AutotpError",
     "ConfigError",
     "Estimate",
+    "GradientFlowError",
     "NoRuleError",
     "P",
     "Partial",

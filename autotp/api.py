@@ -28,6 +28,7 @@ from autotp.layout import Shard
 from autotp.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
                                 has_meta_parameters, maybe_deferred)
 from autotp.planner.cost import CostModel
+from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.rewrite import rewrite
@@ -378,7 +379,9 @@ def parallelize(
     (dp, tp) mesh); default: the whole world.
     ``timeout``: seconds a collective may wait for the other ranks before raising (a rank
     that failed or exited makes the others fail instead of hang); None waits forever.
-    ``check_plan``: on the first call, check that every rank holds the same plan.
+    ``check_plan``: before building, prove that every parameter's gradient arrives whole in
+    its own layout (``autotp.planner.gradflow``; ``GradientFlowError`` otherwise); on the
+    first call, check that every rank holds the same plan. False skips both.
     ``grad_sync``: "bucket" sums the partial gradients of replicated parameters (k/v
     projections when tp exceeds the k/v heads) in one all-reduce after backward, into
     ``.grad``; "per_use" all-reduces them inside autograd, for ``torch.autograd.grad`` and
@@ -404,6 +407,8 @@ def parallelize(
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs)
+    if check_plan:
+        check_gradient_flow(the_plan, captured.gm)
     comm = ProcessGroupComm(group, timeout=timeout)
     meta = has_meta_parameters(model)
     if device is None and meta:
@@ -543,15 +548,20 @@ def simulate(
     gather_outputs: bool = True,
     compile: Any = False,
     registry: Optional[Registry] = None,
+    check_plan: bool = True,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives. ``registry``: the rules (default
-    ``Registry.default()``), e.g. one without some op's rule to exercise the fallback."""
+    ``Registry.default()``), e.g. one without some op's rule to exercise the fallback.
+    ``check_plan``: prove first that every parameter's gradient arrives whole in its own
+    layout (``autotp.planner.gradflow``), as ``parallelize`` does."""
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, registry=registry,
                                  sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs)
+    if check_plan:
+        check_gradient_flow(the_plan, captured.gm)
     hub = ThreadHub(tp, timeout)
     ranks = [_build(captured, the_plan, comm.rank, comm, registry=registry,
                     grad_sync=grad_sync, compile=compile)

@@ -206,6 +206,7 @@ class _NoNames:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     import autotp
+    from autotp.planner.gradflow import check_gradient_flow
     from autotp.verify import (compare, first_divergence, layer_counts, reference_step,
                                sharded_step, worst_outcome)
     from autotp.zoo import load_model, parse_overrides
@@ -216,7 +217,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         loaded = load_model(args.model, overrides, meta=False)
     model = loaded.model.float()
     sim = None
-    if args.procs:
+    if args.procs:  # each process checks the gradient flow of its plan (parallelize)
         from autotp.launch import run_processes
 
         with progress.step(f"running {args.tp} gloo processes"):
@@ -228,6 +229,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
                                   example_kwargs=loaded.example_kwargs, strict=args.strict,
                                   sequence_parallel=args.sequence_parallel)
+        flow = check_gradient_flow(sim.plan, sim.captured.gm)  # simulate raised if it fails
+        if flow.params:
+            print(f"gradient flow: each of {len(flow.params)} trainable parameters gets its "
+                  "whole gradient in its own layout (proven on the plan)")
         call_args, call_kwargs = _example(loaded, sim)
         with progress.step("running the unsharded and the sharded model"):
             reference = reference_step(model, _caller(call_args, call_kwargs), generic_loss,

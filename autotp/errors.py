@@ -27,6 +27,11 @@ class PlanError(AutotpError, ValueError):
     """No tensor-parallel plan satisfies the constraints (divisibility, strictness)."""
 
 
+class GradientFlowError(PlanError):
+    """The plan would give a parameter a wrong gradient: partial where nothing sums it, a
+    fraction or a multiple of the true one, or scrambled (``autotp.planner.gradflow``)."""
+
+
 def where(node: Optional[fx.Node]) -> str:
     """The node and, when known, the user's source line that produced it."""
     if node is None:

@@ -33,33 +33,7 @@ from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whol
 from autotp.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
-from autotp.rules.registry import Registry, Strategy
-
-
-def parse_output(text: str) -> Any:
-    if text == "-":
-        return None
-    if text.startswith("("):
-        parts = [p.strip() for p in _split_top(text[1:-1])]
-        return tuple(None if p == "-" else parse_layout(p) for p in parts)
-    return parse_layout(text)
-
-
-def _split_top(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    if current.strip():
-        parts.append(current)
-    return parts
+from autotp.rules.registry import Registry, Strategy, parse_output
 
 
 class LowerContext:

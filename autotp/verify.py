@@ -132,7 +132,7 @@ def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
     value from the ranks as its layout says, and return the first value that differs."""
     from autotp.capture import source_of
     from autotp.layout import Partial, Shard, unshard_tensor
-    from autotp.rewrite import parse_output
+    from autotp.rules.registry import parse_output
 
     kwargs = kwargs or {}
     captured = sim.captured

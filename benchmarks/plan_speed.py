@@ -3,7 +3,8 @@
     python benchmarks/plan_speed.py [--tp 8] [--shapes 7b 70b]
 
 Stages: export (torch.export + normalization), rules (strategies of every node), plan (the
-dynamic program and the Plan), rewrite (one rank's program). Prints a table, and one JSON line
+dynamic program and the Plan), gradflow (the static gradient check of the Plan), rewrite (one
+rank's program). Prints a table, and one JSON line
 per shape.
 """
 
@@ -43,6 +44,7 @@ def run(shape: str, tp: int) -> dict:
     from autotp.planner.solve import (PlanOptions, assemble, block_counts, build_problem,
                                       solve)
     from autotp.materialize import DeferredWeights, ModelWeights
+    from autotp.planner.gradflow import check_gradient_flow
     from autotp.rewrite import rewrite
     from autotp.rules.registry import Registry
 
@@ -64,6 +66,9 @@ def run(shape: str, tp: int) -> dict:
     decisions, total = solve(pnodes, tp, cost_model, options)
     plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, shape)
     times["plan"] = time.perf_counter() - start
+    start = time.perf_counter()
+    check_gradient_flow(plan, captured.gm)
+    times["gradflow"] = time.perf_counter() - start
     comm = NoComm()
     comm.world_size = tp
     start = time.perf_counter()
@@ -86,10 +91,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = [run(shape, args.tp) for shape in args.shapes]
     print(f"{'shape':<6}{'layers':>7}{'nodes':>7}{'export s':>10}{'rules s':>9}{'plan s':>8}"
-          f"{'rewrite s':>11}{'after export s':>16}  per layer (fwd, bwd)")
+          f"{'gradflow s':>12}{'rewrite s':>11}{'after export s':>16}  per layer (fwd, bwd)")
     for r in rows:
         print(f"{r['shape']:<6}{r['layers']:>7}{r['nodes']:>7}{r['export']:>10.2f}"
-              f"{r['rules']:>9.2f}{r['plan']:>8.2f}{r['rewrite']:>11.2f}"
+              f"{r['rules']:>9.2f}{r['plan']:>8.2f}{r['gradflow']:>12.3f}{r['rewrite']:>11.2f}"
               f"{r['after_export']:>16.2f}  {r['per_layer_fwd_bwd']}")
     for r in rows:
         print(json.dumps(r))

@@ -33,6 +33,7 @@ from autotp.layout import (
     Shard,
     divides,
     is_mixed,
+    parse_layout,
 )
 
 Size = Union[int, sympy.Expr]
@@ -100,6 +101,33 @@ def format_output(output: Output) -> str:
     if isinstance(output, tuple):
         return "(" + ", ".join("-" if o is None else str(o) for o in output) + ")"
     return str(output)
+
+
+def parse_output(text: str) -> Output:
+    """Inverse of ``format_output``: ``"-"``, ``"S(1)"``, ``"(S(2), -, R)"``."""
+    if text == "-":
+        return None
+    if text.startswith("("):
+        parts = [p.strip() for p in _split_top(text[1:-1])]
+        return tuple(None if p == "-" else parse_layout(p) for p in parts)
+    return parse_layout(text)
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        parts.append(current)
+    return parts
 
 
 def output_layouts(output: Output) -> list[Layout]:
