@@ -203,14 +203,16 @@ def _train(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 class Reference:
     """Uninterrupted unsharded training: transformers' model, AdamW, the same batches.
-    ``settings``: AdamW's (default: lr=LR, the rest AdamW's defaults)."""
+    ``settings``: AdamW's (default: lr=LR, the rest AdamW's defaults); ``groups``: the
+    param groups made of the parameters."""
 
-    def __init__(self, source: str, settings: dict[str, Any] | None = None):
+    def __init__(self, source: str, settings: dict[str, Any] | None = None,
+                 groups: Callable[[Any], Any] = list):
         tf = _tf()
         torch.manual_seed(0)
         self.model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(),
+        self.optimizer = torch.optim.AdamW(groups(self.model.parameters()),
                                            **(settings or {"lr": LR}))
         self.done = 0
 
@@ -284,11 +286,20 @@ def resume_case(rank: int, world_size: int, source: str, load: str | None, save:
     return out
 
 
-# AdamW settings none of which is the default, and a schedule that halves lr every step: the
-# settings a checkpoint holds are not those of the optimizer built to load it
+# AdamW settings none of which is the default, the vectors (norm scales) in a group of their
+# own without weight decay, and a schedule that halves lr every step: the settings a
+# checkpoint holds are not those of the optimizer built to load it
 SETTINGS: dict[str, Any] = {"lr": LR, "betas": (0.8, 0.95), "weight_decay": 0.1}
+VECTORS: dict[str, Any] = {"lr": 2 * LR, "weight_decay": 0.0}
 DECAY = 0.5
 GATE_UP = "model.layers.0.mlp.gate_up_proj.weight"  # Phi-3's fused gate|up
+
+
+def param_groups(params: Iterator[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Matrices, then vectors: two groups (``VECTORS`` apart from ``SETTINGS``)."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], **VECTORS}]
 
 
 def schedule(optimizer: torch.optim.Optimizer) -> Any:
@@ -297,8 +308,9 @@ def schedule(optimizer: torch.optim.Optimizer) -> Any:
 
 def upward_case(rank: int, world_size: int, source: str, load: str | None, save: str | None,
                 start: int, steps: int, expected: str | None) -> dict[str, Any]:
-    """Without ``load``: AdamW with ``SETTINGS`` and ``schedule``. With ``load``: a fresh
-    AdamW at its defaults (lr=LR) loads the checkpoint; then every parameter, AdamW moment
+    """Without ``load``: AdamW over ``param_groups`` with ``SETTINGS`` and ``schedule``. With
+    ``load``: a fresh AdamW over the same groups at its defaults (lr=LR) loads the
+    checkpoint; then every parameter, AdamW moment
     and step count this rank holds is compared with its slice of ``expected`` (the unsharded
     reference's state, a safetensors file) before any step, and the param groups' settings
     are reported. Then ``steps`` batches from ``start`` (no schedule after a load) and, with
@@ -313,10 +325,10 @@ def upward_case(rank: int, world_size: int, source: str, load: str | None, save:
     out: dict[str, Any] = {}
     scheduler = None
     if load is None:
-        optimizer = torch.optim.AdamW(sharded.parameters(), **SETTINGS)
+        optimizer = torch.optim.AdamW(param_groups(sharded.parameters()), **SETTINGS)
         scheduler = schedule(optimizer)
     else:
-        optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
+        optimizer = torch.optim.AdamW(param_groups(sharded.parameters()), lr=LR)
         autotp.load_checkpoint(sharded, load, optimizer=optimizer)
         out["groups"] = [{k: group[k] for k in ("lr", "betas", "weight_decay")}
                          for group in optimizer.param_groups]
