@@ -499,7 +499,14 @@ def _restore_optimizer(sharded: ShardedModule, optimizer: torch.optim.Optimizer,
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         if [names[id(p)] for p in group["params"]] != saved_group["params"]:
             raise ConfigError("the optimizer's parameter groups differ from the checkpoint's")
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
-                       "params": [index[n] for n in saved_group["params"]]})
+        settings = {k: _as_held(v, group.get(k)) for k, v in saved_group.items()
+                    if k != "params"}
+        groups.append({**settings, "params": [index[n] for n in saved_group["params"]]})
     state = {index[name]: dict(values) for name, values in opt_state.items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _as_held(saved: Any, held: Any) -> Any:
+    """A saved setting in the form the optimizer holds it: JSON has no tuples, and Adam's
+    betas come back from it as a list."""
+    return tuple(saved) if isinstance(held, tuple) and isinstance(saved, list) else saved

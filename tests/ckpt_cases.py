@@ -188,30 +188,36 @@ def batches(count: int, start: int = 0) -> list[torch.Tensor]:
 
 
 def _train(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           steps: list[torch.Tensor]) -> list[float]:
+           steps: list[torch.Tensor], scheduler: Any = None) -> list[float]:
     losses = []
     for ids in steps:
         optimizer.zero_grad(set_to_none=True)
         out = module(input_ids=ids, labels=ids)
         out.loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(float(out.loss.detach()))
     return losses
 
 
 class Reference:
-    """Uninterrupted unsharded training: transformers' model, AdamW, the same batches."""
+    """Uninterrupted unsharded training: transformers' model, AdamW, the same batches.
+    ``settings``: AdamW's (default: lr=LR, the rest AdamW's defaults); ``groups``: the
+    param groups made of the parameters."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, settings: dict[str, Any] | None = None,
+                 groups: Callable[[Any], Any] = list):
         tf = _tf()
         torch.manual_seed(0)
         self.model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.optimizer = torch.optim.AdamW(groups(self.model.parameters()),
+                                           **(settings or {"lr": LR}))
         self.done = 0
 
-    def train(self, steps: int) -> list[float]:
-        losses = _train(self.model, self.optimizer, batches(steps, self.done))
+    def train(self, steps: int, scheduler: Any = None) -> list[float]:
+        losses = _train(self.model, self.optimizer, batches(steps, self.done), scheduler)
         self.done += steps
         return losses
 
@@ -277,6 +283,76 @@ def resume_case(rank: int, world_size: int, source: str, load: str | None, save:
             out["export_names"] = set(again) == set(trained)
             out["export"] = max(float((again[n] - t).abs().max()) if n in again
                                 else float("inf") for n, t in trained.items())
+    return out
+
+
+# AdamW settings none of which is the default, the vectors (norm scales) in a group of their
+# own without weight decay, and a schedule that halves lr every step: the settings a
+# checkpoint holds are not those of the optimizer built to load it
+SETTINGS: dict[str, Any] = {"lr": LR, "betas": (0.8, 0.95), "weight_decay": 0.1}
+VECTORS: dict[str, Any] = {"lr": 2 * LR, "weight_decay": 0.0}
+DECAY = 0.5
+GATE_UP = "model.layers.0.mlp.gate_up_proj.weight"  # Phi-3's fused gate|up
+
+
+def param_groups(params: Iterator[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Matrices, then vectors: two groups (``VECTORS`` apart from ``SETTINGS``)."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], **VECTORS}]
+
+
+def schedule(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=DECAY)
+
+
+def upward_case(rank: int, world_size: int, source: str, load: str | None, save: str | None,
+                start: int, steps: int, expected: str | None) -> dict[str, Any]:
+    """Without ``load``: AdamW over ``param_groups`` with ``SETTINGS`` and ``schedule``. With
+    ``load``: a fresh AdamW over the same groups at its defaults (lr=LR) loads the
+    checkpoint; then every parameter, AdamW moment
+    and step count this rank holds is compared with its slice of ``expected`` (the unsharded
+    reference's state, a safetensors file) before any step, and the param groups' settings
+    are reported. Then ``steps`` batches from ``start`` (no schedule after a load) and, with
+    ``save``, save_checkpoint."""
+    import autotp
+    from autotp.layout import Shard, shard_tensor
+
+    torch.set_num_threads(1)
+    ids = batch()
+    sharded = autotp.from_pretrained(source, tp=world_size, training=True,
+                                     example_kwargs={"input_ids": ids, "labels": ids})
+    out: dict[str, Any] = {}
+    scheduler = None
+    if load is None:
+        optimizer = torch.optim.AdamW(param_groups(sharded.parameters()), **SETTINGS)
+        scheduler = schedule(optimizer)
+    else:
+        optimizer = torch.optim.AdamW(param_groups(sharded.parameters()), lr=LR)
+        autotp.load_checkpoint(sharded, load, optimizer=optimizer)
+        out["groups"] = [{k: group[k] for k in ("lr", "betas", "weight_decay")}
+                         for group in optimizer.param_groups]
+    if expected is not None:
+        from safetensors.torch import load_file
+
+        want = load_file(expected)
+        plan = sharded.plan
+        worst: dict[str, float] = {}
+        for target, local in sharded.local_parameters().items():
+            name, layout = plan.params[target].names[0], plan.param_layout(target)
+            out.setdefault("layouts", {})[name] = str(layout)
+            pieces = {f"model.{name}": local.detach(),
+                      **{f"optim.{name}.{k}": v for k, v in optimizer.state[local].items()}}
+            for key, got in pieces.items():
+                full = want[key]
+                if isinstance(layout, Shard) and full.dim() > 0:
+                    full = shard_tensor(full, layout, rank, world_size)
+                scale = max(float(full.abs().max()), 1e-30)
+                worst[key] = float((got.float() - full.float()).abs().max()) / scale
+        out["slices"] = worst
+    out["losses"] = _train(sharded, optimizer, batches(steps, start), scheduler)
+    if save is not None:
+        autotp.save_checkpoint(sharded, save, optimizer=optimizer)
     return out
 
 

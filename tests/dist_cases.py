@@ -229,19 +229,18 @@ def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 
 def _reference_training(model: Any, ids: torch.Tensor, labels: torch.Tensor, steps: int
-                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """A copy of ``model`` trained on the whole batch with AdamW: the loss of every step and
-    the gradients of the first."""
+                        ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """A copy of ``model`` trained on the whole batch with AdamW: the loss and the gradients
+    of every step."""
     import copy
 
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    losses, grads = [], {}
-    for step in range(steps):
+    losses, grads = [], []
+    for _ in range(steps):
         loss = _next_token_loss(reference(ids).logits, labels)
         loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        grads.append({n: p.grad.clone() for n, p in reference.named_parameters()})
         losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
@@ -260,15 +259,19 @@ def _pipeline_step(schedule: Any, stages: list[Any], ids: torch.Tensor,
 
 
 def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: int,
-                     tp: int) -> float:
+                     tp: int) -> dict[str, float]:
     """The largest difference of the stages' gradients (gathered over dp where FSDP2 shards
-    them) to this tp rank's slices of the unsharded gradients."""
+    them) to this tp rank's slices of the unsharded gradients, each relative to the
+    unsharded gradient's largest |value|: over the parameters that several stages read
+    (tied) under ``tied`` (absent where this rank holds none), over the others under
+    ``untied``."""
     import autotp
     from autotp.layout import Shard, shard_tensor
 
     autotp.pipeline.wait_tied_grads()  # before reading gradients by hand
     plan = stages[0]._autotp_plan
-    worst = 0.0
+    tied = {name for name, _, _ in stages[0]._autotp_ties.ties}
+    worst: dict[str, float] = {"untied": 0.0}
     for stage in stages:
         for name, p in stage.submod.named_parameters():
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -276,16 +279,18 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
             expected = want[name]
             if isinstance(layout, Shard):
                 expected = shard_tensor(expected, layout, tp_rank, tp)
-            worst = max(worst, float((grad - expected).abs().max()))
+            kind = "tied" if name in tied else "untied"
+            worst[kind] = max(worst.get(kind, 0.0), float((grad - expected).abs().max()) /
+                              max(float(want[name].abs().max()), 1e-30))
     return worst
 
 
-def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
+def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 3
                   ) -> dict[str, dict[str, Any]]:
     """pp2 x tp2: Schedule1F1B with one stage per rank (LLaMA), ScheduleInterleaved1F1B with
     two and ScheduleZBVZeroBubble with two placed as a V (GPT-2, whose tied embedding and
-    head are then on one rank), 4 microbatches, AdamW: the losses of every step and
-    each local gradient of the first step against the unsharded model on the whole batch."""
+    head are then on one rank), 4 microbatches, AdamW: the losses and each local gradient
+    of every step against the unsharded model on the whole batch."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -318,30 +323,30 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 2
             opt = torch.optim.AdamW(params, lr=1e-2)
             schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
                            loss_fn=_next_token_loss)
-            losses, grad_diff = [], 0.0
+            losses, grad_diffs = [], []
             for step in range(steps):
                 total = _pipeline_step(schedule, stages, ids, labels)
                 torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
                 losses.append(float(total))
-                if step == 0:
-                    grad_diff = _stage_grad_diff(stages, ref_grads,
-                                                 mesh["tp"].get_local_rank(), 2)
+                grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
+                                                   mesh["tp"].get_local_rank(), 2))
                 opt.step()
                 opt.zero_grad()
             out[f"{name}-{kind}"] = {"losses": losses, "reference": ref_losses,
-                                     "grad_diff": grad_diff,
+                                     "grad_diffs": grad_diffs,
                                      "stage_params": sum(p.numel() for p in params),
                                      "full_params": sum(p.numel()
                                                         for p in original.parameters())}
     return out
 
 
-def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
-    """pp2 x dp2 x tp2 on GPT-2 (tied embedding and head across the pp ranks):
-    ScheduleInterleaved1F1B with two stages per rank, FSDP2 over "dp" on every layer and
-    stage, each dp rank on its half of the batch in 2 microbatches, AdamW. The dp-mean
-    loss of every step and each rank's gradients (gathered over dp) of the first step against
-    the unsharded model on the whole batch."""
+def pipeline_3d_case(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
+    """dp2 x pp2 x tp2, mesh dims ("dp", "pp", "tp") (pp in the middle: pp rank r is
+    ranks {2r, 2r + 1, 4 + 2r, 5 + 2r}), on GPT-2 (tied embedding and head across the pp
+    ranks): ScheduleInterleaved1F1B with two stages per rank, FSDP2 over "dp" on every
+    layer and stage, each dp rank on its half of the batch in 2 microbatches, AdamW. The
+    dp-mean loss and each rank's gradients (gathered over dp) of every step against the
+    unsharded model on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
@@ -350,7 +355,7 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, An
     import autotp
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
     original = tiny_gpt2()
     ids, labels = _token_batch()
@@ -366,25 +371,26 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 2) -> dict[str, An
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=_next_token_loss)
-    losses, grad_diff = [], 0.0
+    losses, grad_diffs = [], []
     for step in range(steps):
         total = _pipeline_step(schedule, stages, mine, my_labels)
         torch.distributed.all_reduce(total)  # over pp (one rank has it) and dp, and tp
         losses.append(float(total) / 4)  # 2 dp x 2 tp ranks hold the loss
-        if step == 0:
-            grad_diff = _stage_grad_diff(stages, ref_grads, mesh["tp"].get_local_rank(), 2)
+        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
+                                           mesh["tp"].get_local_rank(), 2))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "reference": ref_losses, "grad_diff": grad_diff,
+    return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "fsdp": all(isinstance(p, DTensor) for p in params)}
 
 
 def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: int = 2
                              ) -> dict[str, Any]:
-    """pp2 x tp2 from a model built without weights: each rank reads only its stages'
-    slices from ``directory`` (tiny_gpt2 saved by transformers); ScheduleZBVZeroBubble with
-    the stages as a V (the tied embedding and head both on the first pp rank), 4
-    microbatches, AdamW, against the unsharded model on the whole batch."""
+    """tp2 x pp2, mesh dims ("tp", "pp") (pp rank r is ranks {r, 2 + r}), from a model built
+    without weights: each rank reads only its stages' slices from ``directory`` (tiny_gpt2
+    saved by transformers); ScheduleZBVZeroBubble with the stages as a V (the tied
+    embedding and head both on the first pp rank), 4 microbatches, AdamW, against the
+    unsharded model on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
@@ -392,7 +398,7 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
     from autotp import materialize
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))
     reference = tiny_gpt2()
     with autotp.empty_weights():  # parameters on meta, buffers computed
         model = type(reference)(reference.config)

@@ -129,6 +129,51 @@ def test_resume_at_another_tp_follows_uninterrupted_training(saved: dict[str, st
     assert diffs["last checkpoint"] <= STATE_RTOL, diffs
 
 
+def test_resume_upward_fills_each_ranks_slices(saved: dict[str, str],
+                                               tmp_path: Path) -> None:
+    """Phi-3 with as many k/v heads as query heads (q|k|v and gate|up fused in equal
+    segments: S(0)x3 and S(0)x2 at tp > 1) trained 2 steps at tp=1 with AdamW settings
+    that are not the defaults (two param groups: matrices, and vectors at another lr
+    without weight decay) and an lr halved every step, saved, resumed at tp=2 for one
+    step, saved, resumed at tp=4 for one step. After each load, before any step, every
+    parameter, AdamW moment and step count a rank holds equals its slice of the unsharded
+    model trained the same steps (a slice read from the wrong segment, a moment left at
+    zero, a rank given another's piece: O(1) off), and each param group holds its saved lr,
+    betas and weight decay, not those of the fresh AdamW (lr 1e-2, betas (0.9, 0.999),
+    weight decay 0.01) built to load them. The losses are the unsharded model's."""
+    from safetensors.torch import save_file
+
+    source = saved["phi3"]
+    reference = cc.Reference(source, cc.SETTINGS, cc.param_groups)
+    lr_schedule = cc.schedule(reference.optimizer)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    got = run_processes(cc.upward_case, 1, source, None, a, 0, 2, None,
+                        timeout=240)[0]["losses"]
+    losses = reference.train(2, lr_schedule)
+    settings = [{"lr": pytest.approx(cc.LR * cc.DECAY ** 2), "betas": (0.8, 0.95),
+                 "weight_decay": 0.1},
+                {"lr": pytest.approx(cc.VECTORS["lr"] * cc.DECAY ** 2), "betas": (0.8, 0.95),
+                 "weight_decay": 0.0}]
+    assert [{k: g[k] for k in settings[0]} for g in reference.optimizer.param_groups] == \
+        settings
+    for tp, load, save in ((2, a, b), (4, b, None)):
+        expected = str(tmp_path / f"expected-{tp}.safetensors")
+        save_file(reference.state(), expected)
+        results = run_processes(cc.upward_case, tp, source, load, save, reference.done, 1,
+                                expected, timeout=240)
+        for rank, r in enumerate(results):
+            assert r["layouts"][cc.QKV] == "S(0)x3" and r["layouts"][cc.GATE_UP] == "S(0)x2", \
+                r["layouts"]
+            assert r["groups"] == settings, (tp, rank, r["groups"])
+            worst = max(r["slices"], key=r["slices"].get)
+            assert r["slices"][worst] <= STATE_RTOL, (tp, rank, worst, r["slices"][worst])
+            assert {f"optim.{cc.QKV}.exp_avg", f"optim.{cc.QKV}.exp_avg_sq",
+                    f"optim.{cc.QKV}.step"} <= r["slices"].keys()
+        got += results[0]["losses"]
+        losses += reference.train(1)
+    assert max(abs(x - y) for x, y in zip(got, losses)) <= ATOL, (got, losses)
+
+
 def test_blocks_held_whole_move_between_tp(saved: dict[str, str], tmp_path: Path) -> None:
     """GPTBigCode's multi-query c_attn (S(0)x8:1*:1*: q sliced, the k/v head whole on every
     rank) saved at tp=4, loaded at tp=2 and saved, loaded at tp=1 and saved: the weights of

@@ -1,14 +1,14 @@
-"""Pipeline stages (autotp.pipeline_stages) on (pp, tp) and (pp, dp, tp) meshes, against the
-unsharded model.
+"""Pipeline stages (autotp.pipeline_stages) on (pp, tp), (dp, pp, tp) and (tp, pp) meshes,
+against the unsharded model.
 
 4 gloo processes, pp2 x tp2, 4 microbatches, AdamW: Schedule1F1B with one stage per rank on
 transformers' LLaMA; ScheduleInterleaved1F1B with two stages per rank and
 ScheduleZBVZeroBubble (split backward) with two placed as a V on GPT-2, whose embedding and
 head are one tied parameter read by the first and last stages: on two pp ranks, or on one
-with the V. The loss of each of two
-steps equals the unsharded model's on the whole batch within 1e-5 (the second step checks
-the optimizer step), and every local gradient of the first step equals the matching slice
-of the unsharded gradient within 1e-6.
+with the V. The loss of each of three steps equals the unsharded model's on the whole batch
+within 1e-5 (the later steps check the optimizer step), and every local gradient of every
+step equals the matching slice of the unsharded gradient (within ``FIRST_STEP``, then
+``LATER_STEPS``): the tied gradients are summed at every step, not once.
 """
 
 from __future__ import annotations
@@ -20,16 +20,24 @@ from autotp.errors import ConfigError
 from autotp.launch import run_processes
 from autotp.pipeline import _balanced
 
+# gradients relative to each unsharded gradient's largest |value|. After an AdamW step the
+# weights differ from the unsharded model's by rounding that AdamW magnifies where a gradient
+# is near zero (its update is about ±lr whatever the gradient's size): measured <= 1e-6 on the
+# first step, <= 5e-4 on the next two
+FIRST_STEP = 1e-5
+LATER_STEPS = 3e-3
+
 
 def test_pipeline_matches_the_unsharded_model() -> None:
     results = run_processes(dist_cases.pipeline_case, 4, ["llama", "gpt2"], timeout=600)
     for rank, result in enumerate(results):
         assert set(result) == {"llama-1f1b", "gpt2-interleaved", "gpt2-zbv"}, result
         for case, got in result.items():
-            assert len(got["losses"]) == len(got["reference"]) == 2, (case, got)
+            assert len(got["losses"]) == len(got["reference"]) == 3, (case, got)
             for loss, want in zip(got["losses"], got["reference"]):
                 assert abs(loss - want) < 1e-5, (case, rank, got)
-            assert got["grad_diff"] < 1e-6, (case, rank, got)
+            _check_grads(got["grad_diffs"], tied=case == "gpt2-interleaved" or
+                         (case == "gpt2-zbv" and rank < 2))
             # a quarter of the weights per rank (half the layers, half of each), plus the
             # replicated norms and the embedding or head of the end stages
             assert got["stage_params"] < 0.3 * got["full_params"], (case, rank, got)
@@ -92,24 +100,27 @@ def test_needs_a_pp_and_tp_mesh() -> None:
 
 
 def test_pipeline_with_fsdp_on_a_3d_mesh() -> None:
-    """8 processes, pp2 x dp2 x tp2 (GPT-2, tied embedding), FSDP2 per layer and per stage,
-    Interleaved1F1B: the losses of two AdamW steps equal the unsharded model's on the whole
-    batch within 1e-5, every gradient gathered over dp equals the unsharded slice within
-    1e-6 (the tied embedding's too, summed over the pp ranks on FSDP2's shards)."""
+    """8 processes, dp2 x pp2 x tp2 with "pp" the middle mesh dim (GPT-2, tied embedding),
+    FSDP2 per layer and per stage, Interleaved1F1B: the losses of three AdamW steps equal
+    the unsharded model's on the whole batch within 1e-5, and every gradient of every step
+    gathered over dp equals the unsharded slice (the tied embedding's too, summed over the
+    pp ranks on FSDP2's shards; summed over "dp" or "tp" instead, where a mesh read as
+    pp-first puts them, it is off by O(1))."""
     results = run_processes(dist_cases.pipeline_3d_case, 8, timeout=600)
     for rank, got in enumerate(results):
         assert got["fsdp"], (rank, got)
-        assert len(got["losses"]) == len(got["reference"]) == 2, (rank, got)
+        assert len(got["losses"]) == len(got["reference"]) == 3, (rank, got)
         for loss, want in zip(got["losses"], got["reference"]):
             assert abs(loss - want) < 1e-5, (rank, got)
-        assert got["grad_diff"] < 1e-6, (rank, got)
+        _check_grads(got["grad_diffs"], tied=True)
 
 
 def test_stages_read_only_their_weights(tmp_path) -> None:
     """A model built without weights (autotp.empty_weights) and checkpoint=: each rank reads
     the slices of its own stages' parameters, each once, and no other; training matches the
-    unsharded model (pp2 x tp2, GPT-2 with its tied embedding and head, ZBVZeroBubble: both
-    ends on the first pp rank, 2 AdamW steps, losses within 1e-5)."""
+    unsharded model (tp2 x pp2 on a ("tp", "pp") mesh, GPT-2 with its tied embedding and
+    head, ZBVZeroBubble: both ends on the first pp rank, ranks 0 and 2; 2 AdamW steps,
+    losses within 1e-5)."""
     dist_cases.tiny_gpt2().save_pretrained(tmp_path)
     results = run_processes(dist_cases.pipeline_checkpoint_case, 4, str(tmp_path), timeout=600)
     for rank, got in enumerate(results):
@@ -117,7 +128,18 @@ def test_stages_read_only_their_weights(tmp_path) -> None:
         assert len(got["read"]) == len(set(got["read"])), (rank, got["read"])
         assert set(got["read"]) == set(got["held"]), (rank, got["read"], got["held"])
         # the tied embedding: read once, held by stages 0 and 3 on pp rank 0, by none on 1
-        assert (got["held"].count("transformer.wte.weight") == 2) == (rank < 2), got["held"]
+        assert (got["held"].count("transformer.wte.weight") == 2) == (rank % 2 == 0), \
+            got["held"]
         assert len(got["losses"]) == len(got["reference"]) == 2, (rank, got)
         for loss, want in zip(got["losses"], got["reference"]):
             assert abs(loss - want) < 1e-5, (rank, got)
+
+
+def _check_grads(diffs: list[dict[str, float]], tied: bool) -> None:
+    """Every step's gradients against the unsharded model's, relative to each gradient's
+    largest |value|: within ``FIRST_STEP`` on the first step, ``LATER_STEPS`` on the later
+    ones. A tied gradient not summed over the pp ranks, summed over another mesh dim, or
+    summed on the first step only is off by O(1); ``tied``: this rank holds one."""
+    assert len(diffs) == 3 and all(("tied" in d) == tied for d in diffs), (tied, diffs)
+    for step, diff in enumerate(diffs):
+        assert max(diff.values()) < (FIRST_STEP if step == 0 else LATER_STEPS), (step, diffs)
