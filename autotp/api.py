@@ -7,6 +7,7 @@ parameters replaced by their local shards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import itertools
@@ -31,6 +32,7 @@ from autotp.planner.cost import CostModel
 from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.regather import ShardKeeper
 from autotp.rewrite import rewrite
 from autotp.rules.registry import Registry
 
@@ -96,9 +98,11 @@ class ShardedModule(nn.Module):
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
-                 seed: int = 0, compile: Any = False):
+                 seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None):
         super().__init__()
         self.program = program
+        # sequence parallelism: saved gathered inputs are kept as shards (autotp.regather)
+        self._keeper = keeper
         # torch.compile of the program: the compute between collectives is compiled, the
         # collectives and tracked dropouts run eagerly (graph breaks around them)
         self._run: Any = program
@@ -152,7 +156,8 @@ class ShardedModule(nn.Module):
         call = self._bind(args, kwargs)
         if not self._plan_checked:
             self.check_plan()
-        return self._run(**call)
+        with self._keeper.saving() if self._keeper is not None else contextlib.nullcontext():
+            return self._run(**call)
 
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
@@ -292,15 +297,19 @@ def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            registry: Optional[Registry] = None, check_plan: bool = True,
            seed: Optional[int] = None, grad_sync: str = "bucket",
            compile: Any = False, weights: Optional[Weights] = None,
-           device: Optional[torch.device] = None) -> ShardedModule:
+           device: Optional[torch.device] = None, keep_gathered: bool = False
+           ) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(compile, (bool, dict)):
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
                           f"{type(compile).__name__}")
+    keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
-                              grad_sync=_grad_sync(grad_sync), weights=weights, device=device)
+                              grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
+                              keeper=keeper)
     split_layers(program)
-    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile)
+    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile,
+                         keeper=keeper)
 
 
 def default_device() -> torch.device:
@@ -349,6 +358,7 @@ def parallelize(
     check_plan: bool = True,
     grad_sync: str = "bucket",
     sequence_parallel: bool = False,
+    keep_gathered: bool = False,
     gather_outputs: bool = True,
     compile: Any = False,
     checkpoint: Any = None,
@@ -367,7 +377,11 @@ def parallelize(
     ``sequence_parallel``: between the blocks, activations are sharded along the sequence
     (norms, dropout and residual adds run on sequence shards; all-gather before and
     reduce-scatter after the sharded matmuls instead of all-reduces). The sequence length of
-    every call must then be divisible by tp.
+    every call must then be divisible by tp. What autograd saves of a gathered input (the
+    input of each column-parallel product) is kept as this rank's sequence shard and
+    all-gathered again in backward, as Megatron-LM does.
+    ``keep_gathered``: True keeps the gathered inputs for backward instead (more activation
+    memory, one all-gather fewer per gathered input in backward).
     ``gather_outputs``: False returns outputs that the plan holds sharded (logits, sharded
     over the vocabulary) as this rank's shard; ``module.plan.outputs`` gives their layouts.
     With ``labels=`` the loss never needs the gathered logits: training loops that only read
@@ -423,7 +437,8 @@ def parallelize(
     try:
         sharded = _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
                          grad_sync=grad_sync, compile=compile, weights=weights,
-                         device=device if meta else None, seed=seed)
+                         device=device if meta else None, seed=seed,
+                         keep_gathered=keep_gathered)
     finally:
         weights.close()
     sharded.source = ModelInfo.of(model)
@@ -545,6 +560,7 @@ def simulate(
     timeout: float = 120.0,
     grad_sync: str = "bucket",
     sequence_parallel: bool = False,
+    keep_gathered: bool = False,
     gather_outputs: bool = True,
     compile: Any = False,
     registry: Optional[Registry] = None,
@@ -564,7 +580,7 @@ def simulate(
         check_gradient_flow(the_plan, captured.gm)
     hub = ThreadHub(tp, timeout)
     ranks = [_build(captured, the_plan, comm.rank, comm, registry=registry,
-                    grad_sync=grad_sync, compile=compile)
+                    grad_sync=grad_sync, compile=compile, keep_gathered=keep_gathered)
              for comm in hub.comms()]
     for rank in ranks:
         rank.source = ModelInfo.of(model)

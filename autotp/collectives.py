@@ -7,6 +7,10 @@
     P(lse) -> R  all-gather, logsumexp over ranks | g * exp(x_r - y), local
     ...        (the full table is ``autotp.planner.transitions``)
 
+With sequence parallelism an all-gather along the sequence runs again in backward
+(``Redistribute.regather``) for the ops that saved its output: they keep the shard
+(``autotp.regather``).
+
 The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
 are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
 their gradient contributions are summed across ranks once, in one bucket, at the end of
@@ -34,6 +38,7 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
+from autotp.regather import ShardKeeper
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
 
@@ -113,6 +118,8 @@ class Redistribute(nn.Module):
         self.layer = layer
         self.bwd_layer = bwd_layer
         self.label = label
+        # a sequence all-gather: the keeper has saves of its output stored as the shard
+        self.keeper: Optional[ShardKeeper] = None
 
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}, {self.label}"
@@ -121,7 +128,18 @@ class Redistribute(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.src, Partial) and self.src.reduce == "logsumexp":
             return _LogSumExpFn.apply(x, self)
-        return _RedistributeFn.apply(x, self)
+        out = _RedistributeFn.apply(x, self)
+        if self.keeper is not None:
+            self.keeper.record(out, x, self)
+        return out
+
+    def regather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The forward all-gather of ``shard`` again, for a backward that reads its output."""
+        assert isinstance(self.src, Shard), self
+        out = gather(self.comm, shard, self.src)
+        self.comm.log.record("all_gather", "backward", self.layer,
+                             out.numel() * out.element_size(), f"{self.label}, re-gathered")
+        return out
 
     # forward and backward programs, by (src, dst) kind
 

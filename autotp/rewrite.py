@@ -2,6 +2,7 @@
 
     shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
     insert_collectives   one Redistribute per (value, target layout) the plan asks for
+    keep_sequence_shards sequence all-gathers whose saved outputs backward re-gathers
     lower_ops            per-op lowerings: local size arguments, masked vocab lookups
     track_randomness     dropout: one shared stream for replicated values, one per rank for shards
 
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture import Captured, layer_of, node_arg
+from autotp.capture import Captured, layer_of, node_arg, sequence_symbols, size_expr
 from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.collectives import (
     DeferredGradReduce,
@@ -33,6 +34,7 @@ from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whol
 from autotp.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
+from autotp.regather import ShardKeeper
 from autotp.rules.registry import Registry, Strategy, parse_output
 
 
@@ -233,6 +235,26 @@ def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: n
     return count
 
 
+def keep_sequence_shards(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
+                         sequence: frozenset) -> int:
+    """The all-gathers along a sequence dim (``sequence``: its symbols) report their outputs
+    to ``keeper``, which stores what autograd saves of them as the shard (autotp.regather);
+    returns how many."""
+    count = 0
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = _get(root, node.target)
+        if not (isinstance(module, Redistribute) and isinstance(module.src, Shard)
+                and isinstance(module.dst, Replicate)):
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and size_expr(val.shape[module.src.dim]) in sequence:
+            module.keeper = keeper
+            count += 1
+    return count
+
+
 def _reads_unchanged_size(consumer: fx.Node, src: Layout, dst: Layout) -> bool:
     """``consumer`` reads one size of a replicated value, a size the layout change keeps:
     it reads the value as it is (no slice copied to read a shape)."""
@@ -335,7 +357,10 @@ def erase_input_guards(graph: fx.Graph) -> None:
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
-            device: Optional[torch.device] = None) -> tuple[fx.GraphModule, GradBucket]:
+            device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None
+            ) -> tuple[fx.GraphModule, GradBucket]:
+    """This rank's program. ``keeper``: with sequence parallelism, where the sequence
+    all-gathers record their outputs so that backward re-gathers what it saved of them."""
     registry = registry or Registry.default()
     weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
@@ -344,6 +369,8 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
+    if keeper is not None:
+        keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank)
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     lowered.update(fuse_logsumexp_gather(graph))

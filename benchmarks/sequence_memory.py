@@ -6,7 +6,10 @@ Activation memory is what autograd keeps from the forward pass for the backward 
 tensor saved for backward, counted once per storage (``saved_tensors_hooks``) while one
 training forward runs (HF models with ``labels=``, dropout on). Parameters are not counted.
 The sharded runs use the in-process simulation (the same per-rank programs as
-``autotp.parallelize``); each rank is measured in its own thread.
+``autotp.parallelize``); each rank is measured in its own thread. The counting hooks are set
+around the call, outside the program's own (which store each gathered input of a product as
+its sequence shard, ``autotp.regather``): the program hands them what it really keeps.
+"SP, gathered kept" is sequence parallelism with ``keep_gathered=True``.
 """
 
 from __future__ import annotations
@@ -71,9 +74,11 @@ def measure(kind: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
                            "hidden": args.hidden, "batch": args.batch, "seq": args.seq,
                            "vocab": args.vocab}
     row["unsharded"] = activations(model)
-    for label, sp in (("tensor_parallel", False), ("sequence_parallel", True)):
+    for label, sp, keep in (("tensor_parallel", False, False),
+                            ("sequence_parallel_gathered_kept", True, True),
+                            ("sequence_parallel", True, False)):
         sim = autotp.simulate(model, tp, example_kwargs=example, sequence_parallel=sp,
-                              gather_outputs=False)
+                              keep_gathered=keep, gather_outputs=False)
         per_rank = sim.run(activations)
         row[label] = max(per_rank)
     return row
@@ -95,13 +100,14 @@ def main() -> int:
     mib = 1 << 20
     print(f"activation memory per rank (saved for backward), B={args.batch} T={args.seq} "
           f"hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32")
-    print(f"{'model':<6} {'tp':>2} {'unsharded':>11} {'TP':>11} {'TP+SP':>11} "
-          f"{'TP/unsh.':>9} {'SP/unsh.':>9} {'SP saves vs TP':>15}")
+    print(f"{'model':<6} {'tp':>2} {'unsharded':>11} {'TP':>11} {'SP, kept':>11} "
+          f"{'TP+SP':>11} {'TP/unsh.':>9} {'SP/unsh.':>9} {'SP saves vs TP':>15}")
     for r in rows:
-        tp_, sp = r["tensor_parallel"], r["sequence_parallel"]
+        tp_, kept, sp = (r["tensor_parallel"], r["sequence_parallel_gathered_kept"],
+                         r["sequence_parallel"])
         print(f"{r['model']:<6} {r['tp']:>2} {r['unsharded'] / mib:>9.1f}Mi {tp_ / mib:>9.1f}Mi "
-              f"{sp / mib:>9.1f}Mi {tp_ / r['unsharded']:>9.3f} {sp / r['unsharded']:>9.3f} "
-              f"{(tp_ - sp) / mib:>10.1f} MiB ({1 - sp / tp_:.0%})")
+              f"{kept / mib:>9.1f}Mi {sp / mib:>9.1f}Mi {tp_ / r['unsharded']:>9.3f} "
+              f"{sp / r['unsharded']:>9.3f} {(tp_ - sp) / mib:>10.1f} MiB ({1 - sp / tp_:.0%})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             for r in rows:

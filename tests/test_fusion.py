@@ -56,9 +56,10 @@ def test_the_loss_is_one_fused_logsumexp_and_lookup() -> None:
     assert _count(program, aten.gather.default) == 0
 
 
-def _check_compiled(compile: object) -> None:
+def _check_compiled(compile: object, sequence_parallel: bool = False) -> None:
     """Every rank of the compiled program matches the unsharded model, the collectives ran
-    on every rank, and something was compiled."""
+    on every rank, and something was compiled. With sequence parallelism the compiled
+    products save their gathered inputs as shards too: backward gathers each again."""
     from torch._dynamo.utils import counters
 
     from autotp.verify import compare, reference_step, sharded_step
@@ -66,7 +67,8 @@ def _check_compiled(compile: object) -> None:
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))
     kwargs = {"input_ids": ids, "labels": ids}
-    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile=compile)
+    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile=compile,
+                          sequence_parallel=sequence_parallel)
     counters.clear()
 
     def call(m: torch.nn.Module) -> object:
@@ -79,12 +81,16 @@ def _check_compiled(compile: object) -> None:
     counts = [len(r.comm.log.events) for r in sim.ranks]
     assert counts[0] > 0 and len(set(counts)) == 1  # the collectives ran, on every rank
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    regathers = [sum(1 for e in r.comm.log.events if e.label.endswith("re-gathered"))
+                 for r in sim.ranks]
+    assert regathers == [5 if sequence_parallel else 0] * 2  # 2 per layer, and the head's
 
 
-def test_compiled_program_matches_the_unsharded_model() -> None:
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_compiled_program_matches_the_unsharded_model(sequence_parallel: bool) -> None:
     """compile= runs each rank's program through torch.compile (the aot_eager backend here:
     no C++ toolchain needed); the collectives stay eager between the compiled segments."""
-    _check_compiled({"backend": "aot_eager"})
+    _check_compiled({"backend": "aot_eager"}, sequence_parallel)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

@@ -29,7 +29,9 @@ from models import BUILDERS, VOCAB, batch
 
 ATOL = 1e-4
 FORWARD_SP = {"all_gather": 2, "reduce_scatter": 2}
-BACKWARD_SP = {"all_gather": 2, "reduce_scatter": 2}
+# the conjugates of the forward's pairs, and each gathered input's shard gathered again for
+# the products' backward (q/k/v read one gathered input, gate/up or fc another)
+BACKWARD_SP = {"all_gather": 4, "reduce_scatter": 2}
 
 
 def _labels_example() -> dict[str, torch.Tensor]:

@@ -1,0 +1,215 @@
+"""Sequence parallelism at Megatron's activation memory: gathered inputs saved as shards.
+
+With sequence parallelism a column-parallel product reads its input all-gathered along the
+sequence, and autograd would keep that full-sequence input for the product's backward (the
+weight gradient is x^T dy). Megatron-LM keeps the sequence shard instead and all-gathers it
+again in backward (Korthikanti et al. 2022: s*b*h/t * (34 + 5as/h) bytes per layer).
+``ShardKeeper`` does the same for whatever op saves such a tensor.
+
+Invariant: while a rank program's forward runs in ``ShardKeeper.saving()``, a tensor that
+autograd saves for backward and that is the output of one of the program's sequence
+all-gathers, or a view of its storage, is stored as this rank's shard plus the view's size,
+stride and offset; backward all-gathers the shard again when it unpacks it (once for all the
+saves of one gathered tensor unpacked in turn) and rebuilds the view. Every other saved
+tensor is stored as it is.
+
+Saved-tensor hooks nest, and autograd calls only the innermost pair. The keeper's pair
+therefore hands what it stores to the pair that was active outside it (a user's
+``save_on_cpu``, a memory probe, a checkpoint around the whole model), which sees the shard,
+not the gathered tensor. Inside an activation-checkpointed layer the checkpoint's pair is
+the innermost one: it stores nothing and recomputes the layer, gathers included.
+
+Re-gathers are collectives, so every rank must run them in the same order: they run when
+backward unpacks the saved tensors, in autograd's order, which the ranks share since they
+run the same program, and whether a saved tensor is kept as a shard depends only on the
+program (storage identity), never on timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+# False inside transforms that forbid saved-tensor hooks (torch.func)
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+
+
+class Gatherer(Protocol):
+    """What gathered a tensor, and can gather it again in backward (a ``Redistribute``)."""
+
+    def regather(self, shard: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class _Regather:
+    """The re-gather of one forward all-gather's output, shared by the saves of it.
+
+    The first unpack gathers; the others of the same backward reuse that tensor, and the
+    last lets it go (q, k and v projections save one gathered input three times)."""
+
+    __slots__ = ("gatherer", "saves", "unpacked", "full")
+
+    def __init__(self, gatherer: Gatherer):
+        self.gatherer = gatherer
+        self.saves = 0
+        self.unpacked = 0
+        self.full: Optional[torch.Tensor] = None
+
+    def __call__(self, shard: torch.Tensor) -> torch.Tensor:
+        full = self.full
+        if full is None:
+            with torch.no_grad():
+                full = self.gatherer.regather(shard)
+        self.unpacked += 1
+        if self.unpacked >= self.saves:  # the last one (a retained graph starts over)
+            self.full, self.unpacked = None, 0
+        else:
+            self.full = full
+        return full
+
+
+class _Gathered:
+    """A forward all-gather's output, while it lives: its shard, and how to re-gather it."""
+
+    __slots__ = ("shard", "version", "dtype", "regather")
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, gatherer: Gatherer):
+        self.shard = shard.detach()
+        self.version = shard._version
+        self.dtype = full.dtype
+        self.regather = _Regather(gatherer)
+
+
+class _Saved:
+    """What the keeper stores for one saved tensor: the tensor (or what the outer hooks made
+    of it), and its version when the keeper holds it itself (hooks turn autograd's own
+    check of in-place changes off)."""
+
+    __slots__ = ("stored", "version")
+
+    def __init__(self, stored: Any, version: Optional[int]):
+        self.stored = stored
+        self.version = version
+
+
+class _SavedShard(_Saved):
+    """A view of a gathered tensor, stored as the shard: the view's geometry rebuilds it."""
+
+    __slots__ = ("regather", "size", "stride", "offset")
+
+    def __init__(self, stored: Any, version: Optional[int], regather: _Regather,
+                 view: torch.Tensor):
+        super().__init__(stored, version)
+        self.regather = regather
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def rebuild(self, shard: torch.Tensor) -> torch.Tensor:
+        full = self.regather(shard)
+        if full.size() == self.size and full.stride() == self.stride and not self.offset:
+            return full
+        return full.as_strided(self.size, self.stride, self.offset)
+
+
+def _check_version(value: torch.Tensor, expected: Optional[int], what: str) -> None:
+    if expected is not None and value._version != expected:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {what} {list(value.shape)} is at version {value._version}; "
+            f"expected version {expected} instead")
+
+
+class _PackHooks:
+    """The keeper's pack/unpack pair for one forward, composed with ``outer``: the pair
+    active when the forward began (None: autograd's own storage)."""
+
+    def __init__(self, keeper: "ShardKeeper", outer: Optional[Hooks]):
+        self.keeper = keeper
+        self.outer_pack: Optional[Callable[[torch.Tensor], Any]] = None
+        self.outer_unpack: Optional[Callable[[Any], torch.Tensor]] = None
+        if outer is not None:
+            self.outer_pack, self.outer_unpack = outer
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        gathered = self.keeper.gathered_of(tensor)
+        if gathered is None:
+            if self.outer_pack is not None:
+                return _Saved(self.outer_pack(tensor), None)
+            # detached: a saved output holding its own grad_fn would be a reference cycle
+            return _Saved(tensor.detach(), tensor._version)
+        gathered.regather.saves += 1
+        shard = gathered.shard
+        if self.outer_pack is not None:
+            return _SavedShard(self.outer_pack(shard), None, gathered.regather, tensor)
+        return _SavedShard(shard, gathered.version, gathered.regather, tensor)
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        value = saved.stored if self.outer_unpack is None else self.outer_unpack(saved.stored)
+        if isinstance(saved, _SavedShard):
+            _check_version(value, saved.version, "the sequence shard of a gathered input")
+            return saved.rebuild(value)
+        _check_version(value, saved.version, "a tensor")
+        return value
+
+
+class ShardKeeper:
+    """One rank program's record of its live sequence all-gathers, and the saved-tensor
+    hooks that store them as shards (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._live: dict[StorageWeakRef, _Gathered] = {}
+        self._depth = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ShardKeeper":
+        return ShardKeeper()  # a copied program records its own gathers
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Run a forward with the keeper's hooks innermost (the outermost call installs them;
+        nothing happens where autograd records nothing or hooks are disabled)."""
+        if self._depth or not torch.is_grad_enabled() or \
+                torch.is_inference_mode_enabled() or not _hooks_enabled():
+            yield
+            return
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        hooks = _PackHooks(self, outer)
+        self._depth += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                yield
+        finally:
+            self._depth -= 1
+            self._live.clear()
+
+    def record(self, full: torch.Tensor, shard: torch.Tensor, gatherer: Gatherer) -> None:
+        """``full`` is ``shard`` all-gathered by ``gatherer``: saves of it keep ``shard``."""
+        # (``full`` need not require grad: a product saves it for its weight's gradient)
+        if not self._depth or not torch.is_grad_enabled() or full.numel() == 0 or \
+                full.storage_offset() or not full.is_contiguous():
+            return
+        storage = full.untyped_storage()
+        if storage.nbytes() != full.numel() * full.element_size():
+            return  # a view of something larger: the re-gather could not rebuild its storage
+        for key in [k for k in self._live if k.expired()]:
+            del self._live[key]
+        self._live[StorageWeakRef(storage)] = _Gathered(shard, full, gatherer)
+
+    def gathered_of(self, tensor: torch.Tensor) -> Optional[_Gathered]:
+        """The live gather whose output ``tensor`` views, if its shard is unchanged."""
+        if not self._live or tensor.layout is not torch.strided:
+            return None
+        try:
+            key = StorageWeakRef(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            return None
+        found = self._live.get(key)
+        if found is None or found.dtype != tensor.dtype or \
+                found.shard._version != found.version:
+            return None
+        return found
+
+
+__all__ = ["Gatherer", "ShardKeeper"]
