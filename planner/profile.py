@@ -413,6 +413,10 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
                 nbytes *= plan.tp
         where = "layer" if c.layer is not None else side.get(c.node, "last")
         out.append(Comm(c.kind, c.phase, c.layer, float(nbytes), where))
+        if plan.sequence_parallel and c.kind == "all_gather" and c.phase == "forward" and \
+                c.src.startswith("S("):
+            # the runtime keeps the sequence shard and gathers it again for backward
+            out.append(Comm("all_gather", "backward", c.layer, float(nbytes), where))
     return out
 
 
