@@ -15,13 +15,13 @@ from autotp.api import (
     plan,
     simulate,
 )
-from autotp.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
+from autotp.weights.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
                                save_pretrained)
 from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError, PlanError,
                            TraceError)
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
-from autotp.materialize import empty_weights
-from autotp.pipeline import pipeline_stages
+from autotp.weights.materialize import empty_weights
+from autotp.features.pipeline import pipeline_stages
 from autotp.planner.configure import Estimate, estimate
 from autotp.planner.plan import Plan
 

@@ -20,20 +20,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import Captured, capture, sequence_symbols, size_expr
-from autotp.collectives import GradBucket, GradSync, gather
-from autotp.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
+from autotp.capture.trace import Captured, capture, sequence_symbols, size_expr
+from autotp.runtime.collectives import GradBucket, GradSync, gather
+from autotp.runtime.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
-from autotp.layers import split_layers
+from autotp.runtime.layers import split_layers
 from autotp.layout import Shard
-from autotp.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
+from autotp.weights.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
                                 has_meta_parameters, maybe_deferred)
 from autotp.planner.cost import CostModel
 from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.regather import ShardKeeper
-from autotp.rewrite import rewrite
+from autotp.runtime.regather import ShardKeeper
+from autotp.runtime.rewrite import rewrite
 from autotp.rules.registry import Registry
 
 
@@ -90,7 +90,7 @@ class ShardedModule(nn.Module):
 
     Its program keeps the original model's layers as submodules under their own paths
     (``sharded.model.layers[3]``): FSDP2's ``fully_shard``, activation checkpointing and
-    ``torch.compile`` apply per layer (``autotp.layers``)."""
+    ``torch.compile`` apply per layer (``autotp.runtime.layers``)."""
 
     plan: Plan
     comm: Communicator
@@ -101,7 +101,7 @@ class ShardedModule(nn.Module):
                  seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None):
         super().__init__()
         self.program = program
-        # sequence parallelism: saved gathered inputs are kept as shards (autotp.regather)
+        # sequence parallelism: saved gathered inputs are kept as shards (autotp.runtime.regather)
         self._keeper = keeper
         # torch.compile of the program: the compute between collectives is compiled, the
         # collectives and tracked dropouts run eagerly (graph breaks around them)
@@ -149,8 +149,9 @@ class ShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache") or any(kwargs.get(key) is not None
                                           for key in ("cache", "past_key_values")):
-            # a transformers causal LM with a cache: the decoding programs (autotp.generate)
-            from autotp.generate import decoder_of
+            # a transformers causal LM with a cache: the decoding programs
+            # (autotp.features.generate)
+            from autotp.features.generate import decoder_of
 
             return decoder_of(self).host(*args, **kwargs)
         call = self._bind(args, kwargs)
@@ -163,7 +164,7 @@ class ShardedModule(nn.Module):
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
         with a KV cache of this rank's heads. Collective: call it on every rank with the same
         inputs (and, for sampling, the same seed)."""
-        from autotp.generate import decoder_of
+        from autotp.features.generate import decoder_of
 
         return decoder_of(self).generate(inputs, **kwargs)
 

@@ -72,9 +72,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.solve import plan_graph
-    from autotp.zoo import load_model, parse_overrides
+    from autotp.capture.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     if isinstance(args.tp, bool) or args.tp < 1:
@@ -91,7 +91,7 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autotp.report import to_json, to_table
+    from autotp.features.report import to_json, to_table
 
     _, _, plan = _prepare(args, meta=True)
     cost_model = _cost_model(args)
@@ -100,11 +100,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.format == "json":
         text = to_json(plan, cost_model)
     elif args.format == "dot":
-        from autotp.render import to_dot
+        from autotp.features.render import to_dot
 
         text = to_dot(plan, cost_model)
     else:
-        from autotp.render import to_html
+        from autotp.features.render import to_html
 
         text = to_html(plan, cost_model)
     if args.output:
@@ -161,7 +161,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         choice = plan.choices.get(node_name)
         if choice is None:
             raise ConfigError(f"{node_name} is not an op with a layout choice")
-        from autotp.capture import make_call
+        from autotp.capture.trace import make_call
         from autotp.planner.problem import block_counts
         from autotp.rules.registry import Registry
 
@@ -207,9 +207,9 @@ class _NoNames:
 def cmd_verify(args: argparse.Namespace) -> int:
     import autotp
     from autotp.planner.gradflow import check_gradient_flow
-    from autotp.verify import (compare, first_divergence, layer_counts, reference_step,
+    from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
                                sharded_step, worst_outcome)
-    from autotp.zoo import load_model, parse_overrides
+    from autotp.capture.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     overrides = parse_overrides(args.overrides)
@@ -218,7 +218,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     model = loaded.model.float()
     sim = None
     if args.procs:  # each process checks the gradient flow of its plan (parallelize)
-        from autotp.launch import run_processes
+        from autotp.runtime.launch import run_processes
 
         with progress.step(f"running {args.tp} gloo processes"):
             results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict,
@@ -314,8 +314,8 @@ def first_float(out: Any) -> torch.Tensor:
 def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
                    strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
     import autotp
-    from autotp.verify import compare, layer_counts, reference_step, sharded_step
-    from autotp.zoo import load_model
+    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.capture.zoo import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(spec, overrides, meta=False)
@@ -336,7 +336,7 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner import hardware as hw_module
     from autotp.planner.configure import (
         Estimate,
@@ -349,7 +349,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     from autotp.planner.estimate_view import write
     from autotp.planner.memory import precision
-    from autotp.zoo import load_model, parse_overrides
+    from autotp.capture.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     base = hw_module.hardware(args.hardware)

@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    from autotp.launch import run_processes
+    from autotp.runtime.launch import run_processes
 
     print(f"LLaMA h={args.hidden}, {args.layers} layers, 8 heads, 4 k/v heads, vocab "
           f"{args.vocab}; B={args.batch}, T={args.seq}; fp32; {os.cpu_count()} cores")

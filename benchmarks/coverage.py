@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.verify.compare)
+ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.features.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 VOCAB = 128
 BATCH, TOKENS = 2, 12
@@ -305,7 +305,7 @@ def check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
 def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
     import autotp
     from autotp.cli import first_float, generic_loss
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     family = FAMILIES[name]
     rows = [{"family": name, "tp": tp, "model": family.build.__name__, "detail": ""}

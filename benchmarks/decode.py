@@ -263,7 +263,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append one JSON line per row")
     args = parser.parse_args()
 
-    from autotp.launch import run_processes
+    from autotp.runtime.launch import run_processes
 
     rows: list[dict[str, Any]] = []
     backend = "nccl" if args.device == "cuda" else "gloo"

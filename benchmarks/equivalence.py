@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def simulation_row(name: str, tp: int) -> dict:
     import autotp
-    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
     from models import BUILDERS, batch, example, loss_of, main_output
 
     model = BUILDERS[name]()
@@ -43,7 +43,7 @@ def _row(cmps: list, counts: dict) -> dict:
 
 
 def main() -> None:
-    from autotp.launch import run_processes
+    from autotp.runtime.launch import run_processes
     from dist_cases import equivalence_case
 
     print(f"{'model':<8}{'tp':>3} {'mode':<11}{'logits':>10}{'loss':>10}{'grad':>10}"

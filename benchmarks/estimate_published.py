@@ -47,7 +47,7 @@ def _quiet() -> Any:
 def activations() -> None:
     import nanogpt as nano
 
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.memory import layer_activations
     from autotp.planner.profile import build_profile
     from autotp.planner.solve import PlanOptions, plan_graph
@@ -87,7 +87,7 @@ def _gpt2(h: int, heads: int, layers: int) -> torch.nn.Module:
 
 
 def _planner(model: torch.nn.Module, name: str, seq: int) -> Any:
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.configure import Planner, attention_heads, training_example
 
     return Planner(capture(model, None, training_example(model)), name, seq,

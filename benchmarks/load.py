@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotp.launch import run_processes  # noqa: E402
+from autotp.runtime.launch import run_processes  # noqa: E402
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -49,7 +49,7 @@ def write_checkpoint(args: argparse.Namespace, directory: Path) -> int:
     """Random bf16 weights in transformers' layout, one tensor in memory at a time."""
     import transformers
 
-    from autotp.tensorfile import Spec, file_names, plan_files, write_file, write_index
+    from autotp.weights.tensorfile import Spec, file_names, plan_files, write_file, write_index
 
     config = _config(args)
     with torch.device("meta"):

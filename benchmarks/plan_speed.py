@@ -39,13 +39,13 @@ def run(shape: str, tp: int) -> dict:
     import transformers
 
     import autotp
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.cost import CostModel
     from autotp.planner.solve import (PlanOptions, assemble, block_counts, build_problem,
                                       solve)
-    from autotp.materialize import DeferredWeights, ModelWeights
+    from autotp.weights.materialize import DeferredWeights, ModelWeights
     from autotp.planner.gradflow import check_gradient_flow
-    from autotp.rewrite import rewrite
+    from autotp.runtime.rewrite import rewrite
     from autotp.rules.registry import Registry
 
     transformers.logging.set_verbosity_error()

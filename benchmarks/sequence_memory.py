@@ -8,7 +8,7 @@ training forward runs (HF models with ``labels=``, dropout on). Parameters are n
 The sharded runs use the in-process simulation (the same per-rank programs as
 ``autotp.parallelize``); each rank is measured in its own thread. The counting hooks are set
 around the call, outside the program's own (which store each gathered input of a product as
-its sequence shard, ``autotp.regather``): the program hands them what it really keeps.
+its sequence shard, ``autotp.runtime.regather``): the program hands them what it really keeps.
 "SP, gathered kept" is sequence parallelism with ``keep_gathered=True``.
 """
 

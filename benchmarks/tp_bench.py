@@ -457,7 +457,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from autotp.launch import run_processes
+    from autotp.runtime.launch import run_processes
 
     args = parse_args(argv)
     cuda = args.device == "cuda"

@@ -32,7 +32,7 @@ def build_gpt2(layers: int) -> torch.nn.Module:
 
 def worker(rank: int, world_size: int, layers: int) -> dict[str, Any]:
     import autotp
-    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
 
     torch.set_num_threads(1)
     model = build_gpt2(layers)
@@ -62,7 +62,7 @@ def worker(rank: int, world_size: int, layers: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    from autotp.launch import run_processes
+    from autotp.runtime.launch import run_processes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autotp  # noqa: E402
-from autotp.verify import compare, layer_counts, reference_step, sharded_step  # noqa: E402
+from autotp.features.verify import compare, layer_counts, reference_step, sharded_step  # noqa: E402
 
 
 def main() -> None:

@@ -118,12 +118,12 @@ def main() -> None:
                                     example_kwargs={"input_ids": microbatch})
     del model
     for stage in stages:
-        layers = autotp.pipeline.stage_layers(stage)
+        layers = autotp.features.pipeline.stage_layers(stage)
         if args.checkpointing:
             wrap = {id(layer) for layer in layers}
             apply_activation_checkpointing(stage.submod,
                                            check_fn=lambda m, wrap=wrap: id(m) in wrap)
-            layers = autotp.pipeline.stage_layers(stage)
+            layers = autotp.features.pipeline.stage_layers(stage)
         if name not in SPLIT_BACKWARD:  # torch's split backward needs FSDP2 on the stage only
             for layer in layers:
                 fully_shard(layer, mesh=mesh["dp"])

@@ -10,7 +10,7 @@ import torch
 import sympy
 import torch.fx as fx
 
-from autotp.capture import Captured, layer_of, module_of, origin_of, size_expr, source_of
+from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan

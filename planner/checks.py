@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 import torch.fx as fx
 
-from autotp.capture import origin_of
+from autotp.capture.trace import origin_of
 from autotp.errors import PlanError, where
 from autotp.planner.plan import Plan
 

@@ -349,7 +349,7 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
     ``dp_shard``); the ones left out are searched. The model may be on the meta device."""
     import time
 
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
 
     start = time.perf_counter()
     hw = get_hardware(hardware)
@@ -372,7 +372,7 @@ def training_example(model: torch.nn.Module) -> dict[str, Any]:
     """A transformers model's example with ``labels=`` when it computes its own loss."""
     import inspect
 
-    from autotp.capture import default_example
+    from autotp.capture.trace import default_example
 
     example = default_example(model)
     if "labels" in inspect.signature(model.forward).parameters:

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autotp.capture import layer_of
+from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
 from autotp.planner.transitions import Collective

@@ -44,7 +44,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.capture import origin_of
+from autotp.capture.trace import origin_of
 from autotp.errors import GradientFlowError, where
 from autotp.layout import R_STAR, Layout, Partial, Replicate, Shard, is_mixed, parse_layout
 from autotp.planner.plan import Edge, Plan

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture import (Captured, make_call, node_arg, sequence_symbols, size_expr,
+from autotp.capture.trace import (Captured, make_call, node_arg, sequence_symbols, size_expr,
                             tensor_inputs)
 from autotp.errors import NoRuleError, where
 from autotp.layout import (

@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autotp.capture import Captured, size_expr, tensor_inputs
+from autotp.capture.trace import Captured, size_expr, tensor_inputs
 from autotp.layout import Layout, Replicate, Shard, local_shape, parse_layout
 from autotp.planner.plan import Plan
 from autotp.planner.saved import saves_input

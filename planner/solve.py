@@ -34,7 +34,7 @@ from typing import Any, Optional
 import sympy
 import torch
 
-from autotp.capture import (
+from autotp.capture.trace import (
     Captured,
 )
 from autotp.layout import R, Partial, Replicate, Shard

@@ -1,4 +1,4 @@
-"""Checkpoint cases run inside real worker processes (``autotp.launch.run_processes``).
+"""Checkpoint cases run inside real worker processes (``autotp.runtime.launch.run_processes``).
 
 The models here have every weight perturbed at random (biases and norm scales too), so a
 slice read from the wrong place, a bias added twice or a norm scale sliced cannot cancel out.
@@ -150,7 +150,7 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
 def counting_reads() -> Iterator[dict[str, int]]:
     """Bytes of each checkpoint tensor that autotp asks its files for, by key: a slice
     counts its own bytes (whatever the file reader fetches around short runs)."""
-    from autotp.tensorfile import TensorFiles
+    from autotp.weights.tensorfile import TensorFiles
 
     read: dict[str, int] = {}
     plain, ranged = TensorFiles.read, TensorFiles.read_range
@@ -399,7 +399,7 @@ def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
     import gc
 
     import autotp
-    import autotp.tensorfile
+    import autotp.weights.tensorfile
 
     tf = _tf()
     torch.set_num_threads(1)
@@ -410,13 +410,13 @@ def memory_case(rank: int, world_size: int, directory: str, naive: bool = False
             example_kwargs={"input_ids": ids})
     gc.collect()
     read = [0]
-    pread_into = autotp.tensorfile.SafetensorsFile._pread_into
+    pread_into = autotp.weights.tensorfile.SafetensorsFile._pread_into
 
     def counting(self: Any, view: memoryview, offset: int) -> None:
         read[0] += len(view)
         pread_into(self, view, offset)
 
-    autotp.tensorfile.SafetensorsFile._pread_into = counting  # type: ignore[method-assign]
+    autotp.weights.tensorfile.SafetensorsFile._pread_into = counting  # type: ignore[method-assign]
     reset_peak()
     before = _status("VmRSS")
     if naive:

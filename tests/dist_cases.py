@@ -1,4 +1,4 @@
-"""Functions run inside real worker processes by ``autotp.launch.run_processes``."""
+"""Functions run inside real worker processes by ``autotp.runtime.launch.run_processes``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
     ``device="cuda"``: model and inputs on the GPU (every rank on the same one).
     """
     import autotp
-    from autotp.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
     from models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
@@ -64,7 +64,7 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
     import torch.distributed as dist
 
     import autotp
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
     from models import BUILDERS, VOCAB, batch
 
     torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def reduce_scatter_case(rank: int, world_size: int, native: bool = True,
     """ProcessGroupComm.reduce_scatter (native, or the all-reduce-and-slice path of gloo
     builds without one) and all_gather along dims 0 and 1: the results, and the input left
     untouched. On CUDA with NCCL this is the *_single path."""
-    from autotp.comm import ProcessGroupComm
+    from autotp.runtime.comm import ProcessGroupComm
 
     if device == "cuda":  # NCCL: one GPU per rank
         device = f"cuda:{rank}"
@@ -268,7 +268,7 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
     import autotp
     from autotp.layout import Shard, shard_tensor
 
-    autotp.pipeline.wait_tied_grads()  # before reading gradients by hand
+    autotp.features.pipeline.wait_tied_grads()  # before reading gradients by hand
     plan = stages[0]._autotp_plan
     tied = {name for name, _, _ in stages[0]._autotp_ties.ties}
     worst: dict[str, float] = {"untied": 0.0}
@@ -365,7 +365,7 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 3) -> dict[str, An
     stages = autotp.pipeline_stages(original, mesh, stages_per_rank=2,
                                     example_kwargs={"input_ids": mine[:2]})
     for stage in stages:
-        for layer in autotp.pipeline.stage_layers(stage):
+        for layer in autotp.features.pipeline.stage_layers(stage):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(stage.submod, mesh=mesh["dp"])
     params = [p for s in stages for p in s.submod.parameters()]
@@ -395,7 +395,7 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
     import autotp
-    from autotp import materialize
+    from autotp.weights import materialize
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))

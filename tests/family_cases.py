@@ -1,7 +1,7 @@
 """The families of tests/test_families.py: the small transformers models of
 benchmarks/coverage.py (its FAMILIES, perturbed weights, example inputs), a loss over the
 logits, the per-layer traffic of a collective log, and the function that
-``autotp.launch.run_processes`` runs in each gloo worker (module level: a spawned
+``autotp.runtime.launch.run_processes`` runs in each gloo worker (module level: a spawned
 interpreter imports it from here)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if _BENCHMARKS not in sys.path:
 
 import coverage as cov  # noqa: E402  benchmarks/coverage.py, as tests/test_coverage.py imports it
 
-ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (autotp.verify.compare)
+ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (autotp.features.verify.compare)
 
 
 def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -77,7 +77,7 @@ def gloo_case(rank: int, world_size: int, name: str, lr: float = 1e-3) -> dict[s
     forward and backward; then one AdamW step on each and a second forward (logits, loss,
     and every parameter, gathered)."""
     import autotp
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     torch.set_num_threads(1)
     model, kwargs = build(name)

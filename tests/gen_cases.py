@@ -1,5 +1,6 @@
-"""Generation cases run on every rank of a process group (``autotp.launch.run_processes``) or
-on every simulated rank: the sharded model's ``generate`` against the unsharded model's."""
+"""Generation cases run on every rank of a process group
+(``autotp.runtime.launch.run_processes``) or on every simulated rank: the sharded model's
+``generate`` against the unsharded model's."""
 
 from __future__ import annotations
 

@@ -599,7 +599,7 @@ class Outcome:
     grad_diff: float = 0.0  # max over parameters of max |g - g_ref|
     grad_rel: float = 0.0  # max over parameters of the relative error of grad_errors
     worst_param: str = ""
-    compare_rel: float = 0.0  # autotp.verify.compare's grad_rel, for the record
+    compare_rel: float = 0.0  # autotp.features.verify.compare's grad_rel, for the record
     dropped: tuple[str, ...] = ()  # parameters the forward never uses, absent when sharded
     sharded: float = 0.0  # fraction of the parameters' elements that the plan shards
 
@@ -649,7 +649,7 @@ def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = Tru
     every rank and on the unsharded model (3, 12 with sequence parallelism, which needs tp to
     divide the sequence length). Exceptions other than AutotpError propagate."""
     import autotp
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     hf = isinstance(config, HFConfig)
     model, example = build_hf(config, seed) if hf else build(config, seed)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "benchmarks")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckpt_cases as cc
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 
 ATOL = 1e-5
 STATE_RTOL = 1e-3  # trained weights and AdamW state, relative to each tensor's max |value|

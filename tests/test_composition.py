@@ -4,7 +4,7 @@ and activation checkpointing applied per layer, trained against the unsharded mo
 
 from __future__ import annotations
 
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 from dist_cases import fsdp_case
 
 
@@ -42,7 +42,7 @@ def test_layers_keep_their_names_parameters_and_collectives() -> None:
     from torch import nn
 
     import autotp
-    from autotp.collectives import Redistribute
+    from autotp.runtime.collectives import Redistribute
 
     sim = autotp.simulate(_llama(), 2)
     for m in sim.ranks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 from dist_cases import each_case, equivalence_case, reduce_scatter_case
 
 ATOL = 1e-4

@@ -14,7 +14,7 @@ import torch
 
 import autotp
 from autotp.layout import parse_layout, unshard_tensor
-from autotp.verify import compare, layer_counts, reference_step, sharded_step
+from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
 from ckpt_cases import MQA, bigcode, perturb
 from ckpt_cases import batch as mqa_batch
 from models import BUILDERS, batch, example, loss_of, main_output
@@ -162,7 +162,7 @@ def test_output_structure_is_kept() -> None:
 
 
 def test_first_divergence_names_the_node_reading_a_corrupted_shard() -> None:
-    from autotp.verify import first_divergence
+    from autotp.features.verify import first_divergence
 
     model, sim = _simulate("llama", 2)
     ids = batch()
@@ -248,8 +248,8 @@ def test_a_narrow_beam_still_gives_an_exact_plan(beam: int) -> None:
     """With few DP states a replicated-only op may meet a value kept sharded: the planner
     then gathers it (a reported last resort) instead of failing with "no plan"."""
     from autotp.api import _build
-    from autotp.capture import capture
-    from autotp.comm import ThreadHub
+    from autotp.capture.trace import capture
+    from autotp.runtime.comm import ThreadHub
     from autotp.planner.solve import PlanOptions, plan_graph
 
     model = BUILDERS["llama"]()

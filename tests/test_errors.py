@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 from models import BUILDERS, example
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import autotp
 from autotp.errors import ConfigError
-from autotp.capture import capture
+from autotp.capture.trace import capture
 from autotp.planner.configure import Planner, Request, estimate, parse_mesh, search
 from autotp.planner.hardware import PRESETS, Hardware, hardware, load, save
 from autotp.planner.memory import layer_activations, end_activations, precision, stage_memory

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import autotp
-from autotp.fusion import logsumexp_and_gather
-from autotp.layers import program_nodes
+from autotp.capture.fusion import logsumexp_and_gather
+from autotp.runtime.layers import program_nodes
 from models import BUILDERS, example
 
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ def _check_compiled(compile: object, sequence_parallel: bool = False) -> None:
     products save their gathered inputs as shards too: backward gathers each again."""
     from torch._dynamo.utils import counters
 
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))

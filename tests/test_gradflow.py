@@ -19,7 +19,7 @@ import torch
 
 import autotp
 import autotp.planner.problem as problem
-from autotp.capture import Captured, capture
+from autotp.capture.trace import Captured, capture
 from autotp.layout import P, P_LSE, R, R_STAR, Layout, Shard
 from autotp.planner.gradflow import (Form, Grad, check_gradient_flow, edge_backward, exact,
                                      form_of, gradient_flow)

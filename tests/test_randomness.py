@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.layers import program_nodes
+from autotp.runtime.layers import program_nodes
 from models import VOCAB, batch, randomize_vectors
 
 
@@ -51,7 +51,7 @@ def test_replicated_values_stay_replicated_with_dropout() -> None:
 
 
 def test_dropout_masks_are_reproducible_and_rate_is_kept() -> None:
-    from autotp.random import RngTracker, Stream, TrackedDropout
+    from autotp.runtime.random import RngTracker, Stream, TrackedDropout
 
     x = torch.ones(4096)
     a = TrackedDropout(RngTracker(7, rank=0), Stream.SHARDED)(x, 0.25, True)
@@ -71,7 +71,7 @@ def test_dropout_masks_are_reproducible_and_rate_is_kept() -> None:
 def _record_masks(sim) -> list[dict[str, list[torch.Tensor]]]:
     """Per rank: original dropout node -> the keep masks it drew, call after call (a forward
     hook on each rank's ``TrackedDropout``): 1 kept, 0 dropped, NaN where the input is 0."""
-    from autotp.random import TrackedDropout
+    from autotp.runtime.random import TrackedDropout
 
     recorded: list[dict[str, list[torch.Tensor]]] = []
     for module in sim.ranks:
@@ -188,7 +188,7 @@ def test_shards_draw_independent_masks_and_replicated_values_the_same(
     sequence parallelism of the sequence-sharded residual) differ between the ranks, the
     gate's mask is the same on both; the unsharded model given the same (reassembled) masks
     computes the same loss and gradients."""
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     model = _dropout_net()
     ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(3))
@@ -226,7 +226,7 @@ def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch
     import transformers
 
     from autotp.layout import parse_layout, unshard_tensor
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
     from models import randomize_vectors
 
     transformers.logging.set_verbosity_error()

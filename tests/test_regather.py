@@ -1,5 +1,5 @@
 """Sequence parallelism keeps the sequence shard of every gathered input autograd saves and
-gathers it again in backward (``autotp.regather``), as Megatron-LM does.
+gathers it again in backward (``autotp.runtime.regather``), as Megatron-LM does.
 
 Memory is counted as ``benchmarks/sequence_memory.py`` counts it: a saved-tensor hook pair
 set around the forward sees every tensor autograd keeps, once per storage, parameters
@@ -18,10 +18,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import autotp
-from autotp.collectives import Redistribute
+from autotp.runtime.collectives import Redistribute
 from autotp.layout import Replicate, Shard, parse_layout, unshard_tensor
-from autotp.regather import ShardKeeper
-from autotp.verify import StepResult, compare, reference_step, sharded_step
+from autotp.runtime.regather import ShardKeeper
+from autotp.features.verify import StepResult, compare, reference_step, sharded_step
 from models import BUILDERS, VOCAB, batch
 
 ATOL = 1e-4

@@ -1,4 +1,4 @@
-"""``autotp.render``: the Graphviz digraph and the self-contained HTML page of a plan.
+"""``autotp.features.render``: the Graphviz digraph and the self-contained HTML page of a plan.
 
 The DOT is checked structurally (and with Graphviz's ``dot`` when it is installed), the HTML
 without a browser (self-contained, escaped, the embedded JSON round-trips to
@@ -24,8 +24,8 @@ import pytest
 import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
-from autotp.report import fold_layers, group_names, human_bytes, to_dict, to_table
+from autotp.features.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
+from autotp.features.report import fold_layers, group_names, human_bytes, to_dict, to_table
 from models import BUILDERS
 
 COST = CostModel()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 from models import BUILDERS, batch, example
 from robust_cases import different_models, different_seeds, one_rank_fails
 
@@ -133,7 +133,7 @@ def test_example_of_the_wrong_rank_is_a_trace_error(shape: tuple) -> None:
 
 def test_nccl_with_cpu_tensors_is_refused() -> None:
     """The check itself (no GPU here). gloo takes CUDA tensors as well as CPU ones."""
-    from autotp.comm import ProcessGroupComm
+    from autotp.runtime.comm import ProcessGroupComm
 
     comm = object.__new__(ProcessGroupComm)
     comm.backend = "nccl"
@@ -166,7 +166,7 @@ def test_nccl_collectives_do_not_block_the_host(backend: str, device: str,
     """With NCCL, wait(timeout) blocks the host until the GPU has run everything queued
     before the collective (a device synchronization per collective); wait() only orders the
     stream. The timeout applies where the wait is on the host anyway (gloo)."""
-    from autotp.comm import ProcessGroupComm
+    from autotp.runtime.comm import ProcessGroupComm
 
     comm = object.__new__(ProcessGroupComm)
     comm.backend, comm.timeout, comm.rank = backend, 30.0, 0
@@ -224,7 +224,7 @@ def test_intermediate_not_divisible_is_refused_when_strict() -> None:
 def test_compare_reports_the_largest_absolute_gradient_difference() -> None:
     """grad_diff is the maximum absolute difference over all parameters; the worst parameter
     is the one with the largest relative difference (here not the same one)."""
-    from autotp.verify import StepResult, compare
+    from autotp.features.verify import StepResult, compare
 
     reference = StepResult(torch.zeros(1), 0.0,
                            {"big": torch.full((2,), 100.0), "small": torch.full((2,), 1.0)})
@@ -238,7 +238,7 @@ def test_compare_reports_the_largest_absolute_gradient_difference() -> None:
 def test_parameter_bytes_follow_the_dtype() -> None:
     """A bf16 model's plan counts 2 bytes per parameter (not 4), per rank and in total."""
     from autotp.planner.cost import CostModel
-    from autotp.report import to_dict
+    from autotp.features.report import to_dict
 
     model = BUILDERS["llama"]().to(torch.bfloat16)
     args, kwargs = example("llama")
@@ -253,7 +253,7 @@ def test_parameter_bytes_follow_the_dtype() -> None:
 
 def test_verify_reports_the_worst_rank() -> None:
     """verify looks at every rank: a difference on rank 1 alone is reported."""
-    from autotp.verify import worst_outcome
+    from autotp.features.verify import worst_outcome
 
     good = {"output_diff": 0.0, "loss_diff": 0.0, "grad_diff": 0.0, "grad_rel": 0.0,
             "worst_param": "a", "counts": {0: {"forward": 2, "backward": 2}}}
@@ -271,7 +271,7 @@ def test_reusing_solved_layers_equals_solving_every_layer(name: str,
                                                           sequence_parallel: bool) -> None:
     """The planner solves a repeated layer once and reuses the result: the plan must be the
     one the dynamic program finds when it solves every layer."""
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.problem import PlanOptions
     from autotp.planner.solve import plan_graph
 
@@ -318,7 +318,7 @@ def test_in_place_arithmetic_on_fresh_tensors_runs_out_of_place() -> None:
 def test_in_place_write_through_a_view_is_functionalized() -> None:
     """``h[..., :4].mul_(2)`` writes through a view: the program is functionalized (the write
     becomes a ``slice_scatter``), planned with the ordinary rules and exact, gradients too."""
-    from autotp.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, reference_step, sharded_step
 
     model, x = InPlace("view"), torch.randn(2, 3, 16)
     sim = autotp.simulate(model, 2, example_args=(x,))
@@ -339,7 +339,7 @@ def test_in_place_write_through_a_view_is_functionalized() -> None:
 
 
 def _plan_generic(config: Any, tp: int, **options: Any) -> Any:
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
     from autotp.planner.problem import PlanOptions
     from autotp.planner.solve import plan_graph
 
@@ -459,7 +459,7 @@ class ConstantIndex(nn.Module):
 def test_a_constant_list_index_is_captured_as_a_slice(on_meta: bool) -> None:
     """Also for a model built without weights (traced on meta, where the list's index
     tensor would hold no value): the same slice, so the same plan as with weights."""
-    from autotp.capture import capture
+    from autotp.capture.trace import capture
 
     x = torch.randn(3, 8)
     if on_meta:

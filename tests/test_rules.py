@@ -21,7 +21,7 @@ from autotp.layout import R, R_STAR, Partial, Period, Replicate, Shard, parse_la
 from autotp.rules import misc
 from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta, output_layouts
 from autotp.rules.views import map_shard_through_view, view_groups
-from autotp.testing import check_op
+from autotp.features.testing import check_op
 
 aten = torch.ops.aten
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
@@ -479,7 +479,7 @@ def test_unequal_blocks_are_exact(op: Any, args: tuple, tp: int) -> None:
 
 
 def test_unequal_blocks_shard_gather_and_print() -> None:
-    from autotp.collectives import _rank_major, _segment_major, local_slice
+    from autotp.runtime.collectives import _rank_major, _segment_major, local_slice
     from autotp.layout import shard_tensor, unshard_tensor
 
     layout = parse_layout("S(1)x2:1:1")
@@ -527,7 +527,7 @@ def test_blocks_held_whole_are_exact(op: Any, args: tuple, tp: int) -> None:
 
 
 def test_blocks_held_whole_shard_gather_and_print() -> None:
-    from autotp.collectives import local_slice
+    from autotp.runtime.collectives import local_slice
     from autotp.layout import (
         global_extent,
         local_shape,
@@ -558,7 +558,7 @@ def test_blocks_held_whole_shard_gather_and_print() -> None:
 
 def test_periods_shard_gather_and_print() -> None:
     """S(0)%4: segments of 4 (heads) as many as the size holds (the batch), each sliced."""
-    from autotp.collectives import _segment_major, local_slice
+    from autotp.runtime.collectives import _segment_major, local_slice
     from autotp.layout import local_shape, shard_tensor, unshard_tensor
     from autotp.rules.registry import multiple_of
 

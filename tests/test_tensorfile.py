@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import autotp.tensorfile as tf
+import autotp.weights.tensorfile as tf
 from autotp.errors import ConfigError
 from autotp.layout import Shard, shard_tensor
-from autotp.materialize import slice_ranges
+from autotp.weights.materialize import slice_ranges
 
 TENSORS = {
     "matrix": torch.randn(37, 130),

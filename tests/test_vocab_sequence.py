@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import autotp
-from autotp.launch import run_processes
+from autotp.runtime.launch import run_processes
 from autotp.layout import parse_layout, unshard_tensor
-from autotp.report import to_dict, to_table
+from autotp.features.report import to_dict, to_table
 from autotp.planner.cost import CostModel
-from autotp.verify import compare, layer_counts, reference_step, sharded_step
+from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
 from dist_cases import each_case, vocab_sequence_case
 from models import BUILDERS, VOCAB, batch
 

@@ -19,22 +19,22 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture import Captured, layer_of, node_arg, sequence_symbols, size_expr
-from autotp.fusion import fuse_bias_adds, fuse_logsumexp_gather
-from autotp.collectives import (
+from autotp.capture.trace import Captured, layer_of, node_arg, sequence_symbols, size_expr
+from autotp.capture.fusion import fuse_bias_adds, fuse_logsumexp_gather
+from autotp.runtime.collectives import (
     DeferredGradReduce,
     GradBucket,
     GradSync,
     PartialSegmentsReduce,
     Redistribute,
 )
-from autotp.comm import Communicator
+from autotp.runtime.comm import Communicator
 from autotp.errors import PlanError, where
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
-from autotp.materialize import ModelWeights, Weights
+from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
-from autotp.random import RngTracker, Stream, TrackedAttention, TrackedDropout
-from autotp.regather import ShardKeeper
+from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
+from autotp.runtime.regather import ShardKeeper
 from autotp.rules.registry import Registry, Strategy, parse_output
 
 
@@ -238,7 +238,7 @@ def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: n
 def keep_sequence_shards(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
                          sequence: frozenset) -> int:
     """The all-gathers along a sequence dim (``sequence``: its symbols) report their outputs
-    to ``keeper``, which stores what autograd saves of them as the shard (autotp.regather);
+    to ``keeper``, which stores what autograd saves of them as the shard (autotp.runtime.regather);
     returns how many."""
     count = 0
     for node in graph.nodes:

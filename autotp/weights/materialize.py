@@ -4,7 +4,7 @@ The rewriter asks a ``Weights`` for each parameter the plan lays out (target, la
 each buffer the program reads; it never touches the source itself. Three sources:
 
     ModelWeights       slices of the model's own tensors (a model built with real weights)
-    CheckpointWeights  slices read from safetensors files (autotp.tensorfile): a rank reads
+    CheckpointWeights  slices read from safetensors files (autotp.weights.tensorfile): a rank reads
                        only its shards, and never holds a full sharded tensor
     InitWeights        the model's own initializer run on one module's full tensors at a
                        time, keeping only the local slices
@@ -39,7 +39,7 @@ from autotp.layout import (
     shard_tensor,
     whole_segments,
 )
-from autotp.tensorfile import TensorFiles
+from autotp.weights.tensorfile import TensorFiles
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Models too large for one rank: load only each rank's slices, save back, resume anywhere.
 
     from_pretrained    a transformers directory -> this rank's module; the model is built on
-                       meta and each rank reads only its slices (autotp.materialize)
+                       meta and each rank reads only its slices (autotp.weights.materialize)
     save_pretrained    transformers' layout (config.json, safetensors shards, index), gathered
                        one tensor at a time and written by rank 0
     save_checkpoint    torch.distributed.checkpoint: every rank writes its own shards (as
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.api import ShardedModule, parallelize
-from autotp.collectives import gather
-from autotp.comm import ProcessGroupComm
+from autotp.runtime.collectives import gather
+from autotp.runtime.comm import ProcessGroupComm
 from autotp.errors import ConfigError
 from autotp.layout import (
     Layout,
@@ -37,12 +37,12 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
-from autotp.materialize import empty_weights
-from autotp.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
+from autotp.weights.materialize import empty_weights
+from autotp.weights.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
                                write_file, write_index)
 
 META_NAME = "autotp.json"
-SCHEMA = "autotp.checkpoint/1"
+SCHEMA = "autotp.weights.checkpoint/1"
 
 
 # ---- loading a transformers directory -----------------------------------------------

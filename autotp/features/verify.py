@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autotp.api import ShardedModule, full_state_dict
-from autotp.comm import CollectiveLog
+from autotp.runtime.comm import CollectiveLog
 
 Call = Callable[[nn.Module], Any]  # runs the model on the inputs, returns its output
 LossFn = Callable[[Any], torch.Tensor]  # output -> scalar
@@ -130,7 +130,7 @@ def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
                      atol: float = 1e-4) -> Optional[Divergence]:
     """Run the unsharded graph and every rank's program on the same inputs, reassemble each
     value from the ranks as its layout says, and return the first value that differs."""
-    from autotp.capture import source_of
+    from autotp.capture.trace import source_of
     from autotp.layout import Partial, Shard, unshard_tensor
     from autotp.rules.registry import parse_output
 

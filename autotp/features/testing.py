@@ -15,9 +15,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autotp.capture import make_call
+from autotp.capture.trace import make_call
 from autotp.layout import Layout, Partial, Replicate, Shard, shard_tensor, unshard_tensor
-from autotp.rewrite import LowerContext
+from autotp.runtime.rewrite import LowerContext
 from autotp.rules.registry import Registry, Strategy
 
 

@@ -42,14 +42,14 @@ try:
 except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
-from autotp.capture import Captured, capture
-from autotp.collectives import DeferredGradReduce, Redistribute, gather
-from autotp.fusion import full_slice, fuse_repeated_kv_attention
+from autotp.capture.trace import Captured, capture
+from autotp.runtime.collectives import DeferredGradReduce, Redistribute, gather
+from autotp.capture.fusion import full_slice, fuse_repeated_kv_attention
 from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
-from autotp.materialize import Weights, model_tensor
+from autotp.weights.materialize import Weights, model_tensor
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.rewrite import erase_input_guards, rewrite
+from autotp.runtime.rewrite import erase_input_guards, rewrite
 
 aten = torch.ops.aten
 CACHE = "key_values"  # the step programs' input holding the key/value tensors, layer by layer

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Optional
 
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
-from autotp.report import (
+from autotp.features.report import (
     PHASE_SHORT,
     Group,
     fold_layers,

@@ -46,8 +46,8 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.errors import ConfigError
-from autotp.layers import program_nodes
-from autotp.materialize import DeferredWeights, deferred_weights, has_meta_parameters
+from autotp.runtime.layers import program_nodes
+from autotp.weights.materialize import DeferredWeights, deferred_weights, has_meta_parameters
 
 
 def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture import VIEW_OPS, node_arg
+from autotp.capture.trace import VIEW_OPS, node_arg
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@
 
 With sequence parallelism an all-gather along the sequence runs again in backward
 (``Redistribute.regather``) for the ops that saved its output: they keep the shard
-(``autotp.regather``).
+(``autotp.runtime.regather``).
 
 The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
 are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from autotp.comm import Communicator
+from autotp.runtime.comm import Communicator
 from autotp.layout import (
     Blocks,
     Layout,
@@ -38,7 +38,7 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
-from autotp.regather import ShardKeeper
+from autotp.runtime.regather import ShardKeeper
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
 
