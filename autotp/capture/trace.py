@@ -108,7 +108,12 @@ def normalize_example(
     for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
             named.update(named.pop(name))
-    if is_hf_model(model) and "use_cache" in signature.parameters and "use_cache" not in named:
+    # a transformers model traces without its KV cache; so does a wrapper that passes
+    # **kwargs on to one (peft's PeftModel)
+    takes_cache = "use_cache" in signature.parameters or (
+        inspect.Parameter.VAR_KEYWORD in kinds
+        and getattr(getattr(model, "config", None), "use_cache", None) is not None)
+    if is_hf_model(model) and takes_cache and "use_cache" not in named:
         named["use_cache"] = False
     return named, signature
 
