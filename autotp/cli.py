@@ -90,6 +90,17 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
     return loaded, captured, plan
 
 
+def _emit(text: str, args: argparse.Namespace) -> None:
+    """``text`` to ``-o FILE`` (saying so on stderr) or to stdout."""
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        if not args.quiet:
+            print(f"autotp: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from autotp.features.report import to_json, to_table
 
@@ -107,13 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autotp.features.render import to_html
 
         text = to_html(plan, cost_model)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        if not args.quiet:
-            print(f"autotp: wrote {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    _emit(text, args)
     return 0
 
 
@@ -389,13 +394,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                    precision=precision(req.precision, req.optimizer).name, configs=configs,
                    seconds=time.perf_counter() - start)
     text = write(est, args.format, top=args.top)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        if not args.quiet:
-            print(f"autotp: wrote {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    _emit(text, args)
     return 0 if est.best is not None else 1
 
 

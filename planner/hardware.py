@@ -104,12 +104,6 @@ PRESETS: dict[str, Hardware] = {
         memory=40 * 2**30, memory_bandwidth=1555 * GB, intra_node_bandwidth=300 * GB,
         inter_node_bandwidth=25 * GB, gemm_efficiency=0.8, gemm_knee=3e9,
         source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 40 GB); DGX A100 data sheet"),
-    "a100-80gb": Hardware(
-        name="a100-80gb", flops={"bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS,
-                                 "tfloat32": 156 * TFLOPS, "float32": 19.5 * TFLOPS},
-        memory=80 * 2**30, memory_bandwidth=2039 * GB, intra_node_bandwidth=300 * GB,
-        inter_node_bandwidth=25 * GB, gemm_efficiency=0.8, gemm_knee=3e9,
-        source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80 GB); DGX A100 data sheet"),
     # DGX H100: 8 H100-SXM5, NVLink4 via NVSwitch (450 GB/s per direction per GPU),
     # 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU).
     "h100": Hardware(
@@ -119,15 +113,15 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bandwidth=50 * GB, gemm_efficiency=0.7, gemm_knee=8e9,
         kernel_overhead=4e-6,
         source="NVIDIA H100 Tensor Core GPU data sheet (SXM5); DGX H100 data sheet"),
-    # H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (HGX H200, 8 per node).
-    "h200": Hardware(
-        name="h200", flops={"bfloat16": 989 * TFLOPS, "float16": 989 * TFLOPS,
-                            "tfloat32": 494 * TFLOPS, "float32": 67 * TFLOPS},
-        memory=141 * GB, memory_bandwidth=4800 * GB, intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB, gemm_efficiency=0.7, gemm_knee=8e9,
-        kernel_overhead=4e-6,
-        source="NVIDIA H200 Tensor Core GPU data sheet (SXM); HGX H200"),
 }
+# the A100 with 80 GB of HBM2e at 2.0 TB/s; the H200: the H100's compute with 141 GB of HBM3e
+# at 4.8 TB/s (HGX H200, 8 per node)
+PRESETS["a100-80gb"] = dataclasses.replace(
+    PRESETS["a100-40gb"], name="a100-80gb", memory=80 * 2**30, memory_bandwidth=2039 * GB,
+    source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80 GB); DGX A100 data sheet")
+PRESETS["h200"] = dataclasses.replace(
+    PRESETS["h100"], name="h200", memory=141 * GB, memory_bandwidth=4800 * GB,
+    source="NVIDIA H200 Tensor Core GPU data sheet (SXM); HGX H200")
 
 _FILE_HELP = (
     "a JSON or TOML file with the fields of autotp.planner.hardware.Hardware: name, flops "
