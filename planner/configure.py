@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from autotp.planner.memory import (
     Memory,
     Precision,
     balanced_stages,
+    on_stage,
     precision as get_precision,
     stage_memory,
 )
@@ -300,7 +301,7 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
                    dtype=req.dtype, mesh=mesh) for i, stage in enumerate(stages)]
     stage_params = [_stage_param_numel(prof, stages, i) for i in range(pp)]
     boundary = max(prof.layer_inputs.values(), default=0.0)
-    config.time = step_time(works, prof, hw, micro_batches=m, mesh=mesh, prec=prec,
+    config.time = step_time(works, hw, micro_batches=m, mesh=mesh, prec=prec,
                             stage_params=stage_params, boundary_bytes=boundary,
                             layers_per_stage=[len(s) for s in stages], dp_shard=req.dp_shard)
     peak = hw.peak(req.dtype)
@@ -317,12 +318,7 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
 
 
 def _stage_param_numel(prof: Profile, stages: Sequence[Sequence[int]], stage: int) -> float:
-    mine = set(stages[stage])
-    pp = len(stages)
-    sides = {"first", "both"} if stage == 0 else set()
-    sides |= {"last", "both"} if stage == pp - 1 else set()
-    return float(sum(p.numel for p in prof.params
-                     if (p.end == "layer" and p.layer in mine) or p.end in sides))
+    return float(sum(p.numel for p in prof.params if on_stage(p, stage, stages)))
 
 
 def _largest_part(m: Memory) -> str:
@@ -385,6 +381,3 @@ def _positive(name: str, value: Any) -> int:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
-
-def fitting(configs: Iterable[Config]) -> list[Config]:
-    return [c for c in configs if c.fits]

@@ -18,10 +18,10 @@ holds ``pp`` micro-batches' activations, stage ``i`` holds ``pp - i``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 from autotp.errors import ConfigError
-from autotp.planner.profile import Profile
+from autotp.planner.profile import Param, Profile
 
 POLICIES = ("none", "selective", "full")
 
@@ -103,21 +103,25 @@ def end_activations(prof: Profile, side: str) -> float:
     return sum(s.nbytes for s in prof.saved if s.layer is None and s.side == side)
 
 
+def on_stage(param: Param, stage: int, stages: Sequence[Sequence[int]]) -> bool:
+    """Whether pipeline stage ``stage`` holds ``param``: a layer's on the stage of its layer,
+    the embeddings' on the first, the head's on the last, a tied pair's on both."""
+    if param.end == "layer":
+        return param.layer in stages[stage] if param.layer is not None else stage == 0
+    return (stage == 0 and param.end in ("first", "both")) or \
+        (stage == len(stages) - 1 and param.end in ("last", "both"))
+
+
 def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
                  micro_batches: int, policy: str, prec: Precision, dp: int,
                  dp_shard: str = "fsdp") -> Memory:
     """The memory of pipeline stage ``stage`` (``stages``: the layers of each stage)."""
     pp = len(stages)
     mine = set(stages[stage])
-    sides = {"layer"} | ({"first", "both"} if stage == 0 else set()) | \
-        ({"last", "both"} if stage == pp - 1 else set())
     numel = 0.0
     largest_layer: dict[int, float] = {}
     for p in prof.params:
-        on_stage = (p.layer in mine) if p.end == "layer" else (p.end in sides)
-        if p.end == "layer" and p.layer is None:
-            on_stage = stage == 0
-        if on_stage:
+        if on_stage(p, stage, stages):
             numel += p.numel
             key = p.layer if p.layer is not None else -1
             largest_layer[key] = largest_layer.get(key, 0.0) + p.numel
@@ -141,29 +145,6 @@ def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
     return Memory(stage=stage, parameters=numel * prec.weight / shard,
                   gradients=numel * prec.grad / shard, optimizer=numel * prec.optimizer / opt_shard,
                   activations=act * in_flight, transient=transient)
-
-
-def peak_memory(prof: Profile, stages: Sequence[Sequence[int]], **kwargs: object) -> Memory:
-    """The fullest stage's memory (the GPU that decides whether the configuration fits)."""
-    return max((stage_memory(prof, i, stages, **kwargs) for i in range(len(stages))),  # type: ignore[arg-type]
-               key=lambda m: m.total)
-
-
-def even_stages(layers: Sequence[int], pp: int,
-                weights: Optional[dict[int, float]] = None) -> list[list[int]]:
-    """Contiguous stages of ``layers`` balancing ``weights`` (default: equal layers)."""
-    layers = list(layers)
-    if pp > len(layers):
-        raise ConfigError(f"pp={pp} is more than the {len(layers)} layers")
-    if weights is None:
-        base, extra = divmod(len(layers), pp)
-        out, start = [], 0
-        for i in range(pp):
-            size = base + (1 if i < extra else 0)
-            out.append(layers[start:start + size])
-            start += size
-        return out
-    return balanced_stages(layers, pp, weights)
 
 
 def balanced_stages(layers: list[int], pp: int, weights: dict[int, float],

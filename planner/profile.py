@@ -30,7 +30,7 @@ import torch.fx as fx
 from autotp.capture.trace import Captured, size_expr, tensor_inputs
 from autotp.layout import Layout, Replicate, Shard, local_shape, parse_layout
 from autotp.planner.plan import Plan
-from autotp.planner.saved import saves_input
+from autotp.planner.saved import saves_input, saves_output
 
 aten = torch.ops.aten
 
@@ -286,19 +286,13 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                  _local_numel(shape, in_layouts[0], tp) * mask_bytes, quadratic)
         elif node.target in NORMS or node.target in ATTENTION:
             _keep_extras(node, ins, in_layouts, sizes, tp, dtype_bytes, keep)
-        elif _saves_output(node):
+        elif saves_output(node):
             keep(node.name, node, local_bytes(node, out_layout), quadratic)
     prof.saved = list(kept.values())
     prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side)
     prof.params = _params(gm, plan, side)
     prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
     return prof
-
-
-def _saves_output(node: fx.Node) -> bool:
-    from autotp.planner.saved import _SAVES_OUTPUT
-
-    return node.target in _SAVES_OUTPUT
 
 
 def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,

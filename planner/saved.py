@@ -54,6 +54,11 @@ def saves_input(user: fx.Node, value: fx.Node, requires_grad: Callable[[fx.Node]
     return True
 
 
+def saves_output(node: fx.Node) -> bool:
+    """Whether ``node``'s backward reads its own output (softmax, sigmoid, exp...)."""
+    return node.target in _SAVES_OUTPUT
+
+
 def saved_values(graph: fx.Graph, requires_grad: Callable[[fx.Node], bool]) -> set[str]:
     """Names of the nodes whose value autograd keeps for backward: some reader saves it, or
     the op itself keeps its output."""

@@ -80,7 +80,6 @@ class StageWork:
     backward: float
     recompute: float
     comm: float
-    model_flops: float  # forward FLOPs of the stage's products (for MFU)
 
 
 def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
@@ -95,7 +94,7 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
     def slot(layer: object, side: str) -> StageWork:
         at = layer if layer is not None else side
         if at not in out:
-            out[at] = StageWork(0.0, 0.0, 0.0, 0.0, 0.0)
+            out[at] = StageWork(0.0, 0.0, 0.0, 0.0)
         return out[at]
 
     for op in prof.ops:
@@ -103,7 +102,6 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
         t = _op_time(hw, op.kind, op.flops, op.nbytes, dtype)
         w.forward += t
         w.backward += BACKWARD[op.kind] * t
-        w.model_flops += op.flops
         if op.layer is not None and (policy == "full" or (policy == "selective" and
                                                           op.quadratic)):
             w.recompute += t
@@ -122,7 +120,7 @@ def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: boo
     per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node)
     keys: list[object] = list(layers) + (["first"] if first else []) + \
         (["last"] if last else [])
-    total = StageWork(0.0, 0.0, 0.0, 0.0, 0.0)
+    total = StageWork(0.0, 0.0, 0.0, 0.0)
     for key in keys:
         w = per.get(key)
         if w is not None:
@@ -130,11 +128,10 @@ def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: boo
             total.backward += w.backward
             total.recompute += w.recompute
             total.comm += w.comm
-            total.model_flops += w.model_flops
     return total
 
 
-def step_time(works: Sequence[StageWork], prof: Profile, hw: Hardware, *, micro_batches: int,
+def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
               mesh: Layout, prec: Precision, stage_params: Sequence[float],
               boundary_bytes: float, layers_per_stage: Sequence[int],
               dp_shard: str = "fsdp") -> StepTime:
