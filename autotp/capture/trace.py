@@ -224,11 +224,72 @@ def capture(
 
 def _normalized(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     gm = ep.module()
+    inline_autocast(gm)
     drop_metadata_asserts(gm)
     merge_tied_parameters(gm)
     out_of_place(gm)
     constant_index_to_slice(gm)
+    broadcast_to_as_expand(gm)
     return gm
+
+
+def inline_autocast(gm: fx.GraphModule) -> None:
+    """An autocast region (``with torch.autocast(...)``, a ``@disable_autocast`` function),
+    which torch.export wraps whole in one higher-order op, -> its body spliced into the
+    program between ``_enter_autocast`` and ``_exit_autocast``. The rules then see the body's
+    ops one by one (its casts are pointwise ops like any other), and the rank program still
+    runs the body under the same autocast state, whatever device it runs on."""
+    try:
+        from torch._higher_order_ops.wrap import wrap_with_autocast
+    except ImportError:  # pragma: no cover - older torch
+        return
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not wrap_with_autocast:
+            continue
+        device_type, dtype, enabled, cache_enabled, body_node, *operands = node.args
+        body = _fetch_attr(gm, body_node.target)
+        graph = gm.graph
+        with graph.inserting_before(node):
+            state = graph.call_function(torch.amp._enter_autocast,
+                                        (device_type, dtype, enabled, cache_enabled))
+            env: dict[fx.Node, Any] = {}
+            inputs = iter(operands)
+            results: tuple[Any, ...] = ()
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(inputs)
+                elif inner.op == "output":
+                    results = fx.map_arg(inner.args[0], env.__getitem__)
+                elif inner.op == "get_attr":  # a nested region's body
+                    name = f"{body_node.target}_{inner.target}"
+                    setattr(gm, name, _fetch_attr(body, inner.target))
+                    env[inner] = graph.get_attr(name)
+                else:
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+            graph.call_function(torch.amp._exit_autocast, (state,))
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise TraceError(f"autotp cannot read the result of {node.format_node()}")
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not body_node.users:
+            graph.erase_node(body_node)
+            if not any(n.op == "get_attr" and n.target == body_node.target
+                       for n in graph.nodes):
+                delattr(gm, body_node.target)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def broadcast_to_as_expand(gm: fx.GraphModule) -> None:
+    """``torch.broadcast_to(x, shape)`` is ``x.expand(shape)`` (Falcon's grouped k/v heads
+    broadcast over the query heads of their group): one op for the rules, the rewriter's
+    size localization and the saved-tensor and kernel tables."""
+    for node in gm.graph.nodes:
+        if node.target == aten.broadcast_to.default:
+            node.target = aten.expand.default
+    gm.recompile()
 
 
 def constant_index_to_slice(gm: fx.GraphModule) -> None:
