@@ -73,6 +73,9 @@ class Plan:
     edges: list[Edge] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    # ops with no layout rule whose inputs are all constants (no input, parameter or state):
+    # computed replicated, exactly, at no communication; listed, not counted as fallbacks
+    constants: list[str] = field(default_factory=list)
     cost: float = 0.0
     dims: dict[str, str] = field(default_factory=dict)  # symbol -> B/T
     # the dataflow graph: node -> the tensor nodes it reads; node -> op (for display)
@@ -124,6 +127,8 @@ class Plan:
         sharded_out = [x for x in self.outputs if x.startswith("S")]
         if sharded_out:
             lines.append(f"  outputs returned sharded (not gathered): {', '.join(self.outputs)}")
+        if self.constants:
+            lines.append(f"  constants with no rule, computed replicated: {len(self.constants)}")
         if self.fallbacks:
             lines.append(f"  fallbacks (replicated): {len(self.fallbacks)}")
             lines += [f"    {f}" for f in self.fallbacks]
@@ -151,6 +156,7 @@ class Plan:
         plan.edges = [Edge(**e) for e in data["edges"]]
         plan.collectives = [CollectiveRecord(**c) for c in data["collectives"]]
         plan.fallbacks = list(data["fallbacks"])
+        plan.constants = list(data.get("constants", []))
         plan.cost = data["cost"]
         plan.dims = dict(data["dims"])
         plan.graph = {k: list(v) for k, v in data.get("graph", {}).items()}

@@ -56,6 +56,7 @@ class PNode:
     is_state: bool = False  # an input the caller keeps per rank in the planned layout (a cache)
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
     saved: bool = False  # a reader keeps it for backward (planner/saved.py): activation memory
+    constant: bool = False  # computed from no input, parameter or state: replicated, exact
 
     def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
         """Whether have -> want moves a shard of the sequence (sequence parallelism's
@@ -231,6 +232,7 @@ def build_problem(
     grad: dict[str, bool] = {}
     strategy_memo: dict[Any, list[Strategy]] = {}
     split = sequence_symbols(dims) if options.sequence_parallel else frozenset()
+    constants: set[str] = set()  # values that read no input, parameter or state
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         pn = PNode(node=node, kind="skip")
@@ -274,6 +276,15 @@ def build_problem(
                     pn.strategies = [pn.strategies[forced]]
                 elif not options.partial_statistics:
                     pn.strategies = [s for s in pn.strategies if not s.premium]
+            elif _deterministic(node) and all(n.name in constants for n in ins):
+                # a constant (a mask built by a Python loop, a factory with no rule): the
+                # same values on every rank, whatever it computes, so replicated is exact
+                pn.kind = "op"
+                pn.constant = True
+                pn.inputs = [n.name for n in ins]
+                out = make_call(node, tp, blocks).output
+                pn.strategies = [Strategy((R,) * len(ins), _map_out(out, R) if
+                                          isinstance(out, tuple) else R, name="constant")]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
                 if options.strict:
                     raise NoRuleError(
@@ -293,6 +304,10 @@ def build_problem(
                                           _map_out(out, R_STAR), name="fallback")]
             pn.requires_grad = any(grad.get(n, False) for n in pn.inputs) and _floating(val)
         grad[node.name] = pn.requires_grad
+        if (node.op == "get_attr" and not pn.is_param) or (
+                pn.kind in ("op", "getitem") and _deterministic(node) and not pn.mutated - constants
+                and all(n in constants for n in pn.inputs)):
+            constants.add(node.name)
         pn.nbytes = _nbytes(val, cost_model, dims)
         if split and isinstance(val, torch.Tensor):
             pn.seq_dims = frozenset(d for d, size in enumerate(val.shape)
@@ -330,6 +345,12 @@ def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> No
                       and all(isinstance(x, Replicate) for x in output_layouts(s.output))]
         if replicated:
             pn.strategies = replicated
+
+
+def _deterministic(node: fx.Node) -> bool:
+    """An ATen op that draws no random numbers (randomness is planned by its own rules)."""
+    tags = getattr(node.target, "tags", None)
+    return tags is not None and torch.Tag.nondeterministic_seeded not in tags
 
 
 def mutated_inputs(node: fx.Node) -> frozenset:

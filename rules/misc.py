@@ -66,10 +66,10 @@ REPLICATED_ONLY: list[Any] = [
     aten.mse_loss.default,
 ]
 
-try:  # higher-order ops of torch.export's training IR (no-grad / autocast regions)
-    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+try:  # torch.export's no-grad regions (autocast regions are inlined at capture)
+    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
-    REPLICATED_ONLY += [wrap_with_set_grad_enabled, wrap_with_autocast]
+    REPLICATED_ONLY += [wrap_with_set_grad_enabled]
 except ImportError:  # pragma: no cover - older torch
     pass
 
