@@ -16,7 +16,7 @@ from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial, output_layout
 from autotp.planner.transitions import Collective, transition
-from autotp.rules.registry import format_output
+from autotp.rules.registry import format_output, output_layouts
 
 
 def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
@@ -29,6 +29,10 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     plan.sequence_parallel = options.sequence_parallel
     plan.dims = {str(k): v for k, v in dims.items()}
     values: dict[str, Any] = {}
+    # the op that made each partial sum: a value that is still P after linear ops (a cast,
+    # a scale, a residual add) is reduced where it is read, but it is the product's sum
+    origin: dict[str, fx.Node] = {}
+    order = {pn.node: i for i, pn in enumerate(pnodes)}
     for pn in pnodes:
         name = pn.node.name
         if pn.kind == "input":
@@ -41,6 +45,14 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             strategy = pn.strategies[decisions[name]]
             out = strategy.output if pn.requires_grad else drop_grad_partial(strategy.output)
             values[name] = out
+            carried = [origin[i] for i, want in zip(pn.inputs, strategy.inputs)
+                       if isinstance(want, Partial) and i in origin]
+            if any(isinstance(x, Partial) for x in output_layouts(out)):
+                # partial sums added together: the latest maker (a residual stream kept
+                # partial since the embedding is reduced for the block that adds to it)
+                origin[name] = max(carried, key=order.__getitem__) if carried else pn.node
+            if pn.constant:
+                plan.constants.append(f"{pn.node.target} at {name} ({origin_of(pn.node)})")
             if pn.fallback:
                 plan.fallbacks.append(f"{pn.node.target} at {name}: replicated "
                                       f"({origin_of(pn.node)})")
@@ -52,6 +64,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
         elif pn.kind == "getitem":
             parent = values[pn.inputs[0]]
             values[name] = parent[pn.node.args[1]] if isinstance(parent, tuple) else parent
+            if pn.inputs[0] in origin:
+                origin[name] = origin[pn.inputs[0]]
     plan.values = {k: format_output(v) for k, v in values.items()}
     for pn in pnodes:
         if pn.kind in ("input", "leaf", "op", "getitem", "output"):
@@ -83,7 +97,9 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                               to_output=pn.kind == "output",
                               sequence_parallel=src.sequence_step(have, want, options))
             assert step is not None, (name, have, want)
-            fwd_layer = layer_of(src.node) if src.kind == "op" else layer_of(pn.node)
+            made = origin.get(name, src.node)  # a reduction belongs to the partial's maker
+            fwd_layer = layer_of(made) if src.kind == "op" or name in origin else \
+                layer_of(pn.node)
             # a reduction's conjugate belongs where the reduction is (the producer's side);
             # a gradient-only collective (Megatron's f) to the consumer
             bwd_layer = fwd_layer if step.forward else \
@@ -114,7 +130,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
                     # forward: where the value is produced; backward: where it is read
-                    at = pn.node if phase == "backward" else src.node
+                    at = pn.node if phase == "backward" else made
                     plan.collectives.append(CollectiveRecord(
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
                         node=name, source=source_of(at), src=str(have), dst=str(want),
