@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
@@ -290,16 +290,35 @@ class _Link:
         return prev_mine, (choice, leaves_mine)
 
 
-def leaf_memory_cost(tp: int, cost_model: Any) -> Callable[[Any, Any], float]:
+def leaf_memory_cost(tp: int, cost_model: Any,
+                     pnodes: Sequence[Any] = ()) -> Callable[[Any, Any], float]:
+    """The memory price of holding a parameter in a layout. A *narrow* matrix (a rank-r
+    adapter, a router over a few experts) is priced as a vector: one side at most the other
+    / (4 tp), as planner/checks.py replicates by design, and that side at most a quarter of
+    the model's typical width (the median of every matrix's smaller side), so that an
+    embedding or LM head, narrow only because the vocabulary is large, stays a matrix.
+    Sharding a narrow matrix saves next to nothing and would buy a collective (lora_A split
+    along its rank of 4: an all-reduce per adapter)."""
+    sides = sorted(min(pn.node.meta["val"].shape) for pn in pnodes
+                   if pn.kind == "leaf" and pn.is_param and pn.ndim == 2)
+    typical = sides[len(sides) // 2] if sides else 0
+
+    def narrow(leaf: Any) -> bool:
+        if leaf.ndim != 2:
+            return False
+        shape = tuple(leaf.node.meta["val"].shape)
+        return min(shape) * 4 * tp <= max(shape) and min(shape) * 4 <= typical
+
     def cost(leaf: Any, layout: Any) -> float:
         # state is charged where it is written (``solve._transitions``): a cache whose size
         # is read first gets no preference before its writer says which layouts can hold it
         if not leaf.is_param:
             return 0.0
+        ndim = 1 if narrow(leaf) else leaf.ndim
         if not isinstance(layout, Shard):
-            return cost_model.memory_cost(leaf.nbytes, leaf.ndim)
+            return cost_model.memory_cost(leaf.nbytes, ndim)
         if not is_mixed(layout.blocks):
-            return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim)
+            return cost_model.memory_cost(leaf.nbytes / tp, ndim)
         # Segments held whole are k/v heads tp cannot divide, whole by design as in Megatron
         # (and as narrow matrices are): their memory is counted as if sharded, and the sum
         # of their partial gradients after backward is paid as communication (bandwidth; the

@@ -204,7 +204,8 @@ def solve(
         if name in candidates and (leaf.is_param or leaf.is_state or layout == R):
             candidates[name] = [layout]  # buffers are never stored sharded
     solver = FrontierSolver(pnodes, by_name, last_use, candidates,
-                            leaf_memory_cost(tp, cost_model), transition, options.max_states,
+                            leaf_memory_cost(tp, cost_model, pnodes), transition,
+                            options.max_states,
                             reuse_layers=options.reuse_layers)
     return solver.run()
 
