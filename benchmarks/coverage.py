@@ -148,6 +148,9 @@ FAMILIES: dict[str, Family] = {
                                         vocab_size=VOCAB, n_positions=64),
     "Falcon": _family("FalconForCausalLM", "FalconConfig", num_hidden_layers=2,
                       hidden_size=64, num_attention_heads=8, vocab_size=VOCAB),
+    "Falcon (grouped k/v)": _family("FalconForCausalLM", "FalconConfig", num_hidden_layers=2,
+                                    hidden_size=64, num_attention_heads=8, num_kv_heads=2,
+                                    new_decoder_architecture=True, vocab_size=VOCAB),
     # ---- dense decoders --------------------------------------------------------------------
     "Qwen3": _family("Qwen3ForCausalLM", "Qwen3Config", head_dim=8, **LLAMA_LIKE),
     "OLMo2": _family("Olmo2ForCausalLM", "Olmo2Config", **LLAMA_LIKE),

@@ -52,7 +52,7 @@ LIKE = {
 # Families that tests/test_families.py runs at tp = 2 with stronger checks (exactness,
 # collectives and bytes per layer, what is sharded): not run twice by default.
 IN_FAMILY_TESTS = {"Mixtral (MoE)", "Qwen2-MoE (shared expert)", "DeepSeek-V3 (MLA, MoE)",
-                   "Gemma3", "Phi-3 (GQA, fused qkv)", "Falcon", "OLMo2",
+                   "Gemma3", "Phi-3 (GQA, fused qkv)", "Falcon", "Falcon (grouped k/v)", "OLMo2",
                    "GPTBigCode (multi-query)"}
 
 

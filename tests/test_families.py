@@ -53,11 +53,13 @@ QWEN2_MOE = "Qwen2-MoE (shared expert)"
 DEEPSEEK = "DeepSeek-V3 (MLA, MoE)"
 GEMMA3 = "Gemma3"
 FALCON = "Falcon"
+FALCON_GROUPED = "Falcon (grouped k/v)"
 OLMO2 = "OLMo2"
 PHI3 = "Phi-3 (GQA, fused qkv)"
 BIGCODE = "GPTBigCode (multi-query)"
 BLOOM = "Bloom"
-FAMILIES = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE, BLOOM]
+FAMILIES = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, FALCON_GROUPED, OLMO2, PHI3, BIGCODE,
+            BLOOM]
 MOE = [MIXTRAL, QWEN2_MOE, DEEPSEEK]
 UNIT = 2 * 2 * 12 * 64 * 4  # Megatron's bytes per layer each way: 2 all-reduces, B 2, T 12, h 64
 
@@ -260,6 +262,22 @@ def test_falcon_multi_query_one_all_reduce_per_layer(runs: Callable[[str], Run])
     assert _bound_failures(run) == []
 
 
+def test_falcon_grouped_kv_heads_shard_by_group(runs: Callable[[str], Run]) -> None:
+    """Falcon-40B's layout (``new_decoder_architecture``): query_key_value holds, per k/v
+    group, the group's query heads then its k and v head; the k/v head is picked by
+    ``qkv[..., [-2], :]`` and ``torch.broadcast_to`` over the group's query heads (planned as
+    the ``expand`` it is). With tp dividing the groups the fused weight is sharded by group,
+    and the parallel attention and MLP meet in one all-reduce per layer forward."""
+    run = runs(FALCON_GROUPED)
+    assert run.plan.fallbacks == [] and run.wide_replicated() == [], run.describe()
+    for i in run.layers:
+        t = run.layer(i)
+        assert (t["forward"], t["forward_bytes"]) == (1, UNIT // 2), (i, run.describe())
+        assert t["backward"] <= 1, (i, run.describe())
+        fused = run.plan.params[f"transformer.h.{i}.self_attention.query_key_value.weight"]
+        assert fused.layout == "S(0)", fused
+
+
 def test_falcon_without_weights_plans_as_with_them(runs: Callable[[str], Run]) -> None:
     """Built with autotp.empty_weights (as from_pretrained builds it), Falcon is traced on
     meta; its k/v index ``[-2]`` is still read as a slice, and every parameter gets the
@@ -303,7 +321,8 @@ def test_megatron_bound(runs: Callable[[str], Run], name: str) -> None:
 # ---- what is sharded ------------------------------------------------------------------------
 
 
-NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, OLMO2, PHI3, BIGCODE, BLOOM]
+NO_FALLBACKS = [MIXTRAL, QWEN2_MOE, DEEPSEEK, GEMMA3, FALCON, FALCON_GROUPED, OLMO2, PHI3, BIGCODE,
+                BLOOM]
 
 
 @pytest.mark.parametrize("name", NO_FALLBACKS)

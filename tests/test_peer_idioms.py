@@ -204,3 +204,124 @@ def test_per_head_l2_norm_keeps_the_heads_sharded(tp: int) -> None:
     layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
     assert layouts == {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)",
                        "o.weight": "S(1)"}, layouts
+
+
+class AutocastRotary(nn.Module):
+    """x-transformers' rotary embedding runs under ``@disable_autocast``; a projection run
+    under ``autocast(bfloat16)`` checks that the region's casts are kept in the rank program."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__()
+        self.enabled = enabled
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (lin(x).view(b, n, 8, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        freqs = torch.arange(n, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.enabled):
+            q = q * freqs.cos() + torch.cat((-q[..., 4:], q[..., :4]), -1) * freqs.sin()
+            k = k * freqs.cos() + torch.cat((-k[..., 4:], k[..., :4]), -1) * freqs.sin()
+            k = k @ torch.eye(8)  # a product: bfloat16 inside an enabled region
+        y = F.scaled_dot_product_attention(q, k.float(), v)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("enabled", [False, True], ids=["disabled", "bfloat16"])
+def test_an_autocast_region_is_planned_op_by_op(tp: int, enabled: bool) -> None:
+    torch.manual_seed(0)
+    sim = check_exact(AutocastRotary(enabled), (torch.randn(2, 16, 64),), tp)
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)",
+                       "o.weight": "S(1)"}, layouts
+    assert not sim.plan.fallbacks
+    targets = {n.target for n in sim.ranks[0].program.graph.nodes}
+    assert torch.amp._enter_autocast in targets or any(
+        isinstance(m, torch.fx.GraphModule) and torch.amp._enter_autocast in
+        {n.target for n in m.graph.nodes} for m in sim.ranks[0].program.modules())
+
+
+class LoopMaskAttention(nn.Module):
+    """litgpt builds Gemma-2's sliding-window mask in a Python loop over positions
+    (``fill_`` and ``select_scatter`` on a tensor made from no input), and ``torch.eye`` is a
+    factory with no layout rule: both are constants, computed replicated. (No biases: a key
+    bias's gradient is zero in exact arithmetic, left as rounding noise.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        mask = torch.zeros(16, 16, dtype=torch.bool)
+        for i in range(16):  # a window of 4 positions, the loop unrolled by the trace
+            row = torch.zeros(16, dtype=torch.bool)
+            row[max(0, i - 3):i + 1].fill_(True)
+            mask = torch.select_scatter(mask, row, 0, i)
+        mask = mask & (torch.eye(16) < 2)
+        q, k, v = (lin(x).view(b, n, 8, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:n, :n])
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_constants_are_computed_replicated_not_fallbacks(tp: int) -> None:
+    torch.manual_seed(0)
+    sim = check_exact(LoopMaskAttention(), (torch.randn(2, 16, 64),), tp)  # strict by default
+    assert not sim.plan.fallbacks
+    assert any("eye" in text for text in sim.plan.constants), sim.plan.constants
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)",
+                       "o.weight": "S(1)"}, layouts
+    per = sim.plan.per_layer()
+    # o's all-reduce forward; nothing backward (the input takes no gradient)
+    assert dict(per[None]) == {("forward", "all_reduce"): 1}, per
+
+
+class RandomFactory(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * torch.special.ndtri(torch.rand(64).clamp(0.01, 0.99))
+
+
+def test_a_random_factory_is_no_constant() -> None:
+    """A draw from no input differs per call: it is not a constant (refused, with its line)."""
+    model = RandomFactory()
+    with pytest.raises(autotp.AutotpError, match="test_peer_idioms.py"):
+        autotp.plan(model, 2, example_args=(torch.randn(2, 4, 64),))
+
+
+class LoraMlp(nn.Module):
+    """peft's ``lora.Linear``: ``base(x) + lora_B(lora_A(x)) * scaling`` (rank 4) on the
+    column-parallel half of an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(64, 256)
+        self.lora_A, self.lora_B = nn.Linear(64, 4, bias=False), nn.Linear(4, 256, bias=False)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.base(x) + self.lora_B(self.lora_A(x)) * 2.0))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_low_rank_adapter_costs_no_collective(tp: int) -> None:
+    """lora_A (4 x 64) is narrow: replicated beside the column-parallel base, lora_B
+    column-parallel with it, so the block keeps its one all-reduce forward (sharding lora_A
+    along its rank of 4 saved 1 KiB and cost an all-reduce per adapter)."""
+    torch.manual_seed(0)
+    model = LoraMlp()
+    with torch.no_grad():
+        model.lora_B.weight.normal_(0, 0.02)  # peft starts it at zero: a zero gradient path
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    sim = check_exact(model, (x,), tp)
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"base.weight": "S(0)", "lora_A.weight": "R", "lora_B.weight": "S(0)",
+                       "down.weight": "S(1)"}, layouts
+    assert dict(sim.plan.per_layer()[None]) == {("forward", "all_reduce"): 1,
+                                                ("backward", "all_reduce"): 1}

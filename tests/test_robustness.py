@@ -536,3 +536,21 @@ def test_wide_matrices_kept_whole_with_summed_gradients_are_recorded() -> None:
         kv = autotp.plan(tf.LlamaForCausalLM(config), 8)  # k/v 32 x 64, whole at tp 8
     assert kv.params["model.layers.0.self_attn.k_proj.weight"].grad_sync
     assert kv.fallbacks == []
+
+
+def test_a_reduction_is_attributed_to_the_product_that_made_the_partial() -> None:
+    """Gemma-2's sandwich norms: the embedding's vocabulary-parallel partial sum is reduced in
+    layer 0's first norm, and each block's product output in the norm after it. Each forward
+    all-reduce is attributed to its maker (the embedding outside the layers, o_proj and
+    down_proj inside): 2 per layer, not 3 in layer 0."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=8, head_dim=8, vocab_size=128, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.Gemma2ForCausalLM(config)
+    plan = autotp.plan(model, 2)
+    forward = [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_reduce"]
+    makers = {(c.layer, (c.module or "").rsplit(".", 1)[-1]) for c in forward}
+    assert makers == {(None, "embed_tokens"), (0, "o_proj"), (0, "down_proj"),
+                      (1, "o_proj"), (1, "down_proj")}, makers
