@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import pytest
 import sympy
 import torch
-from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
 from autotp.layout import R, R_STAR, Partial, Period, Replicate, Shard, parse_layout
 from autotp.rules import misc
@@ -341,10 +341,10 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten._assert_tensor_metadata.default: [s(X, dtype=torch.float32)],
 }
 
-_HIGHER_ORDER = "higher-order op (no-grad/autocast region): takes a subgraph, not an aten call"
+# autocast regions are spliced into the program at capture (trace.inline_autocast): no rule
+_HIGHER_ORDER = "higher-order op (no-grad region): takes a subgraph, not an aten call"
 NOT_SAMPLED: dict[Any, str] = {
     wrap_with_set_grad_enabled: _HIGHER_ORDER,
-    wrap_with_autocast: _HIGHER_ORDER,
     aten.item.default: "data-dependent Python scalar: check_op's FakeTensorMode cannot run it",
     aten.bincount.default: "data-dependent output shape: FakeTensorMode cannot run it "
                            "(replicated-only by design)",
