@@ -50,6 +50,13 @@ MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.d
            aten.addmm.default)
 
 
+def narrow(shape: tuple[int, ...], tp: int) -> bool:
+    """A matrix with one side at most the other / (4 tp): a router over a few experts, a
+    scalar gate, a rank-r adapter. Replicated by design, as in Megatron: sharding it would
+    cost more communication than the compute and memory it saves."""
+    return len(shape) == 2 and min(shape) * 4 * tp <= max(shape)
+
+
 def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset(),
                         wide_heads: bool = False
                         ) -> Iterator[tuple[fx.Node, list[fx.Node], list[int]]]:
@@ -79,7 +86,7 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         if not products or (param.grad_sync and not odd and not (
                 wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
-        if min(param.global_shape) * 4 * plan.tp <= max(param.global_shape):
+        if narrow(param.global_shape, plan.tp):
             # A narrow matrix (a router over a few experts, a scalar gate): replicated by
             # design, as in Megatron; sharding it would cost more communication than the
             # compute it saves.

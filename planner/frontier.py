@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
+from autotp.planner.checks import narrow
 from autotp.planner.transitions import Collective
 
 Entry = tuple[Any, frozenset]
@@ -294,27 +295,24 @@ def leaf_memory_cost(tp: int, cost_model: Any,
                      pnodes: Sequence[Any] = ()) -> Callable[[Any, Any], float]:
     """The memory price of holding a parameter in a layout. A *narrow* matrix (a rank-r
     adapter, a router over a few experts) is priced as a vector: one side at most the other
-    / (4 tp), as planner/checks.py replicates by design, and that side at most a quarter of
+    / (4 tp) (``checks.narrow``, replicated by design), and that side at most a quarter of
     the model's typical width (the median of every matrix's smaller side), so that an
     embedding or LM head, narrow only because the vocabulary is large, stays a matrix.
     Sharding a narrow matrix saves next to nothing and would buy a collective (lora_A split
     along its rank of 4: an all-reduce per adapter)."""
-    sides = sorted(min(pn.node.meta["val"].shape) for pn in pnodes
-                   if pn.kind == "leaf" and pn.is_param and pn.ndim == 2)
+    shapes = {pn.node.name: tuple(pn.node.meta["val"].shape) for pn in pnodes
+              if pn.kind == "leaf" and pn.is_param and pn.ndim == 2}
+    sides = sorted(min(shape) for shape in shapes.values())
     typical = sides[len(sides) // 2] if sides else 0
-
-    def narrow(leaf: Any) -> bool:
-        if leaf.ndim != 2:
-            return False
-        shape = tuple(leaf.node.meta["val"].shape)
-        return min(shape) * 4 * tp <= max(shape) and min(shape) * 4 <= typical
+    narrow_names = {name for name, shape in shapes.items()
+                    if narrow(shape, tp) and min(shape) * 4 <= typical}
 
     def cost(leaf: Any, layout: Any) -> float:
         # state is charged where it is written (``solve._transitions``): a cache whose size
         # is read first gets no preference before its writer says which layouts can hold it
         if not leaf.is_param:
             return 0.0
-        ndim = 1 if narrow(leaf) else leaf.ndim
+        ndim = 1 if leaf.node.name in narrow_names else leaf.ndim
         if not isinstance(layout, Shard):
             return cost_model.memory_cost(leaf.nbytes, ndim)
         if not is_mixed(layout.blocks):

@@ -304,9 +304,7 @@ def build_problem(
                                           _map_out(out, R_STAR), name="fallback")]
             pn.requires_grad = any(grad.get(n, False) for n in pn.inputs) and _floating(val)
         grad[node.name] = pn.requires_grad
-        if (node.op == "get_attr" and not pn.is_param) or (
-                pn.kind in ("op", "getitem") and _deterministic(node) and not pn.mutated - constants
-                and all(n in constants for n in pn.inputs)):
+        if _is_constant(pn, constants):
             constants.add(node.name)
         pn.nbytes = _nbytes(val, cost_model, dims)
         if split and isinstance(val, torch.Tensor):
@@ -345,6 +343,17 @@ def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> No
                       and all(isinstance(x, Replicate) for x in output_layouts(s.output))]
         if replicated:
             pn.strategies = replicated
+
+
+def _is_constant(pn: PNode, constants: set[str]) -> bool:
+    """A buffer, or a deterministic op (or an element of its result) that reads and writes
+    only constants: the same values on every rank."""
+    if pn.node.op == "get_attr":
+        return not pn.is_param
+    if pn.kind == "getitem":
+        return pn.inputs[0] in constants
+    return pn.kind == "op" and _deterministic(pn.node) and not pn.mutated - constants and \
+        all(n in constants for n in pn.inputs)
 
 
 def _deterministic(node: fx.Node) -> bool:
