@@ -788,7 +788,10 @@ def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],
     return OpCall(node.target, args, kwargs, inputs, output, tp, blocks)  # type: ignore[arg-type]
 
 
-_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)$")
+# an entry of a module list: the first of the trailing indices, so that a list of lists
+# (x-transformers' ``layers.3`` = [norm, block, residual], whose block is ``layers.3.1``)
+# is labelled by its outer entry
+_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.\d+)*$")
 
 
 def layer_of(node: fx.Node) -> Optional[int]:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture.trace import Captured, layer_of, node_arg, sequence_symbols, size_expr
+from autotp.capture.trace import Captured, node_arg, sequence_symbols, size_expr
 from autotp.capture.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
@@ -183,11 +183,9 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
                 bucket.params[value.target] = param
                 module: nn.Module = DeferredGradReduce(bucket, value.target)
             else:
-                fwd_layer = layer_of(value) if value.op == "call_function" else layer_of(consumer)
-                # as in the plan: a reduction's conjugate is counted where the reduction is
-                bwd_layer = fwd_layer if edge.forward else \
-                    (layer_of(consumer) if consumer.op != "output" else layer_of(value))
-                module = Redistribute(comm, src, dst, layer=fwd_layer, bwd_layer=bwd_layer,
+                # the plan's layer for the edge's collectives: a reduction's is its partial
+                # sum's maker's, and its conjugate is counted there too
+                module = Redistribute(comm, src, dst, layer=edge.layer, bwd_layer=edge.layer,
                                       label=f"{edge.value} {edge.src}->{edge.dst}")
             if hasattr(root, name):
                 raise AssertionError(f"two redistributions named {name}")
