@@ -7,13 +7,16 @@ divides them are always recorded: the plan never leaves anything replicated sile
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
+
+import networkx as nx
 
 import torch
 import torch.fx as fx
 
 from autotp.capture.trace import origin_of
 from autotp.errors import PlanError, where
+from autotp.planner.gradflow import dataflow
 from autotp.planner.plan import Plan
 
 aten = torch.ops.aten
@@ -66,6 +69,8 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
     the plan reports but no other plan can shard."""
     if plan.tp == 1:
         return  # nothing is sharded at tp = 1
+    trained = {name: p.requires_grad for name, p in gm.named_parameters(remove_duplicate=False)}
+    flow = dataflow(plan)
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in plan.params:
             continue
@@ -83,7 +88,9 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         # Recorded all the same where the matrix is wide (one side more than half the other:
         # above h x h/2), where keeping it whole costs real memory and compute; narrower
         # ones (k/v heads, MLA's low-rank down-projections) are Megatron's own choice.
-        if not products or (param.grad_sync and not odd and not (
+        by_design = param.grad_sync or (not trained[node.target] and
+                                        _meets_a_shard(plan, products, flow))
+        if not products or (by_design and not odd and not (
                 wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
         if narrow(param.global_shape, plan.tp):
@@ -92,6 +99,25 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
             # compute it saves.
             continue
         yield node, products, odd
+
+
+def _meets_a_shard(plan: Plan, products: list[fx.Node], flow: Any) -> bool:
+    """Whether what the products compute is sliced, free, to meet sharded values (a frozen
+    k/v projection, replicated because tp exceeds the k/v heads, read by sharded query
+    heads): Megatron's choice, as when the projection trains and its gradient is summed."""
+    downstream: set[str] = set()
+    for product in products:
+        if product.name not in flow:
+            continue
+        # through replicated values of the product's own layer (not the residual stream
+        # into the next layer's attention)
+        layer = plan.node_layers.get(product.name)
+        kept = [n for n in flow if plan.node_layers.get(n) == layer and
+                str(plan.values.get(n, "")).startswith("R")]
+        if product.name in kept:
+            downstream |= nx.descendants(flow.subgraph(kept), product.name) | {product.name}
+    return any(edge.value in downstream and edge.forward is None and
+               edge.src.startswith("R") and edge.dst.startswith("S") for edge in plan.edges)
 
 
 def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,

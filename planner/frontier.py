@@ -23,7 +23,6 @@ from typing import Any, Callable, Sequence
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
-from autotp.planner.checks import narrow
 from autotp.planner.transitions import Collective
 
 Entry = tuple[Any, frozenset]
@@ -293,19 +292,18 @@ class _Link:
 
 def leaf_memory_cost(tp: int, cost_model: Any,
                      pnodes: Sequence[Any] = ()) -> Callable[[Any, Any], float]:
-    """The memory price of holding a parameter in a layout. A *narrow* matrix (a rank-r
-    adapter, a router over a few experts) is priced as a vector: one side at most the other
-    / (4 tp) (``checks.narrow``, replicated by design), and that side at most a quarter of
-    the model's typical width (the median of every matrix's smaller side), so that an
-    embedding or LM head, narrow only because the vocabulary is large, stays a matrix.
-    Sharding a narrow matrix saves next to nothing and would buy a collective (lora_A split
-    along its rank of 4: an all-reduce per adapter)."""
+    """The memory price of holding a parameter in a layout. A *narrow* matrix, one whose
+    smaller side is at most an eighth of the model's typical width (the median of every
+    matrix's smaller side: a rank-r adapter, a router over a few experts), is priced as a
+    vector: sharding it saves next to nothing and would buy a collective (lora_A split along
+    its rank of 4, or lora_B beside a replicated k/v projection: an all-reduce per adapter).
+    An embedding or LM head, narrow only because the vocabulary is large, and k/v
+    projections (a quarter of the width with 8 k/v heads of 32) stay matrices."""
     shapes = {pn.node.name: tuple(pn.node.meta["val"].shape) for pn in pnodes
               if pn.kind == "leaf" and pn.is_param and pn.ndim == 2}
     sides = sorted(min(shape) for shape in shapes.values())
     typical = sides[len(sides) // 2] if sides else 0
-    narrow_names = {name for name, shape in shapes.items()
-                    if narrow(shape, tp) and min(shape) * 4 <= typical}
+    narrow_names = {name for name, shape in shapes.items() if min(shape) * 8 <= typical}
 
     def cost(leaf: Any, layout: Any) -> float:
         # state is charged where it is written (``solve._transitions``): a cache whose size

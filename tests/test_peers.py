@@ -86,7 +86,19 @@ def test_x_transformers_decoder_with_rotary(tp: int) -> None:
         num_tokens=128, max_seq_len=32,
         attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
     tokens = torch.randint(0, 128, (2, 16))
-    check_exact(model, {"x": tokens}, tp, square_loss, first)
+    sim = check_exact(model, {"x": tokens}, tp, square_loss, first)
+    at_megatrons_bound(sim.plan)
+
+
+def at_megatrons_bound(plan: autotp.Plan) -> None:
+    """x-transformers' layers are [norm, block, residual] entries, one per attention or
+    feedforward block: Megatron's one all-reduce each way per block, nothing replicated
+    (the rotary embedding runs in an autocast region, planned op by op)."""
+    assert plan.fallbacks == []
+    per_layer = {k: dict(v) for k, v in plan.per_layer().items() if k is not None}
+    assert per_layer and all(counts == {("forward", "all_reduce"): 1,
+                                        ("backward", "all_reduce"): 1}
+                             for counts in per_layer.values()), per_layer
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -97,7 +109,8 @@ def test_x_transformers_encoder_takes_context_through_kwargs(tp: int) -> None:
         num_tokens=128, max_seq_len=32,
         attn_layers=xt.Encoder(dim=64, depth=2, heads=4, cross_attend=True)))
     kwargs = {"x": torch.randint(0, 128, (2, 16)), "context": torch.randn(2, 8, 64)}
-    check_exact(model, kwargs, tp, square_loss, first)
+    sim = check_exact(model, kwargs, tp, square_loss, first)
+    at_megatrons_bound(sim.plan)
 
 
 # peft ----------------------------------------------------------------------------------------
@@ -133,6 +146,14 @@ def test_peft_lora_llama_called_with_inputs(tp: int) -> None:
     layouts = sim.plan.params
     assert layouts["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
                    ].layout == "S(0)"
+    # the adapters cost no collective of their own: lora_A (4 x 64) stays whole, and the
+    # frozen k/v projections, whole because tp = 4 exceeds the 2 k/v heads, are Megatron's
+    # choice, not fallbacks
+    assert all(p.layout == "R" for name, p in layouts.items() if ".lora_A." in name)
+    assert sim.plan.fallbacks == []
+    for layer, counts in sim.plan.per_layer().items():
+        if layer is not None:
+            assert sum(n for (phase, _), n in counts.items() if phase == "forward") == 2, counts
 
 
 def test_peft_lora_llama_traces_without_its_cache() -> None:
