@@ -28,6 +28,10 @@ class Progress:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(f"autotp: {text}", file=sys.stderr, flush=True)
+
     @contextmanager
     def step(self, text: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -83,6 +87,8 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
         loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
     with progress.step("tracing with torch.export"):
         captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
+    for path, (traced, total) in captured.traced_layers.items():
+        progress.note(f"{path}: {traced} of {total} layers traced, the rest stamped from them")
     with progress.step("planning"):
         plan = plan_graph(captured, args.tp, cost_model=_cost_model(args),
                           options=_options(args, strict=args.strict, force=force),

@@ -1,11 +1,18 @@
-"""Time each stage of autotp on LLaMA-2 7B and 70B shapes (meta device: no weights).
+"""Time each stage of autotp on LLaMA-2 7B and 70B shapes (meta device: no weights), and
+``autotp plan`` in a fresh process against a bare torch.export in a fresh process.
 
-    python benchmarks/plan_speed.py [--tp 8] [--shapes 7b 70b]
+    python benchmarks/plan_speed.py [--tp 8] [--shapes 7b 70b] [--fresh 70b]
 
-Stages: export (torch.export + normalization), rules (strategies of every node), plan (the
-dynamic program and the Plan), gradflow (the static gradient check of the Plan), rewrite (one
-rank's program). Prints a table, and one JSON line
-per shape.
+Stages: export (torch.export of the layers traced, the rest stamped, and normalization),
+rules (strategies of every node), plan (the dynamic program and the Plan), gradflow (the
+static gradient check of the Plan), rewrite (one rank's program). Prints a table, and one
+JSON line per shape.
+
+Fresh processes (``--fresh``, the shapes to compare): the command line's ``autotp plan
+hf:llama --set ... --tp 8`` (import, build on meta, trace, plan, write the JSON), the same
+with every layer traced (``AUTOTP_TRACE_EVERY_LAYER=1``), and a bare ``torch.export`` of the
+same model with autotp's symbolic batch and sequence (import, build on meta, export), each
+with its wall time and peak host memory (ru_maxrss).
 """
 
 from __future__ import annotations
@@ -84,11 +91,92 @@ def run(shape: str, tp: int) -> dict:
             "per_layer_fwd_bwd": sorted(per_layer)}
 
 
+BARE_EXPORT = """
+import time
+start = time.perf_counter()
+import torch, transformers
+from torch.export import Dim
+transformers.logging.set_verbosity_error()
+config = transformers.LlamaConfig(**{fields!r})
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(config)
+ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+torch.export.export(model, (), {{"input_ids": ids, "use_cache": False}}, strict=False,
+                    dynamic_shapes={{"input_ids": {{0: Dim.AUTO, 1: Dim.AUTO}},
+                                    "use_cache": None}})
+"""
+
+CLI = """
+import runpy, sys
+sys.argv = {argv!r}
+try:
+    runpy.run_module("autotp", run_name="__main__")
+except SystemExit as exit:
+    if exit.code:
+        raise
+"""
+
+REPORT = """
+import resource, sys
+print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def _fresh(code: str, env: dict) -> tuple[float, float]:
+    """Wall seconds and peak resident GiB of ``code`` run by a new interpreter."""
+    import subprocess
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code + REPORT], env=env, check=True,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    peak = [line for line in done.stderr.splitlines() if line.startswith("peak_kib")][-1]
+    return seconds, int(peak.split()[1]) / 2**20
+
+
+def fresh(shape: str, tp: int) -> dict:
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("AUTOTP_TRACE_EVERY_LAYER", None)
+    out = os.path.join(tempfile.mkdtemp(), "plan.json")
+    argv = ["autotp", "plan", "hf:llama", "--tp", str(tp), "-q", "--format", "json", "-o", out]
+    for key, value in SHAPES[shape].items():
+        argv += ["--set", f"{key}={value}"]
+    row: dict = {"shape": shape, "tp": tp}
+    row["bare_s"], row["bare_gib"] = _fresh(BARE_EXPORT.format(fields=SHAPES[shape]), env)
+    row["plan_s"], row["plan_gib"] = _fresh(CLI.format(argv=argv), env)
+    with open(out) as handle:
+        stamped = json.load(handle)
+    every = dict(env, AUTOTP_TRACE_EVERY_LAYER="1")
+    row["every_s"], row["every_gib"] = _fresh(CLI.format(argv=argv), every)
+    with open(out) as handle:
+        row["same_plan"] = _collectives(json.load(handle)) == _collectives(stamped)
+    row["ratio"] = row["plan_s"] / row["bare_s"]
+    return row
+
+
+def _collectives(plan_json: dict) -> list:
+    """Per layer, the collectives and the parameters' layouts."""
+    return [sorted(map(str, plan_json.get("collectives", []))),
+            sorted((k, str(v)) for k, v in plan_json.get("params", {}).items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--shapes", nargs="+", default=["7b", "70b"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["7b", "70b"], choices=list(SHAPES))
+    parser.add_argument("--fresh", nargs="*", default=["70b"], choices=list(SHAPES))
     args = parser.parse_args()
+    for shape in args.fresh:
+        row = fresh(shape, args.tp)
+        print(f"{shape} tp={args.tp}, fresh processes: autotp plan {row['plan_s']:.1f} s "
+              f"({row['plan_gib']:.2f} GiB peak), every layer traced {row['every_s']:.1f} s "
+              f"({row['every_gib']:.2f} GiB), bare torch.export {row['bare_s']:.1f} s "
+              f"({row['bare_gib']:.2f} GiB): {row['ratio']:.2f}x the bare export; "
+              f"same plan as every layer traced: {row['same_plan']}")
+        print(json.dumps(row))
     rows = [run(shape, args.tp) for shape in args.shapes]
     print(f"{'shape':<6}{'layers':>7}{'nodes':>7}{'export s':>10}{'rules s':>9}{'plan s':>8}"
           f"{'gradflow s':>12}{'rewrite s':>11}{'after export s':>16}  per layer (fwd, bwd)")

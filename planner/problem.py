@@ -231,6 +231,8 @@ def build_problem(
     pnodes: list[PNode] = []
     grad: dict[str, bool] = {}
     strategy_memo: dict[Any, list[Strategy]] = {}
+    call_memo: dict[Any, Any] = {}  # _shared_key -> _call_key, sparing make_call
+    size_memo: dict[Any, float] = {}
     split = sequence_symbols(dims) if options.sequence_parallel else frozenset()
     constants: set[str] = set()  # values that read no input, parameter or state
     for node in gm.graph.nodes:
@@ -266,10 +268,15 @@ def build_problem(
                 pn.kind = "op"
                 pn.inputs = [n.name for n in ins]
                 pn.mutated = mutated_inputs(node)
-                call = make_call(node, tp, blocks, split)
-                memo_key = _call_key(call)
-                if memo_key not in strategy_memo:  # repeated layers repeat their calls
-                    strategy_memo[memo_key] = registry.strategies(call)
+                shared = _shared_key(node)
+                memo_key = call_memo.get(shared) if shared is not None else None
+                if memo_key is None:
+                    call = make_call(node, tp, blocks, split)
+                    memo_key = _call_key(call)
+                    if memo_key not in strategy_memo:  # repeated layers repeat their calls
+                        strategy_memo[memo_key] = registry.strategies(call)
+                    if shared is not None:
+                        call_memo[shared] = memo_key
                 pn.strategies = strategy_memo[memo_key]
                 forced = dict(options.force).get(node.name)
                 if forced is not None:
@@ -306,12 +313,20 @@ def build_problem(
         grad[node.name] = pn.requires_grad
         if _is_constant(pn, constants):
             constants.add(node.name)
-        pn.nbytes = _nbytes(val, cost_model, dims)
+        if ("bytes", id(val)) not in size_memo:
+            size_memo[("bytes", id(val))] = _nbytes(val, cost_model, dims)
+        pn.nbytes = size_memo[("bytes", id(val))]
         if split and isinstance(val, torch.Tensor):
             pn.seq_dims = frozenset(d for d, size in enumerate(val.shape)
                                     if size_expr(size) in split)
         if pn.kind == "op":
-            pn.flops = _flops(node, cost_model, dims)
+            shared = _shared_key(node)
+            if shared is None:
+                pn.flops = _flops(node, cost_model, dims)
+            else:
+                if ("flops", shared) not in size_memo:
+                    size_memo[("flops", shared)] = _flops(node, cost_model, dims)
+                pn.flops = size_memo[("flops", shared)]
         pnodes.append(pn)
     kept = saved_values(gm.graph, lambda n: grad.get(n.name, False))
     for pn in pnodes:
@@ -375,6 +390,28 @@ def mutated_inputs(node: fx.Node) -> frozenset:
         if isinstance(value, fx.Node):
             written.add(value.name)
     return frozenset(written)
+
+
+def _shared_key(node: fx.Node) -> Any:
+    """Equal for two nodes whose call the rules see alike without building it: the same op
+    on the same metadata objects (a layer stamped from a traced one shares its template's,
+    ``capture.repeat``) and equal other arguments; None when an argument is unhashable."""
+    def key(arg: Any) -> Any:
+        if isinstance(arg, fx.Node):
+            val = arg.meta.get("val")
+            return ("val", id(val)) if isinstance(val, torch.Tensor) else ("node", arg.name)
+        if isinstance(arg, (tuple, list)):
+            return (type(arg), tuple(key(a) for a in arg))
+        if isinstance(arg, dict):
+            return (dict, tuple((k, key(v)) for k, v in arg.items()))
+        return (type(arg), repr(arg))
+
+    val = node.meta.get("val")
+    values = tuple(id(v) for v in val) if isinstance(val, (tuple, list)) else id(val)
+    try:
+        return (node.target, key(node.args), key(node.kwargs), values)
+    except TypeError:
+        return None
 
 
 def _call_key(call: Any) -> Any:

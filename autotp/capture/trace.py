@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import operator
 import os
 import re
@@ -30,10 +31,12 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
 from autotp.rules.registry import OpCall, TensorMeta
 
 aten = torch.ops.aten
+_log = logging.getLogger("autotp")
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     # parameters the traced forward never reads: kept, replicated, so that state dicts match
     unused: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    # list of layers -> (entries traced, entries): the rest are copies (capture.repeat)
+    traced_layers: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
@@ -166,9 +171,11 @@ def capture(
     example_args: Optional[tuple[Any, ...]] = None,
     example_kwargs: Optional[dict[str, Any]] = None,
     dynamic_shapes: Optional[dict[str, Any]] = None,
+    layers_once: bool = True,
 ) -> Captured:
     """``dynamic_shapes`` (torch.export's, by input name) replaces the default: dims 0 and 1
-    of every tensor input symbolic."""
+    of every tensor input symbolic. ``layers_once``: a list of identical layers is traced
+    in part and the rest stamped from it (``capture.repeat``)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
     if example_args is not None and not isinstance(example_args, tuple):
@@ -187,33 +194,54 @@ def capture(
     if meta:  # a model without weights traces with inputs (and buffers) on meta too
         named = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
-    try:
-        with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
-                _ListIndexKept() if meta else contextlib.nullcontext(), \
-                _named_forward(model, list(named), signature):
-            ep = torch.export.export(
-                model, (), named, strict=False,
-                dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
-                else _dynamic_shapes(named)
-            )
-    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
-        raise TraceError(_trace_failure_message(model, exc)) from exc
-    gm = _normalized(ep)
-    if _unruled_mutations(gm):
-        # Writes through views or into inputs (a slice filled by ``copy_``): functionalize
-        # the whole program, so they become ``slice_scatter``/``index_put``/``copy`` and get
-        # the ordinary rules.
+
+    def export(stacks: list[Stack]) -> fx.GraphModule:
         try:
-            gm = _normalized(ep.run_decompositions({}))
-        except Exception as exc:  # noqa: BLE001 - the unfunctionalized ops are named later
-            raise TraceError(f"torch.export could not functionalize {type(model).__name__}'s "
-                             f"in-place ops: {type(exc).__name__}: {exc}") from exc
-        copies_as_values(gm)
-    detach_factories(gm)
-    split_biases(gm)
-    sink_bias_adds(gm)
-    decompose_cross_entropy(gm)
-    captured = Captured(gm=gm, example_kwargs=named, signature=signature)
+            with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
+                    _ListIndexKept() if meta else contextlib.nullcontext(), \
+                    _named_forward(model, list(named), signature), truncated(model, stacks):
+                ep = torch.export.export(
+                    model, (), named, strict=False,
+                    dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
+                    else _dynamic_shapes(named)
+                )
+        except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+            raise TraceError(_trace_failure_message(model, exc)) from exc
+        gm = _normalized(ep, model, stacks)
+        if _unruled_mutations(gm):
+            # Writes through views or into inputs (a slice filled by ``copy_``):
+            # functionalize the whole program, so they become ``slice_scatter``/
+            # ``index_put``/``copy`` and get the ordinary rules.
+            try:
+                gm = _normalized(ep.run_decompositions({}), model, stacks)
+            except Mismatch:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the unfunctionalized ops are named later
+                raise TraceError(f"torch.export could not functionalize "
+                                 f"{type(model).__name__}'s in-place ops: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            copies_as_values(gm)
+        return gm
+
+    stacks = find_stacks(model) if layers_once and not every_layer() else []
+    gm = None
+    if stacks:
+        try:  # the repeated layers traced a few times, the rest stamped from them
+            gm = export(stacks)
+        except Exception as exc:  # noqa: BLE001 - what fails cut short is retried whole
+            _log.info("tracing every layer of %s: %s: %s", type(model).__name__,
+                      type(exc).__name__, exc)
+            gm, stacks = None, []
+    if gm is None:
+        gm = export([])
+    with _recompiled_once(gm):
+        detach_factories(gm)
+        split_biases(gm)
+        sink_bias_adds(gm)
+        decompose_cross_entropy(gm)
+    gm.recompile()
+    captured = Captured(gm=gm, example_kwargs=named, signature=signature,
+                        traced_layers={s.path: (s.prefix, s.length) for s in stacks})
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
     used = {id(_fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -222,15 +250,30 @@ def capture(
     return captured
 
 
-def _normalized(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+def _normalized(ep: torch.export.ExportedProgram, model: torch.nn.Module,
+                stacks: list[Stack]) -> fx.GraphModule:
     gm = ep.module()
-    inline_autocast(gm)
-    drop_metadata_asserts(gm)
-    merge_tied_parameters(gm)
-    out_of_place(gm)
-    constant_index_to_slice(gm)
-    broadcast_to_as_expand(gm)
+    with _recompiled_once(gm):
+        inline_autocast(gm)
+        drop_metadata_asserts(gm)
+        unroll(gm, model, stacks)
+        merge_tied_parameters(gm)
+        out_of_place(gm)
+        constant_index_to_slice(gm)
+        broadcast_to_as_expand(gm)
     return gm
+
+
+@contextlib.contextmanager
+def _recompiled_once(gm: fx.GraphModule) -> Iterator[None]:
+    """Passes end in ``gm.recompile()`` so that each leaves a runnable module; inside, they
+    skip it, and capture recompiles once after the last (generating the code of
+    LLaMA-2-70B's 6,000 nodes takes a third of a second)."""
+    gm.recompile = lambda: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del gm.recompile
 
 
 def inline_autocast(gm: fx.GraphModule) -> None:
