@@ -2,6 +2,12 @@
 
     python benchmarks/load.py                 # ~1.1B parameters, bf16, tp 1, 2, 4
     python benchmarks/load.py --layers 4      # smaller and faster
+    python benchmarks/load.py --fresh --tp 1 --layers 24 --hidden 1024 --intermediate 4096 \
+        --heads 16 --kv-heads 8 --shard-mb 200  # 0.44B: start-up in fresh processes
+
+``--fresh``: each load is a new interpreter, timed from its start to the loaded model
+(imports included), one gloo process at tp 1 against transformers' own ``from_pretrained``
+of the same directory; prints both and their ratio.
 
 Writes a checkpoint with random weights (bf16, several safetensors files, streamed: the
 writer never holds the model), then loads it in CPU processes (gloo) at each tp, two ways,
@@ -105,6 +111,53 @@ def load_case(rank: int, world_size: int, directory: str, mode: str) -> dict[str
             "local": local}
 
 
+FRESH_HF = """
+import time
+start = time.perf_counter()
+import torch, transformers
+transformers.logging.set_verbosity_error()
+transformers.AutoModelForCausalLM.from_pretrained({directory!r}, dtype=torch.bfloat16)
+print("seconds", time.perf_counter() - start)
+"""
+
+FRESH_AUTOTP = """
+import time
+start = time.perf_counter()
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+dist.init_process_group("gloo", rank=0, world_size=1)
+import transformers, autotp
+transformers.logging.set_verbosity_error()
+autotp.from_pretrained({directory!r}, tp=1)
+print("seconds", time.perf_counter() - start)
+dist.destroy_process_group()
+"""
+
+
+def fresh(directory: Path, reps: int) -> None:
+    """Wall time of a fresh process that loads the checkpoint, from the interpreter's start:
+    transformers' from_pretrained and autotp's at tp 1 (imports included in both)."""
+    import subprocess
+
+    from autotp.runtime.launch import free_port
+
+    def run(code: str) -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        return time.perf_counter() - start
+
+    hf, ours = [], []
+    for _ in range(reps):  # interleaved
+        hf.append(run(FRESH_HF.format(directory=str(directory))))
+        ours.append(run(FRESH_AUTOTP.format(directory=str(directory), port=str(free_port()))))
+    row = {"transformers_s": statistics.median(hf), "autotp_s": statistics.median(ours)}
+    row["ratio"] = row["autotp_s"] / row["transformers_s"]
+    print(f"fresh process, tp 1: autotp.from_pretrained {row['autotp_s']:.1f} s, "
+          f"transformers' from_pretrained {row['transformers_s']:.1f} s: "
+          f"{row['ratio']:.2f}x", flush=True)
+    print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", default="1,2,4")
@@ -117,6 +170,8 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=500.0)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--dir", default=None, help="keep the checkpoint here (default: temp)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="time fresh processes at tp 1 instead (imports included)")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="autotp-load-"))
     start = time.perf_counter()
@@ -125,9 +180,12 @@ def main() -> None:
     print(f"checkpoint: {params / 1e9:.2f}B parameters, {full / 2**30:.2f} GiB bf16 in "
           f"{len(list(root.glob('*.safetensors')))} files, written in "
           f"{time.perf_counter() - start:.1f} s ({root})", flush=True)
+    if args.fresh:
+        fresh(root, max(args.reps, 3))
+        args.tp = ""
     gib = 2**30
     rows = []
-    for tp in [int(x) for x in args.tp.split(",")]:
+    for tp in [int(x) for x in args.tp.split(",") if x]:
         empty = max(r["peak"] for r in run_processes(load_case, tp, str(root), "empty",
                                                      timeout=1800))
         runs: dict[str, list[list[dict[str, float]]]] = {"autotp": [], "naive": []}
@@ -143,16 +201,17 @@ def main() -> None:
         row["bound"] = 1.15 * full / tp / gib + row["empty"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print()
-    print("| tp | share of weights | empty process | autotp peak RSS | naive peak RSS | "
-          "autotp ≤ 1.15 × share + empty | autotp load | transformers load | naive total |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ok = "yes" if r["autotp_peak"] <= r["bound"] else "NO"
-        print(f"| {r['tp']} | {r['share']:.2f} GiB | {r['empty']:.2f} GiB | "
-              f"{r['autotp_peak']:.2f} GiB | {r['naive_peak']:.2f} GiB | {ok} "
-              f"({r['bound']:.2f} GiB) | {r['autotp_s']:.1f} s | {r['hf_s']:.1f} s | "
-              f"{r['naive_s']:.1f} s |")
+    if rows:
+        print()
+        print("| tp | share of weights | empty process | autotp peak RSS | naive peak RSS | "
+              "autotp ≤ 1.15 × share + empty | autotp load | transformers load | naive total |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            ok = "yes" if r["autotp_peak"] <= r["bound"] else "NO"
+            print(f"| {r['tp']} | {r['share']:.2f} GiB | {r['empty']:.2f} GiB | "
+                  f"{r['autotp_peak']:.2f} GiB | {r['naive_peak']:.2f} GiB | {ok} "
+                  f"({r['bound']:.2f} GiB) | {r['autotp_s']:.1f} s | {r['hf_s']:.1f} s | "
+                  f"{r['naive_s']:.1f} s |")
     if not args.dir:
         for file in root.iterdir():
             os.remove(file)

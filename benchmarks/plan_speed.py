@@ -9,8 +9,9 @@ static gradient check of the Plan), rewrite (one rank's program). Prints a table
 JSON line per shape.
 
 Fresh processes (``--fresh``, the shapes to compare): the command line's ``autotp plan
-hf:llama --set ... --tp 8`` (import, build on meta, trace, plan, write the JSON), the same
-with every layer traced (``AUTOTP_TRACE_EVERY_LAYER=1``), and a bare ``torch.export`` of the
+hf:llama --set ... --tp 8`` (import, build on meta, trace, plan, write the JSON) with an
+empty plan cache and again with the plan it cached, the same with every layer traced
+(``AUTOTP_TRACE_EVERY_LAYER=1``), and a bare ``torch.export`` of the
 same model with autotp's symbolic batch and sequence (import, build on meta, export), each
 with its wall time and peak host memory (ru_maxrss).
 """
@@ -146,10 +147,13 @@ def fresh(shape: str, tp: int) -> dict:
         argv += ["--set", f"{key}={value}"]
     row: dict = {"shape": shape, "tp": tp}
     row["bare_s"], row["bare_gib"] = _fresh(BARE_EXPORT.format(fields=SHAPES[shape]), env)
+    # a first run (the plan cache empty), then a second one reading the plan it wrote
+    env.update(AUTOTP_CACHE="1", AUTOTP_CACHE_DIR=tempfile.mkdtemp())
     row["plan_s"], row["plan_gib"] = _fresh(CLI.format(argv=argv), env)
     with open(out) as handle:
         stamped = json.load(handle)
-    every = dict(env, AUTOTP_TRACE_EVERY_LAYER="1")
+    row["cached_s"], row["cached_gib"] = _fresh(CLI.format(argv=argv), env)
+    every = dict(env, AUTOTP_TRACE_EVERY_LAYER="1", AUTOTP_CACHE="0")
     row["every_s"], row["every_gib"] = _fresh(CLI.format(argv=argv), every)
     with open(out) as handle:
         row["same_plan"] = _collectives(json.load(handle)) == _collectives(stamped)
@@ -172,7 +176,8 @@ def main() -> None:
     for shape in args.fresh:
         row = fresh(shape, args.tp)
         print(f"{shape} tp={args.tp}, fresh processes: autotp plan {row['plan_s']:.1f} s "
-              f"({row['plan_gib']:.2f} GiB peak), every layer traced {row['every_s']:.1f} s "
+              f"({row['plan_gib']:.2f} GiB peak), again with the plan cached "
+              f"{row['cached_s']:.1f} s, every layer traced {row['every_s']:.1f} s "
               f"({row['every_gib']:.2f} GiB), bare torch.export {row['bare_s']:.1f} s "
               f"({row['bare_gib']:.2f} GiB): {row['ratio']:.2f}x the bare export; "
               f"same plan as every layer traced: {row['same_plan']}")

@@ -28,7 +28,7 @@ insertion order (a stable sort), so plans are deterministic. Repeated layers are
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Optional
 
 import sympy
@@ -38,6 +38,7 @@ from autotp.capture.trace import (
     Captured,
 )
 from autotp.layout import R, Partial, Replicate, Shard
+from autotp.planner.cache import cached
 from autotp.planner.cost import CostModel
 from autotp.planner.assemble import assemble
 from autotp.planner.checks import (
@@ -73,6 +74,7 @@ def plan_graph(
     options: PlanOptions = PlanOptions(),
     model_name: str = "model",
 ) -> Plan:
+    default_rules = registry is None
     registry = registry or Registry.default()
     cost_model = cost_model or CostModel()
     gm = captured.gm
@@ -85,13 +87,27 @@ def plan_graph(
         return assemble(captured, pnodes, decisions, total, tp, cost_model, options,
                         model_name)
 
-    plan = _search_further(plan_with(options), gm, options, cost_model, plan_with)
+    def search() -> Plan:
+        return _search_further(plan_with(options), gm, options, cost_model, plan_with)
+
+    if default_rules:  # a registry of the caller's is code the cache key cannot see
+        plan = cached(captured, (tp, _options_key(options), repr(cost_model), model_name),
+                      search)
+    else:
+        plan = search()
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
     note_replicated_products(plan, gm, options.strict, options.reported)
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan
+
+
+def _options_key(options: PlanOptions) -> tuple:
+    """``options`` as a key that reads the same in every process (a frozenset's order
+    follows the string hashes, which differ between processes)."""
+    return tuple((f.name, sorted(value) if isinstance(value, frozenset) else value)
+                 for f in fields(options) for value in [getattr(options, f.name)])
 
 
 def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostModel,
