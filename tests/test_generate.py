@@ -134,7 +134,7 @@ def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
 
     real, refused = generate.capture, []
 
-    def capture(step, example_kwargs, dynamic_shapes):
+    def capture(step, example_kwargs, dynamic_shapes, layers_once=True):
         named = dynamic_shapes["attention_mask"][1] is not torch.export.Dim.AUTO
         if named:
             refused.append(True)
@@ -142,7 +142,8 @@ def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
                 raise RuntimeError("Constraints violated (S)! Not all values of S ...")
             except RuntimeError as exc:
                 raise TraceError("torch.export could not trace Step") from exc
-        return real(step, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes)
+        return real(step, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes,
+                    layers_once=layers_once)
 
     monkeypatch.setattr(generate, "capture", capture)
     reference = gc.model("gpt2")

@@ -267,8 +267,10 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
         }
         step = Step(model, logits_to_keep)
         try:
+            # each layer reads its own cache entry, an input: every layer is traced
             captured = capture(step, example_kwargs=example,
-                               dynamic_shapes=_step_dims(len(shapes), prompt, named=True))
+                               dynamic_shapes=_step_dims(len(shapes), prompt, named=True),
+                               layers_once=False)
         except TraceError as exc:
             if "Constraints violated" not in str(exc.__cause__):
                 raise
@@ -276,7 +278,8 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
             # min(32*S, 128*S) == 32*S, and refuses named dims; automatic dims keep them as
             # checks, and the sizes must still come out symbolic.
             automatic = _step_dims(len(shapes), prompt, named=False)
-            captured = capture(step, example_kwargs=example, dynamic_shapes=automatic)
+            captured = capture(step, example_kwargs=example, dynamic_shapes=automatic,
+                               layers_once=False)
             _check_symbolic(captured, automatic)
         cache_inputs = _cache_placeholders(captured, len(shapes))
         _name_cache_dim(captured, cache_inputs[0])
