@@ -28,6 +28,7 @@ the top level and for the gradient sync of parameters).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -49,7 +50,10 @@ SCHEMA = "autotp.plan/1"
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 
 
+@functools.lru_cache(maxsize=4096)
 def evaluate_bytes(expr: str, batch: int, seq: int) -> int:
+    """A byte expression ("32768*B*T") at ``batch`` and ``seq``; every layer repeats its
+    layer's few expressions."""
     value = sympy.sympify(expr)
     subs = {s: (batch if str(s).startswith("B") else seq) for s in value.free_symbols}
     return int(value.subs(subs))
