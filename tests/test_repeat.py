@@ -123,7 +123,7 @@ def _deeper(model: nn.Module, layers: int) -> nn.Module:
 # By default, one family of each way a list of layers is built and read: plain decoder
 # layers, layers whose first one holds the model's sizes (Bloom), per-layer constants
 # (Falcon), experts, dense layers then experts (DeepSeek), two lists (T5). Every family of
-# the coverage table with AUTOTP_COVERAGE_ALL=1 (about 3 minutes).
+# the coverage table with AUTOTP_COVERAGE_ALL=1 (about 5 minutes).
 DEFAULT = {"LLaMA (GQA)", "Bloom", "Falcon", "Mixtral (MoE)", "DeepSeek-V3 (MLA, MoE)",
            "T5 (encoder-decoder)"}
 FAMILIES = [name for name in cov.FAMILIES if ALL or name in DEFAULT]
