@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +26,10 @@ import torch.fx as fx
 
 from autotp.capture.trace import Captured
 from autotp.planner.plan import Plan
+
+
+# code torch.fx generated is numbered by how many modules the process generated before
+_GENERATED = re.compile(r"(?<=<eval_with_key>)\.\d+")
 
 
 def enabled() -> bool:
@@ -89,7 +94,8 @@ def _program_lines(gm: fx.GraphModule) -> Any:
         yield repr((node.name, node.op, str(node.target), str(node.args), str(node.kwargs),
                     _meta(node.meta.get("val")), _meta(tensor),
                     None if tensor is None else tensor.requires_grad,
-                    str(node.meta.get("nn_module_stack")), node.meta.get("stack_trace")))
+                    str(node.meta.get("nn_module_stack")),
+                    _GENERATED.sub("", node.meta.get("stack_trace") or "")))
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Optional[torch.Tensor]:
