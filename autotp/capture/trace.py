@@ -205,6 +205,8 @@ def capture(
                     dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
                     else _dynamic_shapes(named)
                 )
+        except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
+            raise
         except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
             raise TraceError(_trace_failure_message(model, exc)) from exc
         gm = _normalized(ep, model, stacks)
