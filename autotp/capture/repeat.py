@@ -235,10 +235,9 @@ def _unroll_stack(gm: fx.GraphModule, model: torch.nn.Module, stack: Stack) -> N
     attrs = {j: [n for n in graph.nodes if n.op == "get_attr"
                  and str(n.target).startswith(f"{stack.entry(j)}.")] for j in range(stack.prefix)}
 
-    def is_param(node: fx.Node) -> bool:
-        return isinstance(_fetch(gm, str(node.target)), torch.nn.Parameter)
-
-    ends = {kind: [n for n in attrs[last] if is_param(n) == kind][-1:] for kind in (True, False)}
+    is_param = {n: isinstance(_fetch(gm, str(n.target)), torch.nn.Parameter)
+                for nodes in attrs.values() for n in nodes}
+    ends = {kind: [n for n in attrs[last] if is_param[n] == kind][-1:] for kind in (True, False)}
     placed: dict[tuple[int, fx.Node], fx.Node] = {}
     past = False
     for node in graph.nodes:
@@ -253,7 +252,7 @@ def _unroll_stack(gm: fx.GraphModule, model: torch.nn.Module, stack: Stack) -> N
             if end and node is end[0]:
                 for index in range(stack.prefix, stack.length):
                     for attr in attrs[templates[index]]:
-                        if is_param(attr) == kind:
+                        if is_param[attr] == kind:
                             placed[(index, attr)] = _stamp_attr(new, gm, model, stack, index,
                                                                 templates[index], attr)
     new.lint()
