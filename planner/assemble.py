@@ -14,7 +14,8 @@ from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
-from autotp.planner.problem import PlanOptions, PNode, drop_grad_partial, output_layout
+from autotp.planner.problem import (PlanOptions, PNode, batched_gather, drop_grad_partial,
+                                    output_layout)
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output, output_layouts
 
@@ -77,6 +78,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     params = dict(captured.gm.named_parameters(remove_duplicate=False))
     grad_sync: set[str] = set()
     seen: set[tuple[str, str]] = set()
+    gathered: list[tuple[str, Any, str]] = []  # layer-invariant values gathered all at once
     for pn in pnodes:
         if pn.kind not in ("op", "output"):
             continue
@@ -93,10 +95,21 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if not src.requires_grad and isinstance(have, Replicate) and \
                     isinstance(want, Replicate):
                 continue
+            batched = batched_gather(src, pn, have, want, options)
             step = transition(have, want, requires_grad=src.requires_grad,
                               to_output=pn.kind == "output",
-                              sequence_parallel=src.sequence_step(have, want, options))
+                              sequence_parallel=src.sequence_step(have, want, options),
+                              batched=batched)
             assert step is not None, (name, have, want)
+            if batched:  # one collective for every layer's, before the first layer
+                plan.edges.append(Edge(
+                    value=name, consumer=pn.node.name, src=str(have), dst=str(want),
+                    forward=step.forward.value, layer=None, batched=True,
+                    backward=step.backward.value if step.backward else None))
+                if (name, str(want)) not in seen:
+                    seen.add((name, str(want)))
+                    gathered.append((name, step, _bytes_expr(src.node, dims)))
+                continue
             made = origin.get(name, src.node)  # a reduction belongs to the partial's maker
             fwd_layer = layer_of(made) if src.kind == "op" or name in origin else \
                 layer_of(pn.node)
@@ -135,6 +148,16 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
                         node=name, source=source_of(at), src=str(have), dst=str(want),
                         module=module_of(at)))
+    for phase, kind in (("forward", Collective.ALL_GATHER),
+                        ("backward", Collective.REDUCE_SCATTER)):
+        joined = [(name, nbytes) for name, step, nbytes in gathered
+                  if (step.forward if phase == "forward" else step.backward) is kind]
+        if joined:
+            plan.collectives.append(CollectiveRecord(
+                kind=kind.value, phase=phase, layer=None,
+                bytes_expr=readable(sum(sympy.sympify(b) for _, b in joined), {}),
+                node="batched: " + ", ".join(name for name, _ in joined),
+                source=None, src="S", dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:

@@ -36,6 +36,9 @@ class Edge:
     forward: Optional[str]  # collective kind, or None
     backward: Optional[str]
     layer: Optional[int]
+    # a layer-invariant value's gather, joined with the others in one collective before the
+    # first layer (autotp.runtime.batching)
+    batched: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from autotp.layout import (
     smaller_whole,
 )
 from autotp.planner.cost import CostModel
+from autotp.planner.invariant import layer_invariant
 from autotp.planner.saved import saved_values
 from autotp.rules.registry import Registry, Strategy, output_layouts
 from autotp.rules.views import view_groups
@@ -57,6 +58,9 @@ class PNode:
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
     saved: bool = False  # a reader keeps it for backward (planner/saved.py): activation memory
     constant: bool = False  # computed from no input, parameter or state: replicated, exact
+    # computed from the inputs and its layer's own parameters alone (planner/invariant.py):
+    # a gather of it joins every layer's in one collective before the first layer
+    invariant: bool = False
 
     def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
         """Whether have -> want moves a shard of the sequence (sequence parallelism's
@@ -88,6 +92,9 @@ class PlanOptions:
     # sharded dim): None offers them only to a plan that falls short without them
     # (solve._search_further); True always; False never.
     partial_statistics: Optional[bool] = None
+    # gathers of layer-invariant values (adaLN modulation) joined into one collective before
+    # the first layer (planner/invariant.py, autotp.runtime.batching)
+    batch_gathers: bool = True
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:
@@ -95,6 +102,15 @@ def output_layout(have: Any, options: PlanOptions) -> Any:
     if not options.gather_outputs and isinstance(have, Shard):
         return have
     return R
+
+
+def batched_gather(src: PNode, reader: PNode, have: Any, want: Any,
+                   options: PlanOptions) -> bool:
+    """A layer-invariant value gathered where it meets the stream (a reader that is not
+    invariant itself): joined with every other layer's into one all-gather before the first
+    layer (planner/invariant.py)."""
+    return src.invariant and not reader.invariant and options.batch_gathers and \
+        isinstance(have, Shard) and isinstance(want, Replicate)
 
 
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
@@ -329,8 +345,10 @@ def build_problem(
                 pn.flops = size_memo[("flops", shared)]
         pnodes.append(pn)
     kept = saved_values(gm.graph, lambda n: grad.get(n.name, False))
+    invariant = layer_invariant(gm.graph) if options.batch_gathers else frozenset()
     for pn in pnodes:
         pn.saved = pn.node.name in kept
+        pn.invariant = pn.node.name in invariant
     if not options.sequence_parallel:
         _replicate_input_constants(pnodes, grad)
     return pnodes

@@ -52,6 +52,7 @@ from autotp.planner.problem import (
     Entry,
     PlanOptions,
     PNode,
+    batched_gather,
     block_counts,
     build_problem,
     drop_grad_partial,
@@ -311,15 +312,18 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
             continue
         if isinstance(have, Replicate) and isinstance(want, Shard) and src_pn.kind != "leaf":
             sliced = True
+        batched = batched_gather(src_pn, pn, have, want, options)
         step = transition(have, want, requires_grad=src_pn.requires_grad,
                           to_output=to_output,
-                          sequence_parallel=src_pn.sequence_step(have, want, options))
+                          sequence_parallel=src_pn.sequence_step(have, want, options),
+                          batched=batched)
         if step is None:
             return None
-        # A replicated parameter's partial gradient joins the after-backward bucket: one
-        # collective for all of them, so it pays bandwidth but no latency of its own.
-        bucketed = src_pn.kind == "leaf" and src_pn.is_param and isinstance(have, Replicate) and \
-            isinstance(want, Replicate)
+        # A replicated parameter's partial gradient joins the after-backward bucket, and a
+        # layer-invariant value's gather every layer's: one collective for all of them, so
+        # each pays bandwidth but no latency of its own.
+        bucketed = batched or (src_pn.kind == "leaf" and src_pn.is_param and
+                               isinstance(have, Replicate) and isinstance(want, Replicate))
         for kind in (step.forward, step.backward):
             if kind is not None:
                 cost += cost_model.collective_time(kind, src_pn.nbytes, tp) - \

@@ -15,8 +15,10 @@
 
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
-(the graph outputs). A gather anywhere else is a last resort, priced above any other choice
-and reported in the plan. Every other pair (S(a) -> S(b), anything -> P) is not offered.
+(the graph outputs) and where a layer-invariant value meets the stream (``batched``: every
+layer's joined in one all-gather before the first layer, planner/invariant.py). A gather
+anywhere else is a last resort, priced above any other choice and reported in the plan.
+Every other pair (S(a) -> S(b), anything -> P) is not offered.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def transition(
     requires_grad: bool,
     to_output: bool = False,
     sequence_parallel: bool = False,
+    batched: bool = False,
 ) -> Optional[Transition]:
     """The redistribution from ``src`` to ``dst``, or None when autotp does not offer it."""
     if src == dst:
@@ -77,7 +80,7 @@ def transition(
              last_resort: bool = False) -> Transition:
         return Transition(src, dst, fwd, bwd if grad else None, last_resort)
 
-    gather_ok = to_output or sequence_parallel
+    gather_ok = to_output or sequence_parallel or batched
     if isinstance(src, Replicate):
         if isinstance(dst, Replicate):
             if not grad:

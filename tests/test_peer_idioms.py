@@ -325,3 +325,61 @@ def test_a_low_rank_adapter_costs_no_collective(tp: int) -> None:
                        "down.weight": "S(1)"}, layouts
     assert dict(sim.plan.per_layer()[None]) == {("forward", "all_reduce"): 1,
                                                 ("backward", "all_reduce"): 1}
+
+
+class AdaLNZeroBlock(nn.Module):  # DiT: shift, scale and gate from the conditioning vector c
+    def __init__(self, h: int = 64) -> None:
+        super().__init__()
+        self.mod, self.fc1, self.fc2 = nn.Linear(h, 3 * h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale, gate = self.mod(F.silu(c)).chunk(3, -1)
+        y = F.layer_norm(x, x.shape[-1:]) * (1 + scale[:, None]) + shift[:, None]
+        return x + gate[:, None] * self.fc2(F.gelu(self.fc1(y)))
+
+
+class AdaLNZero(nn.Module):
+    def __init__(self, layers: int = 4, embed_input: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 64) if embed_input else None  # c takes a gradient
+        self.t_embed = nn.Sequential(nn.Linear(8, 64), nn.SiLU(), nn.Linear(64, 64))
+        self.blocks = nn.ModuleList([AdaLNZeroBlock() for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        c = self.t_embed(t)
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = block(x, c)
+        return x
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("embed_input", [True, False])
+def test_adaln_modulation_is_gathered_once_for_all_blocks(tp: int, embed_input: bool) -> None:
+    """The modulation linears are column-parallel and every block's shift/scale/gate is
+    gathered in one all-gather ahead of the first block: each block keeps Megatron's one
+    all-reduce each way, and the result is exact (outputs, every gradient, the timestep
+    embedding's included)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 16 if embed_input else 64)
+    sim = check_exact(AdaLNZero(embed_input=embed_input), (x, torch.randn(2, 8)), tp)
+    plan = sim.plan
+    assert all(plan.params[f"blocks.{i}.mod.weight"].layout.startswith("S(0)") for i in range(4))
+    per = plan.per_layer()
+    for layer in range(1, 4):
+        assert per[layer] == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}, \
+            plan.summary()
+    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"
+               and c.node.startswith("batched")]
+    assert len(gathers) == 1 and gathers[0].layer is None, plan.summary()
+    assert gathers[0].node.count(",") + 1 >= 12  # shift, scale, gate of four blocks
+    # the blocks stay submodules of the program; the joined gather runs in the root
+    rank = sim.ranks[0]
+    assert isinstance(rank.program.blocks[1], torch.fx.GraphModule)
+    # what ran in check_exact's one step: the joined gather once, each block's one
+    # all-reduce forward, and no other gather
+    events = sim.ranks[0].comm.log.events
+    assert [e.label.split(":")[0] for e in events if e.kind == "all_gather"] == ["batched"]
+    for layer in range(4):
+        assert [e.kind for e in events if e.phase == "forward" and e.layer == layer] == \
+            ["all_reduce"], events

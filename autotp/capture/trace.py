@@ -845,11 +845,19 @@ def layer_of(node: fx.Node) -> Optional[int]:
     Used for labels only (which layer a collective belongs to), never for layout decisions.
     """
     stack = node.meta.get("nn_module_stack") or {}
-    for path, _cls in stack.values():
+    for path, cls in stack.values():
         match = _LAYER.match(str(path))
-        if match:
+        if match and not _torch_leaf(cls):
             return int(match.group("index"))
     return None
+
+
+def _torch_leaf(cls: Any) -> bool:
+    """One of torch.nn's own layers (``nn.Linear``, ``nn.SiLU``), not a container: an entry
+    of ``nn.Sequential(nn.Linear, nn.SiLU, nn.Linear)`` (a timestep MLP) is no layer."""
+    name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+    return name.startswith("torch.nn.modules.") and not name.startswith(
+        "torch.nn.modules.container.")
 
 
 def source_of(node: fx.Node) -> Optional[str]:

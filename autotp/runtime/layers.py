@@ -26,6 +26,8 @@ from typing import Iterator, Optional
 import torch.fx as fx
 from torch import nn
 
+from autotp.runtime.batching import HOISTED
+
 _ENTRY = re.compile(r"^(?P<list>.+)\.(?P<index>\d+)$")
 
 
@@ -123,7 +125,7 @@ def _owners(gm: fx.GraphModule) -> Optional[dict[fx.Node, str]]:
     position = {node: i for i, node in enumerate(order)}
     owner: dict[fx.Node, str] = {}
     for node in order:
-        if node.op in ("call_function", "call_method"):
+        if node.op in ("call_function", "call_method") and not node.meta.get(HOISTED):
             path = layer_path(node)
             if path is not None:
                 owner[node] = path

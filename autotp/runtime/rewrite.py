@@ -2,6 +2,7 @@
 
     shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
     insert_collectives   one Redistribute per (value, target layout) the plan asks for
+    join_gathers         the gathers of layer-invariant values as one, ahead of the layers
     keep_sequence_shards sequence all-gathers whose saved outputs backward re-gathers
     lower_ops            per-op lowerings: local size arguments, masked vocab lookups
     track_randomness     dropout: one shared stream for replicated values, one per rank for shards
@@ -28,6 +29,7 @@ from autotp.runtime.collectives import (
     PartialSegmentsReduce,
     Redistribute,
 )
+from autotp.runtime.batching import join_gathers
 from autotp.runtime.comm import Communicator
 from autotp.errors import PlanError, where
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
@@ -169,6 +171,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     made: dict[tuple[str, str], fx.Node] = {}
     count = 0
     for edge in plan.edges:
+        if edge.batched:  # joined with the others in one gather (join_gathers)
+            continue
         value, consumer = nodes[edge.value], nodes[edge.consumer]
         src, dst = parse_layout(edge.src), parse_layout(edge.dst)
         if _reads_unchanged_size(consumer, src, dst):
@@ -367,6 +371,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
+    join_gathers(graph, plan, comm, root)
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank)
