@@ -20,10 +20,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+import torch.fx as fx
+
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
 from autotp.planner.transitions import Collective
+
+aten = torch.ops.aten
 
 Entry = tuple[Any, frozenset]
 Key = frozenset
@@ -304,6 +309,8 @@ def leaf_memory_cost(tp: int, cost_model: Any,
     sides = sorted(min(shape) for shape in shapes.values())
     typical = sides[len(sides) // 2] if sides else 0
     narrow_names = {name for name, shape in shapes.items() if min(shape) * 8 <= typical}
+    few_heads = {pn.node.name for pn in pnodes if pn.kind == "leaf" and pn.is_param and
+                 pn.ndim == 2 and _fewer_heads_than(pn.node, tp)}
 
     def cost(leaf: Any, layout: Any) -> float:
         # state is charged where it is written (``solve._transitions``): a cache whose size
@@ -311,6 +318,16 @@ def leaf_memory_cost(tp: int, cost_model: Any,
         if not leaf.is_param:
             return 0.0
         ndim = 1 if leaf.node.name in narrow_names else leaf.ndim
+        if not isinstance(layout, Shard) and leaf.node.name in few_heads:
+            # k/v heads fewer than tp: whole by design, as Megatron holds them, priced as
+            # the fused case's whole segments below. Priced at full memory where it enters,
+            # the search would prefer a row-parallel k/v (partial sums of q, k and v, the
+            # norm's output sliced along h) whose saving is repaid only later, by o_proj
+            # held whole, and a bounded beam drops Megatron's plan before it is (Gemma-2 2B
+            # at tp 8: 8 query heads of 256 against 4 k/v heads).
+            return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim) + \
+                cost_model.collective_time(Collective.ALL_REDUCE, leaf.nbytes, tp) - \
+                cost_model.latency
         if not isinstance(layout, Shard):
             return cost_model.memory_cost(leaf.nbytes, ndim)
         if not is_mixed(layout.blocks):
@@ -325,6 +342,25 @@ def leaf_memory_cost(tp: int, cost_model: Any,
             cost_model.collective_time(Collective.ALL_REDUCE, whole, tp) - cost_model.latency
 
     return cost
+
+
+_HEAD_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_PRODUCTS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default)
+
+
+def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
+    """Whether a product of ``weight`` is split into fewer heads than tp, [.., n] -> [.., H, d]
+    with H < tp (k/v projections with 4 k/v heads at tp 8): tp cannot shard its output."""
+    readers = [u for u in weight.users if u.target in (aten.t.default, aten.permute.default)]
+    for product in [u for u in (*weight.users, *(r for t in readers for r in t.users))
+                    if u.op == "call_function" and u.target in _PRODUCTS]:
+        n = product.meta["val"].shape[-1]
+        for view in product.users:
+            shape = view.meta.get("val").shape if view.target in _HEAD_VIEWS else None
+            if shape is not None and len(shape) >= 2 and isinstance(shape[-2], int) and \
+                    shape[-2] * shape[-1] == n and 1 < shape[-1] < n and shape[-2] < tp:
+                return True
+    return False
 
 
 __all__ = ["FrontierSolver", "Segment", "leaf_memory_cost"]

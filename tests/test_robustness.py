@@ -439,6 +439,24 @@ def test_partial_statistics_leave_megatron_plans_alone() -> None:
         assert counts == (2, 2), (layer, plan.summary())
 
 
+def test_kv_heads_fewer_than_tp_keep_megatrons_plan_at_wide_heads() -> None:
+    """Gemma-2 2B's attention at tp 8 (8 query heads against 4 k/v heads, with rotary
+    embeddings), at a width where k/v projections held whole cost as much memory as o_proj
+    held whole: priced at full memory where they enter, the beam kept only plans that shard
+    k/v row-parallel (q, k and v all-reduced, o_proj whole: 4 all-reduces forward). Whole
+    by design, they are priced as the fused case's whole k/v segments, and the plan is
+    Megatron's."""
+    from generic import GenericConfig
+
+    config = GenericConfig(norm="rms", mlp="swiglu", rope=True, bias=False, n_head=8,
+                           n_kv_head=4, d_model=256, d_ff=1024)
+    plan = _plan_generic(config, 8)
+    assert plan.params["blocks.0.attn.k_proj.weight"].layout == "R"
+    assert plan.params["blocks.0.attn.o_proj.weight"].layout == "S(1)"
+    for layer, counts in _collectives_per_layer(plan).items():
+        assert counts == (2, 2), (layer, plan.summary())
+
+
 class ConstantIndex(nn.Module):
     """Falcon's ``qkv[..., [-2], :]``: a one-element list index, then a view of it; and an
     index read from a buffer, which the model may change."""
