@@ -12,7 +12,8 @@
    checkpointing, batch 8, sequence 1024: the strong scaling of the 1.2B GPT-2 (h 1536,
    16 heads, 40 layers, vocabulary 51200) at tp 2/4/8 (published speedups 1.64/2.34/2.98),
    and the 8.3B (h 3072, 32 heads, 72 layers) at tp 8 at 77 % of the 1.2B's per-GPU FLOP
-   rate on one GPU.
+   rate on one GPU; then where the 1.2B's step goes at tp 1 and tp 8 (what tensor
+   parallelism divides, what it leaves replicated, the collectives' latency and bytes).
 3. llama70b: a LLaMA-2-70B shape on 64 A100-80GB (8 per node), global batch 512 x 4096
    tokens, bf16: the whole search on the meta device, its time, the best configuration and
    its MFU (published Megatron runs of this size sit near 50 %), and why the others are out.
@@ -79,8 +80,11 @@ def activations() -> None:
 
 def _gpt2(h: int, heads: int, layers: int) -> torch.nn.Module:
     transformers = _quiet()
+    # Megatron-LM (2019, mpu/transformer.py) runs its tanh GELU as one TorchScript-fused
+    # kernel: GPT-2's "gelu_new" would trace as eight elementwise kernels over the 4h
+    # activation, "gelu_pytorch_tanh" is the same function in one
     config = transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=layers, vocab_size=51200,
-                                     n_positions=1024)
+                                     n_positions=1024, activation_function="gelu_pytorch_tanh")
     config._attn_implementation = "eager"  # Megatron-LM's unfused softmax attention
     with torch.device("meta"):
         return transformers.GPT2LMHeadModel(config)
@@ -119,10 +123,61 @@ def megatron() -> None:
         speedup = results[1].time.step / c.time.step
         print(f"   {tp:>4} {c.time.step:>8.3f} {c.time.compute:>8.3f} {c.time.tp_comm:>8.3f} "
               f"{speedup:>8.2f} {published[tp]:>9.2f} {speedup / published[tp]:>6.2f}")
+    print("   where the step goes (s; forward, recomputed forward and backward; fixed: the "
+          "per-kernel launch cost inside the rows above)")
+    one, eight = small.profile(1, False, 8, 2), small.profile(8, False, 8, 2)
+    # an elementwise kernel moving as many bytes at tp 8 as on one GPU is replicated work
+    alone = {op.name: op.nbytes for op in one.ops}
+    replicated = {op.name for op in eight.ops if op.kind == "memory" and not op.quadratic
+                  and alone.get(op.name) == op.nbytes}
+    where = {tp: _where(prof, replicated, hw) for tp, prof in ((1, one), (8, eight))}
+    for key in where[8]:
+        a, b = where[1].get(key, 0.0), where[8][key]
+        print(f"   {key:<44} tp 1 {a:>7.3f}  tp 8 {b:>7.3f}" +
+              (f"  ({a / b:.1f}x less)" if a and b else ""))
     big = run(_planner(_gpt2(3072, 32, 72), "gpt2-8.3B", 1024), 8)
     ratio = big.mfu / results[1].mfu
     print(f"   8.3B at tp 8: {big.time.step:.3f} s per step, per-GPU FLOP rate "
           f"{ratio:.0%} of the 1.2B's on one GPU (published 77 %)")
+
+
+def _where(prof: Any, replicated: set[str], hw: Any) -> dict[str, float]:
+    """One micro-batch's seconds by kind of work under full recomputation: what tensor
+    parallelism divides and what it leaves (the ops named in ``replicated``), and the
+    collectives' latency against their bandwidth."""
+    from autotp.planner.timing import BACKWARD, _op_time, collective_time, ring_steps
+
+    keys = ("weight GEMMs", "attention core (scores, softmax, dropout)",
+            "elementwise sharded", "elementwise replicated on every rank",
+            "  fixed per-kernel cost of the above",
+            "collectives: latency (launch + ring steps)",
+            "collectives: bytes over bus bandwidth")
+    out = dict.fromkeys(keys, 0.0)
+
+    def add(key: str, seconds: float) -> None:
+        out[key] = out.get(key, 0.0) + seconds
+
+    for op in prof.ops:
+        passes = 1.0 + BACKWARD[op.kind] + (1.0 if op.layer is not None else 0.0)
+        t = _op_time(hw, op.kind, op.flops, op.nbytes, "float16") * passes
+        if op.quadratic:
+            add("attention core (scores, softmax, dropout)", t)
+        elif op.kind != "memory":
+            add("weight GEMMs", t)
+        elif op.name in replicated:
+            add("elementwise replicated on every rank", t)
+        else:
+            add("elementwise sharded", t)
+        fixed = hw.kernel_overhead if op.kind == "memory" else \
+            hw.gemm_knee / (hw.peak("float16") * hw.gemm_efficiency)
+        add("  fixed per-kernel cost of the above", min(fixed, t / passes) * passes)
+    for c in prof.comms:
+        repeats = 2 if c.layer is not None and c.phase == "forward" else 1  # recomputed
+        t = collective_time(hw, c.kind, c.nbytes, prof.tp, True) * repeats
+        latency = hw.ring_latency(ring_steps(c.kind, prof.tp), True) * repeats if t else 0.0
+        add("collectives: latency (launch + ring steps)", latency)
+        add("collectives: bytes over bus bandwidth", t - latency)
+    return out
 
 
 def llama70b() -> None:

@@ -10,8 +10,16 @@ measurements on the GPU at hand.
 The achieved fractions are what large, well-shaped kernels reach in practice, not marketing
 peaks: a GEMM of ``flops`` FLOPs takes ``(flops + gemm_knee) / (peak * gemm_efficiency)``
 seconds, so small GEMMs (a tensor-parallel slice of a small model) run far below peak and big
-ones approach ``gemm_efficiency`` of it. Memory-bound kernels move their bytes at
-``memory_efficiency`` of the HBM bandwidth after a fixed ``kernel_overhead``.
+ones approach ``gemm_efficiency`` of it, and never less than moving its operands and result
+(a product of a short contraction, attention's scores with a head dimension of 64 or 128, is
+bound by memory, not by the tensor cores). Memory-bound kernels move their bytes at
+``memory_efficiency`` of the HBM bandwidth after a fixed ``kernel_overhead``; no kernel is
+shorter than the ``host_overhead`` of launching it from eager PyTorch.
+
+A collective costs a fixed launch latency plus one ``*_step_latency`` per step of its ring
+(``2 (p - 1)`` for an all-reduce of ``p`` ranks, ``p - 1`` for an all-gather or
+reduce-scatter) plus its bytes over the achieved bus bandwidth: its latency grows with the
+group.
 """
 
 from __future__ import annotations
@@ -39,14 +47,24 @@ class Hardware:
     intra_node_bandwidth: float  # bytes/s one GPU sends to its node's peers (one direction)
     inter_node_bandwidth: float  # bytes/s one GPU sends across nodes (its share of the NICs)
     gpus_per_node: int = 8
-    intra_node_latency: float = 10e-6  # s, a small collective within a node
-    inter_node_latency: float = 25e-6  # s, across nodes
+    # s a collective costs before its ring starts (launch, setup): NCCL's base latency of
+    # its Ring/Simple algorithm (src/graph/tuning.cc: 8.4 us)
+    intra_node_latency: float = 8.4e-6
+    inter_node_latency: float = 25e-6  # s, the same across nodes
+    # s per step of a ring (each rank waits for its neighbour's chunk): NCCL's hardware
+    # latency of Ring/Simple per step (tuning.cc: 3.4 us over NVLink since NCCL 2.7, 14 us
+    # over the network since 2.18); --calibrate measures it from all-reduces
+    intra_node_step_latency: float = 3.4e-6
+    inter_node_step_latency: float = 14e-6
     gemm_efficiency: float = 0.75  # fraction of peak the largest GEMMs reach
     gemm_knee: float = 2e9  # FLOPs: a GEMM this size runs at half of gemm_efficiency
     memory_efficiency: float = 0.8  # fraction of memory bandwidth elementwise kernels reach
-    kernel_overhead: float = 5e-6  # s per kernel (launch and tail)
+    # s per kernel on the GPU (launch, ramp-up, tail); --calibrate times a CUDA graph of
+    # back-to-back one-element kernels
+    kernel_overhead: float = 5e-6
     # s of host time eager PyTorch spends dispatching one op (Python, autograd, launch): a
-    # kernel shorter than this leaves the GPU waiting for the next one
+    # kernel shorter than this leaves the GPU waiting for the next one; --calibrate times a
+    # loop of eager one-element ops
     host_overhead: float = 10e-6
     collective_efficiency: float = 0.8  # achieved bus bandwidth over the link's
     memory_reserved: float = 0.05  # fraction of memory the framework and allocator keep
@@ -62,21 +80,31 @@ class Hardware:
     def usable_memory(self) -> float:
         return self.memory * (1 - self.memory_reserved)
 
-    def gemm_time(self, flops: float, dtype: str) -> float:
+    def gemm_time(self, flops: float, dtype: str, nbytes: float = 0.0) -> float:
+        """A product's time: its FLOPs at the efficiency its size allows, or moving its
+        ``nbytes`` of operands and result, whichever is longer (the roofline)."""
         if flops <= 0:
             return 0.0
         return max(self.host_overhead,
-                   (flops + self.gemm_knee) / (self.peak(dtype) * self.gemm_efficiency))
+                   (flops + self.gemm_knee) / (self.peak(dtype) * self.gemm_efficiency),
+                   self.memory_time(nbytes) if nbytes > 0 else 0.0)
 
     def memory_time(self, nbytes: float) -> float:
         return max(self.host_overhead, self.kernel_overhead +
                    nbytes / (self.memory_bandwidth * self.memory_efficiency))
 
     def link(self, within_node: bool) -> tuple[float, float]:
-        """(latency s, achieved bus bandwidth bytes/s) of a collective group."""
+        """(launch latency s, achieved bus bandwidth bytes/s) of a collective group."""
         if within_node:
             return self.intra_node_latency, self.intra_node_bandwidth * self.collective_efficiency
         return self.inter_node_latency, self.inter_node_bandwidth * self.collective_efficiency
+
+    def ring_latency(self, steps: int, within_node: bool) -> float:
+        """s before the first byte of a ring of ``steps`` steps is through: launch plus one
+        hop latency per step."""
+        launch, _ = self.link(within_node)
+        step = self.intra_node_step_latency if within_node else self.inter_node_step_latency
+        return launch + max(0, steps) * step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,9 +121,12 @@ PRESETS: dict[str, Hardware] = {
         name="v100", flops={"float16": 130 * TFLOPS, "float32": 16.4 * TFLOPS},
         memory=32 * 2**30, memory_bandwidth=900 * GB, intra_node_bandwidth=150 * GB,
         inter_node_bandwidth=6.25 * GB, gpus_per_node=16, gemm_efficiency=0.72,
-        gemm_knee=1.5e9, kernel_overhead=8e-6, intra_node_latency=15e-6,
-        inter_node_latency=30e-6,
-        source="NVIDIA DGX-2H data sheet; Tesla V100 data sheet (SXM3 450 W)"),
+        gemm_knee=1.5e9, kernel_overhead=8e-6, inter_node_latency=30e-6,
+        # the NCCL of its time (2.5, late 2019; tuning.cc): Ring/Simple 5.7 us per step over
+        # NVLink, 6.6 us over the network
+        intra_node_step_latency=5.7e-6, inter_node_step_latency=6.6e-6,
+        source="NVIDIA DGX-2H data sheet; Tesla V100 data sheet (SXM3 450 W); NCCL 2.5 "
+               "tuning.cc (ring latencies)"),
     # DGX A100: 8 A100-SXM4, NVLink3 via NVSwitch (300 GB/s per direction per GPU),
     # 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
     "a100-40gb": Hardware(
@@ -220,8 +251,9 @@ def _fit_gemm(points: list[tuple[int, float, float]], peak: float) -> tuple[floa
 def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] = None,
               group: Any = None, sizes: Optional[tuple[int, ...]] = None,
               repeats: int = 5) -> tuple[Hardware, Measurement]:
-    """Measure GEMM throughput, memory bandwidth and (with a process group of 2 or more
-    ranks) all-reduce bandwidth on this device; return ``base`` with the measured numbers."""
+    """Measure GEMM throughput, memory bandwidth, the host and device cost of one kernel
+    and (with a process group of 2 or more ranks) all-reduce bandwidth and ring step latency
+    on this device; return ``base`` with the measured numbers."""
     import torch
     import torch.distributed as dist
 
@@ -248,6 +280,7 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
         name=f"{base.name}-calibrated", gemm_efficiency=eff, gemm_knee=float(knee),
         flops={**base.flops, dtype: peak},
         memory_efficiency=min(1.0, bandwidth / base.memory_bandwidth),
+        **_launch_overheads(dev, repeats),
         source=f"measured by autotp estimate --calibrate on {_device_name(dev)} ({dtype}), "
                f"starting from {base.name}")
     if group is not None or (dist.is_available() and dist.is_initialized()):
@@ -261,10 +294,38 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
                 times.append((nbytes, seconds))
             (b0, t0), (b1, t1) = times[0], times[-1]
             bus = 2.0 * (world - 1) / world * (b1 - b0) / max(t1 - t0, 1e-9)
+            # the line's intercept is the latency of the whole ring at the sizes training
+            # moves (not a tiny message's, which NCCL sends with its low-latency protocol);
+            # one world size cannot separate the launch from the steps, so the launch stays
+            # the preset's (NCCL's base) and the rest is spread over the 2 (world - 1) steps
+            ring = max(t0 - 2.0 * (world - 1) / world * b0 / bus, 0.0)
             fields.update(intra_node_bandwidth=bus / base.collective_efficiency,
-                          intra_node_latency=max(t0 - 2.0 * (world - 1) / world * b0 / bus,
-                                                 1e-6))
+                          intra_node_step_latency=max(ring - base.intra_node_latency, 0.0) /
+                          (2 * (world - 1)))
     return dataclasses.replace(base, **fields), m
+
+
+def _launch_overheads(dev: Any, repeats: int, kernels: int = 200) -> dict[str, float]:
+    """Per-op host time (a loop of eager one-element ops: the device finishes each before
+    the host issues the next) and, on a GPU, per-kernel device time (the same kernels
+    replayed from a CUDA graph, which takes the host out)."""
+    import torch
+
+    tiny = torch.zeros(1, device=dev)
+
+    def eager() -> None:
+        for _ in range(kernels):
+            tiny.add_(1.0)
+
+    out = {"host_overhead": _timed(eager, dev, repeats) / kernels}
+    if dev.type == "cuda":
+        eager()
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        out["kernel_overhead"] = _timed(graph.replay, dev, repeats) / kernels
+    return out
 
 
 def _device_name(dev: Any) -> str:

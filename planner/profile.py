@@ -71,7 +71,7 @@ class Op:
     layer: Optional[int]  # None: before the layers (embeddings) or after them (head, loss)
     kind: str  # "gemm" (FLOP-bound), "attention" or "memory" (bandwidth-bound)
     flops: float  # forward FLOPs on this rank
-    nbytes: float  # bytes read and written (memory-bound kernels)
+    nbytes: float  # bytes it reads and writes at least (operands and result, local shapes)
     quadratic: bool  # its size grows with the square of the sequence (attention core)
     side: str = "layer"  # "first" (before the layers) or "last" (after) when layer is None
 
@@ -242,16 +242,19 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             sizes.quadratic(a.meta.get("val")) for a in ins))
         if node.target in VIEWS:
             pass
-        elif node.target in PRODUCTS or node.target in ATTENTION:
-            prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
-                               else "gemm", _flops(node, ins, in_layouts, sizes, tp),
-                               0.0, quadratic, side[node.name]))
         else:
+            # every kernel reads its operands and writes its result at least once: all a
+            # memory-bound kernel costs, and the floor under a product (its roofline)
             moved = sum(local_bytes(a, lay) for a, lay in zip(ins, in_layouts))
             if isinstance(val, torch.Tensor):
                 moved += local_bytes(node, out_layout)
-            prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
-                               side[node.name]))
+            if node.target in PRODUCTS or node.target in ATTENTION:
+                prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
+                                   else "gemm", _flops(node, ins, in_layouts, sizes, tp),
+                                   moved, quadratic, side[node.name]))
+            else:
+                prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
+                                   side[node.name]))
         if not grads.get(node.name, False):
             continue
         # what this op's backward keeps

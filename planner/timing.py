@@ -4,8 +4,10 @@
                from peak: the tensor-parallel slices of a small model), each other kernel at
                its bytes over the memory bandwidth plus a fixed overhead; backward = 2x forward
                (2.5x for fused attention); recomputation adds the forward it repeats
-    tp comm    every collective of the plan: latency + ring factor x bytes / bus bandwidth,
-               within a node or across nodes as the group lies
+    tp comm    every collective of the plan: launch latency + one hop latency per ring step
+               (2 (p - 1) for an all-reduce, p - 1 for an all-gather or reduce-scatter) +
+               ring factor x bytes / bus bandwidth, within a node or across nodes as the
+               group lies
     pp bubble  1F1B: (pp - 1) micro-batch slots of the slowest stage, plus the stage-to-stage
                sends of activations and their gradients
     dp comm    the gradients' reduce (and FSDP's weight gathers), overlapped with backward
@@ -59,16 +61,22 @@ class Layout:
         return self.tp * self.dp * self.pp <= self.gpus_per_node
 
 
+def ring_steps(kind: str, group: int) -> int:
+    """Sequential steps of a ring collective: each waits for the neighbour's chunk."""
+    return 2 * (group - 1) if Collective(kind) is Collective.ALL_REDUCE else group - 1
+
+
 def collective_time(hw: Hardware, kind: str, nbytes: float, group: int, within: bool) -> float:
     if group <= 1 or nbytes <= 0:
         return 0.0
-    latency, bandwidth = hw.link(within)
-    return latency + Collective(kind).ring_factor(group) * nbytes / bandwidth
+    _, bandwidth = hw.link(within)
+    return hw.ring_latency(ring_steps(kind, group), within) + \
+        Collective(kind).ring_factor(group) * nbytes / bandwidth
 
 
 def _op_time(hw: Hardware, kind: str, flops: float, nbytes: float, dtype: str) -> float:
     if kind in ("gemm", "attention"):
-        return hw.gemm_time(flops, dtype)
+        return hw.gemm_time(flops, dtype, nbytes)
     return hw.memory_time(nbytes)
 
 
@@ -145,15 +153,15 @@ def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
     pp = mesh.pp
     bubble = 0.0
     if pp > 1:
-        latency, bandwidth = hw.link(mesh.pp_within_node)
-        send = latency + boundary_bytes / bandwidth
+        _, bandwidth = hw.link(mesh.pp_within_node)
+        send = hw.ring_latency(1, mesh.pp_within_node) + boundary_bytes / bandwidth
         bubble = (pp - 1) * slots[slowest] + (m + pp - 1) * 2 * send
     dp_comm = 0.0
     if mesh.dp > 1:
         params = stage_params[slowest]
         ring = 2.0 * (mesh.dp - 1) / mesh.dp
         _, bandwidth = hw.link(mesh.dp_within_node)
-        latency, _ = hw.link(mesh.dp_within_node)
+        latency = hw.ring_latency(ring_steps("all_reduce", mesh.dp), mesh.dp_within_node)
         total = latency + ring * params * prec.grad / bandwidth  # reduce-scatter + all-gather
         if dp_shard == "fsdp":  # weights gathered for each micro-batch's forward and backward
             total += m * 2 * (mesh.dp - 1) / mesh.dp * params * prec.weight / bandwidth

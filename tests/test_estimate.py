@@ -144,6 +144,42 @@ def _tiny_hw(memory: float) -> Hardware:
                     inter_node_bandwidth=1e9, gpus_per_node=2, memory_reserved=0.0)
 
 
+def test_collective_and_product_times_known_by_hand() -> None:
+    """A ring all-reduce of p ranks waits its launch and 2 (p - 1) hop latencies, then moves
+    2 (p - 1) / p of the tensor at the achieved bus bandwidth (an all-gather: p - 1 hops and
+    (p - 1) / p); a product takes its FLOPs at the GEMM rate or its operands and result at
+    the memory rate, whichever is longer; the profile counts those bytes on local shapes."""
+    from autotp.planner.timing import collective_time
+
+    hw = Hardware(name="hand", flops={"float16": 100e12}, memory=1e9, memory_bandwidth=1e12,
+                  intra_node_bandwidth=100e9, inter_node_bandwidth=10e9,
+                  intra_node_latency=10e-6, intra_node_step_latency=5e-6,
+                  collective_efficiency=0.5, gemm_efficiency=0.5, gemm_knee=0.0,
+                  memory_efficiency=0.5, kernel_overhead=0.0, host_overhead=0.0)
+    # 10 us + 14 x 5 us, then 1.75 x 100 MB at 50 GB/s = 3.5 ms
+    assert collective_time(hw, "all_reduce", 100e6, 8, True) == pytest.approx(80e-6 + 3.5e-3)
+    # 10 us + 7 x 5 us, then 0.875 x 100 MB at 50 GB/s = 1.75 ms
+    assert collective_time(hw, "all_gather", 100e6, 8, True) == pytest.approx(45e-6 + 1.75e-3)
+    assert collective_time(hw, "all_reduce", 100e6, 1, True) == 0.0
+    # 1 GFLOP at 50 TFLOP/s: 20 us; 100 MB of operands at 500 GB/s: 200 us
+    assert hw.gemm_time(1e9, "float16") == pytest.approx(20e-6)
+    assert hw.gemm_time(1e9, "float16", 1e6) == pytest.approx(20e-6)
+    assert hw.gemm_time(1e9, "float16", 100e6) == pytest.approx(200e-6)
+
+    model = _model(dropout=0.0)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    captured = capture(model, (ids,), {})
+    h, tokens = 64, B * T
+    for tp in (1, 2):
+        prof = build_profile(captured, plan_graph(captured, tp), B, T, dtype_bytes=2)
+        products = [op for op in prof.ops if op.kind == "gemm" and op.layer == 0]
+        qkv, out = products[0], products[-1]
+        # column-parallel qkv: x whole, W and the result split by tp
+        assert qkv.nbytes == 2 * (tokens * h + 3 * h * h / tp + tokens * 3 * h / tp)
+        # row-parallel MLP output: x and W split, the partial result whole on every rank
+        assert out.nbytes == 2 * (tokens * 4 * h / tp + h * 4 * h / tp + tokens * h)
+
+
 def test_search_finds_the_answer_known_by_hand() -> None:
     """2 GPUs, a model whose 16 bytes per parameter fit only when tensor parallelism halves
     them: dp=2 (no sharding of states) is refused for memory, tp=2 wins. With room for
@@ -247,6 +283,9 @@ def test_calibrate_writes_a_hardware_file_of_this_device(tmp_path) -> None:
                             repeats=2)
     assert len(m.gemms) == 2 and all(seconds > 0 for _, _, seconds in m.gemms)
     assert 0 < measured.gemm_efficiency <= 1 and measured.memory_efficiency > 0
+    # an eager op's host time is measured anywhere; a kernel's device time only on a GPU
+    assert 0 < measured.host_overhead < 1e-3
+    assert measured.kernel_overhead == PRESETS["h100"].kernel_overhead
     path = str(tmp_path / "cpu.json")
     save(measured, path)
     assert hardware(path) == measured
