@@ -7,6 +7,7 @@ divides them are always recorded: the plan never leaves anything replicated sile
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator
 
 import networkx as nx
@@ -58,6 +59,22 @@ def narrow(shape: tuple[int, ...], tp: int) -> bool:
     scalar gate, a rank-r adapter. Replicated by design, as in Megatron: sharding it would
     cost more communication than the compute and memory it saves."""
     return len(shape) == 2 and min(shape) * 4 * tp <= max(shape)
+
+
+def narrow_matrices(shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """The matrices of ``shapes`` (name -> 2-D shape) whose smaller side is at most an
+    eighth of the model's typical width: the smaller side of the matrix holding the median
+    parameter (rank-r adapters on every linear outnumber a model's matrices, not its
+    parameters). Rank-r adapters and routers are; k/v projections with 8 k/v heads of 32 are
+    not."""
+    weighted = sorted((min(shape), math.prod(shape)) for shape in shapes.values())
+    total, held, typical = sum(n for _, n in weighted), 0, 0
+    for side, numel in weighted:
+        held += numel
+        if 2 * held >= total:
+            typical = side
+            break
+    return {name for name, shape in shapes.items() if min(shape) * 8 <= typical}
 
 
 def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset(),

@@ -26,6 +26,7 @@ import torch.fx as fx
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
+from autotp.planner.checks import narrow_matrices
 from autotp.planner.transitions import Collective
 
 aten = torch.ops.aten
@@ -297,18 +298,15 @@ class _Link:
 
 def leaf_memory_cost(tp: int, cost_model: Any,
                      pnodes: Sequence[Any] = ()) -> Callable[[Any, Any], float]:
-    """The memory price of holding a parameter in a layout. A *narrow* matrix, one whose
-    smaller side is at most an eighth of the model's typical width (the median of every
-    matrix's smaller side: a rank-r adapter, a router over a few experts), is priced as a
-    vector: sharding it saves next to nothing and would buy a collective (lora_A split along
+    """The memory price of holding a parameter in a layout. A *narrow* matrix
+    (``checks.narrow_matrices``: a rank-r adapter, a router over a few experts) is priced as
+    a vector: sharding it saves next to nothing and would buy a collective (lora_A split along
     its rank of 4, or lora_B beside a replicated k/v projection: an all-reduce per adapter).
     An embedding or LM head, narrow only because the vocabulary is large, and k/v
     projections (a quarter of the width with 8 k/v heads of 32) stay matrices."""
     shapes = {pn.node.name: tuple(pn.node.meta["val"].shape) for pn in pnodes
               if pn.kind == "leaf" and pn.is_param and pn.ndim == 2}
-    sides = sorted(min(shape) for shape in shapes.values())
-    typical = sides[len(sides) // 2] if sides else 0
-    narrow_names = {name for name, shape in shapes.items() if min(shape) * 8 <= typical}
+    narrow_names = narrow_matrices(shapes)
     few_heads = {pn.node.name for pn in pnodes if pn.kind == "leaf" and pn.is_param and
                  pn.ndim == 2 and _fewer_heads_than(pn.node, tp)}
 

@@ -15,9 +15,10 @@ after-backward bucket of replicated parameters' gradients.
         a value computed before the first layer from those alone, or an invariant value of
         layer k; v is deterministic, writes nothing and sits outside autocast regions.
 
-Layer 0 reads the model's inputs where later layers read the stream, so the rule alone
-would call all of layer 0 invariant: a value of layer 0 counts only where the node at the
-same position of layer 1 does (the layers of a repeated block have the same program).
+The first layer of a list reads the model's inputs where later layers read the stream, so
+the rule alone would call all of it invariant: there, a value computed before the layers
+counts only where more than one layer reads it (the conditioning vector, not the embedded
+tokens that only the first layer reads).
 """
 
 from __future__ import annotations
@@ -30,25 +31,32 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from autotp.capture.trace import torch_leaf
+
 _ENTRY = re.compile(r"^(?P<list>.+)\.(?P<index>\d+)$")
 
 
 def layer_invariant(graph: fx.Graph) -> frozenset[str]:
     """Names of the values of ``graph`` that the layers compute from inputs and their own
-    parameters alone (see the module docstring). The layers are the entries of the module
-    list with the most entries (the decoder layers, not a timestep MLP's ``nn.Sequential``)."""
+    parameters alone (see the module docstring). A layer is an entry of a module list with
+    two or more entries (DiT's blocks; Flux's double- and single-stream blocks are two
+    lists), not a torch layer inside an ``nn.Sequential`` (a timestep MLP)."""
     entry = {node: _entry(node) for node in graph.nodes if node.op == "call_function"}
     sizes: dict[str, set[int]] = {}
     for found in entry.values():
         if found is not None:
             sizes.setdefault(found[0], set()).add(found[1])
-    if not sizes:
+    lists = {name for name, indices in sizes.items() if len(indices) > 1}
+    if not lists:
         return frozenset()
-    main = max(sizes, key=lambda c: len(sizes[c]))
-    layer = {n: (e[1] if e is not None and e[0] == main else None) for n, e in entry.items()}
+    layer = {n: (e if e is not None and e[0] in lists else None) for n, e in entry.items()}
+    firsts = {(name, min(sizes[name])) for name in lists}
+    # what more than one layer reads: the conditioning (a timestep embedding), not a stream
+    # that only the first layer reads (the embedded tokens)
+    shared = {node for node in graph.nodes
+              if len({layer.get(u) for u in node.users} - {None}) > 1}
     invariant: set[fx.Node] = set()
     before: set[fx.Node] = set()  # computed ahead of every layer, from inputs and parameters
-    by_layer: dict[int, list[fx.Node]] = {}
     autocast = 0
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -63,34 +71,24 @@ def layer_invariant(graph: fx.Graph) -> frozenset[str]:
             autocast -= 1
             continue
         k = layer[node]
-        if k is not None:
-            by_layer.setdefault(k, []).append(node)
         if autocast or not _pure(node):
             continue
         ins = node.all_input_nodes
         if k is None:
             if all(x in before for x in ins):
                 before.add(node)
-        elif all(x in before or (x in invariant and layer.get(x) == k) for x in ins):
+        elif all(x in invariant and layer.get(x) == k or
+                 x in before and (k not in firsts or x in shared or x.op == "get_attr")
+                 for x in ins):
             invariant.add(node)
-    order = sorted(by_layer)
-    first = by_layer[order[0]]
-    second = by_layer[order[1]] if len(order) > 1 else []
-    matched = len(first) == len(second) and all(
-        a.target == b.target for a, b in zip(first, second))
-    for a, b in zip(first, second):
-        if a in invariant and not (matched and b in invariant):
-            invariant.discard(a)
-    if not second:
-        invariant.difference_update(first)
     return frozenset(n.name for n in invariant)
 
 
 def _entry(node: fx.Node) -> Optional[tuple[str, int]]:
     """(module list, index) of the outermost list entry whose forward produced ``node``."""
-    for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
         match = _ENTRY.match(str(path))
-        if match:
+        if match and not torch_leaf(cls):
             return match.group("list"), int(match.group("index"))
     return None
 

@@ -116,7 +116,7 @@ def test_x_transformers_encoder_takes_context_through_kwargs(tp: int) -> None:
 # peft ----------------------------------------------------------------------------------------
 
 
-def lora_llama() -> nn.Module:
+def lora_llama(targets: tuple[str, ...] = ("q_proj", "v_proj")) -> nn.Module:
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -125,7 +125,7 @@ def lora_llama() -> nn.Module:
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64)
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    lora = peft.LoraConfig(r=4, target_modules=list(targets))
     return perturbed(peft.get_peft_model(LlamaForCausalLM(config), lora))
 
 
@@ -154,6 +154,22 @@ def test_peft_lora_llama_called_with_inputs(tp: int) -> None:
     for layer, counts in sim.plan.per_layer().items():
         if layer is not None:
             assert sum(n for (phase, _), n in counts.items() if phase == "forward") == 2, counts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_peft_lora_on_every_linear_costs_no_collective(tp: int) -> None:
+    """Adapters on all seven linears outnumber the model's own matrices: they are still
+    narrow (the typical width is that of the matrix holding the median parameter), so they
+    stay where they cost nothing, at Megatron's 2 + 2 per layer."""
+    model = lora_llama(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"))
+    sim = check_exact(model, lm_inputs(), tp, lambda out: out.loss, lambda out: out.logits)
+    for layer, counts in sim.plan.per_layer().items():
+        if layer is not None:  # at tp 4 a k/v slice's gradient may be gathered, not summed
+            assert {kind: n for (phase, kind), n in counts.items() if phase == "forward"} == \
+                {"all_reduce": 2}, counts
+            assert sum(n for (phase, _), n in counts.items() if phase == "backward") <= 2, \
+                counts
 
 
 def test_peft_lora_llama_traces_without_its_cache() -> None:
@@ -192,6 +208,31 @@ def test_diffusers_dit_training_label_dropout_is_refused_clearly() -> None:
         autotp.plan(model, 2, example_kwargs=dit_inputs())
     assert "aten.rand.default" in str(refused.value)
     assert "embeddings.py" in str(refused.value) and "token_drop" in str(refused.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_diffusers_sd3_joint_blocks_at_megatrons_count(tp: int) -> None:
+    """SD3's joint attention (image and text streams, one attention) with adaLN modulation
+    from the pooled timestep embedding. Block 0 (both streams' attention outputs and MLPs)
+    at Megatron's 4 all-reduces forward; the last block (context_pre_only: the text stream
+    only feeds k/v) at 2, and its modulation, unlike block 0's program, is joined with the
+    others in the one gather before the blocks."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = perturbed(diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
+        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8)).eval()
+    inputs = {"hidden_states": torch.randn(2, 4, 8, 8),
+              "encoder_hidden_states": torch.randn(2, 6, 32),
+              "pooled_projections": torch.randn(2, 32), "timestep": torch.tensor([3.0, 7.0]),
+              "return_dict": False}
+    sim = check_exact(model, inputs, tp, square_loss, first)
+    per = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}
+    assert per[0].get(("forward", "all_reduce")) == 4 and len(per[0]) == 2, per
+    assert per[1].get(("forward", "all_reduce")) == 2 and len(per[1]) == 2, per
+    assert all(n <= 4 for counts in per.values() for (phase, _), n in counts.items()
+               if phase == "backward"), per
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -847,12 +847,12 @@ def layer_of(node: fx.Node) -> Optional[int]:
     stack = node.meta.get("nn_module_stack") or {}
     for path, cls in stack.values():
         match = _LAYER.match(str(path))
-        if match and not _torch_leaf(cls):
+        if match and not torch_leaf(cls):
             return int(match.group("index"))
     return None
 
 
-def _torch_leaf(cls: Any) -> bool:
+def torch_leaf(cls: Any) -> bool:
     """One of torch.nn's own layers (``nn.Linear``, ``nn.SiLU``), not a container: an entry
     of ``nn.Sequential(nn.Linear, nn.SiLU, nn.Linear)`` (a timestep MLP) is no layer."""
     name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
