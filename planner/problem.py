@@ -154,7 +154,8 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
     """Segmentations worth considering for blocked shards: those of the graph's splits (a
     fused q|k|v or gate|up projection split into its parts): their count when the parts
     are equal, their proportions when not (q|k|v with fewer k/v heads), and those with the
-    smaller parts held whole (multi-query attention's single k/v head)."""
+    smaller parts held whole (multi-query attention's single k/v head), and the proportions
+    of concatenated pieces."""
     counts: set = {1}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (
@@ -173,6 +174,13 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
         if tiling:
             counts.add(proportions(tiling))
             counts.add(smaller_whole(proportions(tiling)))
+        if node.op == "call_function" and node.target == aten.cat.default:
+            pieces = [a.meta.get("val") for a in node.args[0] if isinstance(a, fx.Node)]
+            dim = node_arg(node, 1, "dim", 0)
+            sizes = [p.shape[dim] for p in pieces if isinstance(p, torch.Tensor)]
+            if all(isinstance(size, int) and size > 0 for size in sizes) and \
+                    len(set(sizes)) > 1:
+                counts.add(proportions(sizes))  # Flux's cat([attention, mlp], -1): (1, 4)
         if node.op == "call_function" and node.target == aten.unbind.int:
             counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
         if node.op == "call_function" and node.target in _VIEWS:

@@ -57,9 +57,13 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
                 name = "batch" if len(holders) > 1 else "column"
                 yield Strategy(tuple(inputs) + (R,) * extra,
                                Shard(out_spec.index(letter), blocks), name=name)
-        elif len(holders) == 2 and probe.shardable(0, call.tp):
-            inputs = [Shard(spec.index(letter)) for spec in in_specs]
-            yield Strategy(tuple(inputs) + (R,) * extra, P, name="row")
+        elif len(holders) == 2:
+            # a contracted letter sharded alike in both operands: plainly, or in unequal
+            # blocks (a concatenation of h and 4h pieces meeting one row-parallel weight)
+            for blocks in (1, *(b for b in call.blocks if isinstance(b, tuple))):
+                if probe.shardable(0, call.tp, blocks):
+                    inputs = [Shard(spec.index(letter), blocks) for spec in in_specs]
+                    yield Strategy(tuple(inputs) + (R,) * extra, P, name="row")
     if extra == 0 and all(m.floating for m in metas):
         for i in range(len(in_specs)):
             inputs = [P if j == i else R for j in range(len(in_specs))]

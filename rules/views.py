@@ -483,10 +483,13 @@ def cat_rule(call: OpCall) -> Iterator[Strategy]:
     for d, blocks in shardable_dims(out, call):
         if d != dim and all(m.shape[d] == out.shape[d] for m in call.inputs):
             yield Strategy((Shard(d, blocks),) * n, Shard(d, blocks), name="view")
-    # Concatenating equal sharded pieces gives a blocked shard (one block per piece).
-    sizes = {m.shape[dim] for m in call.inputs}
-    if n > 1 and len(sizes) == 1 and call.inputs[0].shardable(dim, call.tp):
-        yield Strategy((Shard(dim),) * n, Shard(dim, n), name="cat blocks")
+    # Concatenating sharded pieces gives a blocked shard: one block per piece, in their
+    # proportions where they differ (Flux's single-stream cat([attention, mlp], -1), h and
+    # 4h, before one row-parallel output projection).
+    sizes = [m.shape[dim] for m in call.inputs]
+    if n > 1 and all(isinstance(size, int) and size > 0 for size in sizes) and \
+            all(m.shardable(dim, call.tp) for m in call.inputs):
+        yield Strategy((Shard(dim),) * n, Shard(dim, proportions(sizes)), name="cat blocks")
 
 
 @rules.register(aten.pad.default, aten.constant_pad_nd.default)
@@ -500,6 +503,22 @@ def pad_rule(call: OpCall) -> Iterator[Strategy]:
     value = call.arg(3, "value", 0.0) if call.op == aten.pad.default else call.arg(2, "value", 0)
     mode = call.arg(2, "mode", "constant") if call.op == aten.pad.default else "constant"
     if mode == "constant" and not value and call.out.floating:
+        yield Strategy((P,), P, name="linear")
+
+
+@rules.register(aten.roll.default)
+def roll_rule(call: OpCall) -> Iterator[Strategy]:
+    """``roll(x, shifts, dims)`` moves elements along ``dims`` only (Swin's shifted windows
+    roll the spatial dims): a shard of any other dim stays; it is linear, so P stays P. A
+    roll of the flattened tensor (no dims) keeps no shard."""
+    src = call.inputs[0]
+    dims = call.arg(2, "dims", [])
+    rolled = {normalize_dim(d, src.ndim) for d in dims}
+    if dims:
+        for d, blocks in shardable_dims(src, call):
+            if d not in rolled:
+                yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
+    if src.floating:
         yield Strategy((P,), P, name="linear")
 
 

@@ -18,6 +18,7 @@ transformers``) and torchtitan (its model code imports triton, which CPU torch l
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Callable
 
 import pytest
@@ -233,6 +234,38 @@ def test_diffusers_sd3_joint_blocks_at_megatrons_count(tp: int) -> None:
     assert per[1].get(("forward", "all_reduce")) == 2 and len(per[1]) == 2, per
     assert all(n <= 4 for counts in per.values() for (phase, _), n in counts.items()
                if phase == "backward"), per
+
+
+def test_diffusers_flux_double_and_single_stream_blocks_at_megatrons_count() -> None:
+    """Flux: double-stream blocks (joint attention, as SD3's) at 4 all-reduces each way;
+    single-stream blocks run attention and MLP in parallel and concatenate them (h and 4h)
+    before one output projection, which is row-parallel over the concatenation's blocks in
+    proportion 1:4: one all-reduce each way. Exact at tp 2."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = perturbed(diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))).eval()
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0),
+                                     indexing="ij"), -1).reshape(-1, 3)
+    inputs = {"hidden_states": torch.randn(2, 16, 16), "encoder_hidden_states":
+              torch.randn(2, 6, 32), "pooled_projections": torch.randn(2, 32),
+              "timestep": torch.tensor([0.3, 0.7]), "img_ids": ids,
+              "txt_ids": torch.zeros(6, 3), "return_dict": False}
+    sim = check_exact(model, inputs, 2, square_loss, first)
+    per_block: dict[tuple[str, str], int] = {}
+    for c in sim.plan.collectives:
+        block = re.match(r"^(\w+\.\d+)", c.module or "")
+        if c.layer is not None and block:
+            key = (block.group(1), c.phase)
+            per_block[key] = per_block.get(key, 0) + 1
+    for block in ("transformer_blocks.0", "transformer_blocks.1"):
+        assert per_block[(block, "forward")] == 4 and per_block[(block, "backward")] <= 4
+    for block in ("single_transformer_blocks.0", "single_transformer_blocks.1"):
+        assert per_block[(block, "forward")] == 1 and per_block[(block, "backward")] == 1
+    layouts = sim.plan.params
+    assert layouts["single_transformer_blocks.0.proj_out.weight"].layout.startswith("S(1)x1:4")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

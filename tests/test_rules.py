@@ -159,6 +159,7 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.split.Tensor: [s(randn(4, 24), 8, 1), s(randn(8, 12), 4), s(randn(4, 24), 10, -1)],
     aten.split_with_sizes.default: [s(randn(4, 24), [8, 8, 8], 1), s(randn(4, 24), [16, 8], -1)],
     aten.chunk.default: [s(randn(4, 24), 3, 1), s(randn(8, 12), 2)],
+    aten.roll.default: [s(randn(4, 8, 6), [1, -2], [1, 2]), s(randn(8, 4), [3], [0])],
     aten.cat.default: [
         s([randn(4, 8), randn(4, 8), randn(4, 8)], 1),
         s([randn(4, 8), randn(4, 8)]),
@@ -461,6 +462,10 @@ UNEQUAL = [
     (aten.slice.Tensor, (randn(4, 32), 1, 16, 24)),
     (aten.slice.Tensor, (randn(4, 32), 1, 24, MAX_INT)),
     (aten.linear.default, (randn(3, 8), randn(32, 8))),
+    # the contracted dim in unequal blocks (a concatenation's proportions): row-parallel
+    (aten.linear.default, (randn(3, 32), randn(8, 32))),
+    (aten.mm.default, (randn(3, 32), randn(32, 8))),
+    (aten.cat.default, ([randn(4, 16), randn(4, 8), randn(4, 8)], 1)),
     (aten.add.Tensor, (randn(4, 32), randn(32))),
 ]
 
