@@ -1,0 +1,590 @@
+"""How autotp plans other codebases' transformer blocks, against Megatron-LM's bound.
+
+    python benchmarks/peers.py                   # every case, tp 2 and 4
+    python benchmarks/peers.py sd3 flux --tp 2   # some cases
+    ... --no-sim      plans only (no exactness check)
+    ... --verbose     every in-layer collective above the bound (node, module, source)
+    ... --json F      rows as JSON
+
+Per case and tp: simulate (strict=False) -> outputs, loss and every trained parameter's
+gradient against the unsharded model (rel tol 1e-4 of the largest entry; a gradient that is 0
+in exact arithmetic gets a floor of 1e-3 of the model's largest gradient, as
+tests/test_peers.py does). Then the plan's collectives are grouped per block (module list
+entry: stack name from the collective's module path, index from its layer label), bytes
+evaluated at the example's sizes (symbols -> their example values), and compared with
+Megatron's: one all-reduce of B x T_block x h forward and one backward per attention,
+cross-attention, MLP block (per stream for joint blocks; a parallel attn+MLP block is one).
+Large replicated = a 2-D parameter in R with both sides >= h/2.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+import sympy
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import autotp
+
+RTOL = 1e-4
+ZERO_FLOOR = 1e-3
+B = 2
+
+
+def perturbed(model: nn.Module, std: float = 0.02) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * std)
+    return model
+
+
+def first(out: Any) -> torch.Tensor:
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def square_loss(out: Any) -> torch.Tensor:
+    return first(out).float().square().mean()
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], dict]
+    hidden: int
+    # stack name -> index -> (forward token counts, backward token counts): Megatron's
+    # all-reduces, one entry per all-reduce of B x tokens x h
+    megatron: Callable[[str, int], tuple[list[int], list[int]]]
+    # a replicated matrix Megatron also holds whole (k/v heads fewer than tp): (name, shape, tp)
+    whole_ok: Callable[[str, tuple, int], bool] = lambda name, shape, tp: False
+    loss: Callable[[Any], torch.Tensor] = square_loss
+    output: Callable[[Any], torch.Tensor] = first
+    tps: tuple[int, ...] = (2, 4)
+
+
+# ---- diffusers ----------------------------------------------------------------------------
+
+T_IMG, T_TXT = 16, 6
+
+
+def sd3(qk_norm=None, dual=(), layers=2):
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=layers, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
+            pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8,
+            qk_norm=qk_norm, dual_attention_layers=dual)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "pooled_projections": torch.randn(B, 32),
+                "timestep": torch.tensor([3.0, 7.0]), "return_dict": False}
+
+    def megatron(stack, i):
+        last = i == layers - 1
+        extra = [T_IMG] if i in dual else []  # SD3.5's second (image-only) attention
+        if last:  # context_pre_only: the context stream's q/k/v only, no to_add_out, no ff
+            return [T_IMG] + extra + [T_IMG], [T_IMG, T_TXT] + extra + [T_IMG]
+        return ([T_IMG, T_TXT] + extra + [T_IMG, T_TXT], [T_IMG, T_TXT] + extra + [T_IMG, T_TXT])
+    return build, inputs, megatron
+
+
+def flux(double=2):
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=double, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+            pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0),
+                                             indexing="ij"), -1).reshape(-1, 3)
+        return {"hidden_states": torch.randn(B, T_IMG, 16),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "pooled_projections": torch.randn(B, 32), "timestep": torch.tensor([0.3, 0.7]),
+                "img_ids": img_ids, "txt_ids": torch.zeros(T_TXT, 3), "return_dict": False}
+
+    def megatron(stack, i):
+        if stack == "single_transformer_blocks":  # parallel attn + MLP, one proj_out
+            return [T_IMG + T_TXT], [T_IMG + T_TXT]
+        return [T_IMG, T_TXT, T_IMG, T_TXT], [T_IMG, T_TXT, T_IMG, T_TXT]
+    return build, inputs, megatron
+
+
+def dit():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.DiTTransformer2DModel(
+            num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+            num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
+            norm_num_groups=32)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+                "class_labels": torch.tensor([1, 4]), "return_dict": False}
+    return build, inputs, lambda s, i: ([T_IMG, T_IMG], [T_IMG, T_IMG])
+
+
+def pixart():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.PixArtTransformer2DModel(
+            num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+            num_layers=2, sample_size=8, patch_size=2, cross_attention_dim=64,
+            caption_channels=32, norm_num_groups=32)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+                "return_dict": False}
+    # self-attn, cross-attn, MLP: 3 + 3 (cross-attn's k/v read the caption: Megatron's
+    # backward all-reduce of B x T_txt x h for them, in a layer, when the caption trains)
+    return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
+
+
+# ---- x-transformers ---------------------------------------------------------------------
+
+T_TOK = 16
+
+
+def xt(kind="Decoder", ctx=False, **kw):
+    def build():
+        import x_transformers as xtr
+        torch.manual_seed(0)
+        layers = getattr(xtr, kind)(dim=64, depth=2, heads=4, cross_attend=ctx, **kw) if ctx \
+            else getattr(xtr, kind)(dim=64, depth=2, heads=4, **kw)
+        return perturbed(xtr.TransformerWrapper(num_tokens=128, max_seq_len=32,
+                                                attn_layers=layers)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        d = {"x": torch.randint(0, 128, (B, T_TOK))}
+        if ctx:
+            d["context"] = torch.randn(B, 8, 64)
+        return d
+
+    def megatron(stack, i):
+        # entries: [attn, (cross), ff] x depth; a cross-attention's k/v read the context,
+        # whose gradient (a model input here) is not needed: no backward all-reduce for it
+        return [T_TOK], [T_TOK]
+    return build, inputs, megatron
+
+
+# ---- peft LoRA on LLaMA -------------------------------------------------------------------
+
+def lora_llama(targets=("q_proj", "v_proj")):
+    def build():
+        import peft
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64)
+        return perturbed(peft.get_peft_model(LlamaForCausalLM(cfg),
+                                             peft.LoraConfig(r=4, target_modules=list(targets))))
+
+    def inputs():
+        torch.manual_seed(1)
+        t = torch.randint(0, 128, (B, T_TOK))
+        return {"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t}
+    return build, inputs, lambda s, i: ([T_TOK, T_TOK], [T_TOK, T_TOK])
+
+
+# ---- torchtitan-style llama3 (plain torch, complex rotary) -------------------------------
+
+class TTAttention(nn.Module):
+    type_as_v = False  # True: .type_as(xv), a tensor of another shape (a rule-gap repro)
+
+    def __init__(self, dim, n_heads, n_kv):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = n_heads, n_kv, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.hd, bias=False)
+        self.wk = nn.Linear(dim, n_kv * self.hd, bias=False)
+        self.wv = nn.Linear(dim, n_kv * self.hd, bias=False)
+        self.wo = nn.Linear(n_heads * self.hd, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.hd)
+        xk = self.wk(x).view(bs, seqlen, -1, self.hd)
+        xv = self.wv(x).view(bs, seqlen, -1, self.hd)
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        fc = freqs_cis.view(1, seqlen, 1, -1)
+        # torchtitan's apply_rotary_emb: xq_out.type_as(xq), xk_out.type_as(xk)
+        other_q, other_k = (xv, xv) if self.type_as_v else (xq, xk)
+        xq = torch.view_as_real(xq_ * fc).flatten(3).type_as(other_q)
+        xk = torch.view_as_real(xk_ * fc).flatten(3).type_as(other_k)
+        rep = self.n_heads // self.n_kv
+        xk = xk[:, :, :, None, :].expand(bs, seqlen, self.n_kv, rep, self.hd).reshape(
+            bs, seqlen, self.n_kv * rep, self.hd)
+        xv = xv[:, :, :, None, :].expand(bs, seqlen, self.n_kv, rep, self.hd).reshape(
+            bs, seqlen, self.n_kv * rep, self.hd)
+        o = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
+                                           xv.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class TTFeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Linear(dim, hidden, bias=False),
+                                     nn.Linear(hidden, dim, bias=False),
+                                     nn.Linear(dim, hidden, bias=False))
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TTBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv):
+        super().__init__()
+        self.attention = TTAttention(dim, n_heads, n_kv)
+        self.feed_forward = TTFeedForward(dim, 4 * dim)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TTTransformer(nn.Module):
+    def __init__(self, vocab=128, dim=64, n_layers=2, n_heads=8, n_kv=4, max_seq=32):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        hd = dim // n_heads
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
+        freqs = torch.outer(torch.arange(max_seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs),
+                             persistent=False)
+        self.layers = nn.ModuleDict({str(i): TTBlock(dim, n_heads, n_kv) for i in range(n_layers)})
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        fc = self.freqs_cis[: tokens.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, fc)
+        return self.output(self.norm(h))
+
+
+def torchtitan(type_as_v=False):
+    def build():
+        torch.manual_seed(0)
+        model = TTTransformer()
+        for m in model.modules():
+            if isinstance(m, TTAttention):
+                m.type_as_v = type_as_v
+        return perturbed(model).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"tokens": torch.randint(0, 128, (B, T_TOK))}
+    return build, inputs, lambda s, i: ([T_TOK, T_TOK], [T_TOK, T_TOK])
+
+
+# ---- registry ----------------------------------------------------------------------------
+
+def make_cases() -> dict[str, Case]:
+    cases = {}
+
+    def add(name, triple, hidden, **kw):
+        b, i, m = triple
+        cases[name] = Case(name, b, i, hidden, m, **kw)
+
+    add("sd3", sd3(), 64)
+    add("sd3-3layers", sd3(layers=3), 64)
+    add("sd3-qknorm-dual", sd3(qk_norm="rms_norm", dual=(0,)), 64)
+    add("flux", flux(), 64)
+    add("flux-3double", flux(3), 64)
+    add("pixart", pixart(), 64)
+    add("dit", dit(), 64)
+    add("xt-rotary", xt(rotary_pos_emb=True), 64)
+    add("xt-qknorm", xt(attn_qk_norm=True), 64)
+    add("xt-ffglu", xt(ff_glu=True), 64)
+    add("xt-cross", xt("Encoder", ctx=True), 64)
+    add("xt-talking", xt(attn_pre_talking_heads=True, attn_post_talking_heads=True), 64)
+    add("xt-modern", xt(rotary_pos_emb=True, attn_qk_norm=True, ff_glu=True, use_rmsnorm=True),
+        64)
+    def kv_whole(n: str, s: Any, tp: int) -> bool:  # 2 k/v heads: whole at tp 4, as Megatron
+        return tp > 2 and 32 in s and ("k_proj" in n or "v_proj" in n)
+
+    add("lora-llama", lora_llama(), 64, loss=lambda o: o.loss, whole_ok=kv_whole)
+    add("lora-llama-all", lora_llama(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj")), 64, loss=lambda o: o.loss,
+        whole_ok=kv_whole)
+    add("torchtitan-llama", torchtitan(), 64)
+    add("tt-typeas-other", torchtitan(type_as_v=True), 64)
+    return cases
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+def sym_values(captured) -> dict[str, int]:
+    """Readable dim name (B, T, T2, ...) -> its value in the example."""
+    names = captured.dim_names
+    out = {}
+    for node in captured.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for size in val.shape:
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if expr in names:
+                    out[names[expr]] = int(size.node.shape_env.backed_var_to_val[expr])
+    return out
+
+
+_STACK = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def block_of(c) -> Optional[tuple[str, int]]:
+    if c.layer is None or c.layer < 0:
+        return None
+    m = _STACK.match(c.module or "")
+    return (m.group("stack") if m else "?", c.layer)
+
+
+def check_exact(model, kwargs, sim, loss_of, output_of) -> tuple[bool, str]:
+    ref = copy.deepcopy(model)
+    res = ref(**kwargs)
+    want_out, want_loss = output_of(res).detach(), loss_of(res)
+    want_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    missing = [n for n, g in want.items() if g is None]
+    want = {n: g for n, g in want.items() if g is not None}
+    largest = max(g.abs().max().item() for g in want.values())
+
+    def step(rank):
+        r = rank(**kwargs)
+        loss = loss_of(r)
+        loss.backward()
+        return output_of(r).detach(), loss.detach(), autotp.full_state_dict(rank, grads=True)
+
+    worst_out, worst_grad, worst_name = 0.0, 0.0, ""
+    for out, loss, grads in sim.run(step):
+        worst_out = max(worst_out, (out - want_out).abs().max().item()
+                        / want_out.abs().max().item(),
+                        abs(loss.item() - want_loss.item()) / abs(want_loss.item()))
+        for n, g in want.items():
+            scale = max(g.abs().max().item(), ZERO_FLOOR * largest)
+            d = (grads[n] - g).abs().max().item() / scale
+            if d > worst_grad:
+                worst_grad, worst_name = d, n
+    ok = worst_out <= RTOL and worst_grad <= RTOL
+    note = f"out {worst_out:.0e}, grad {worst_grad:.0e}" + \
+        (f" ({worst_name})" if worst_grad > RTOL else "") + \
+        (f"; {len(missing)} params without ref grad" if missing else "")
+    return ok, note
+
+
+def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
+    row: dict[str, Any] = {"model": case.name, "tp": tp}
+    t0 = time.perf_counter()
+    model, kwargs = case.build(), case.inputs()
+    sim = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if simulate:
+                sim = autotp.simulate(model, tp, example_kwargs=kwargs, strict=False)
+                captured, plan = sim.captured, sim.plan
+            else:
+                captured, plan = autotp.api.prepare(model, tp, example_kwargs=kwargs,
+                                                    strict=False)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            if simulate:  # the plan alone, to still report it
+                try:
+                    captured, plan = autotp.api.prepare(model, tp, example_kwargs=kwargs,
+                                                        strict=False)
+                except Exception as exc2:  # noqa: BLE001
+                    row["plan_error"] = f"{type(exc2).__name__}: {str(exc2).splitlines()[0][:300]}"
+                    return row
+            else:
+                return row
+    if sim is not None:
+        try:
+            row["exact"], row["exact_note"] = check_exact(model, kwargs, sim, case.loss,
+                                                          case.output)
+        except Exception as exc:  # noqa: BLE001
+            row["exact"], row["exact_note"] = False, f"{type(exc).__name__}: {exc}"[:300]
+    elif "error" in row:
+        row["exact"] = None
+    values = sym_values(captured)
+    h, item = case.hidden, 4
+
+    def nbytes(expr: str) -> int:
+        e = sympy.sympify(expr)
+        return int(e.subs({s: values[str(s)] for s in e.free_symbols}))
+
+    per: dict[tuple[str, int], dict[str, list]] = {}
+    outside = {"forward": [], "backward": []}
+    for c in plan.collectives:
+        blk = block_of(c)
+        rec = (c.kind, nbytes(c.bytes_expr), c)
+        if blk is None:
+            outside[c.phase].append(rec)
+        else:
+            per.setdefault(blk, {"forward": [], "backward": []})[c.phase].append(rec)
+    blocks = []
+    over = False
+    for blk in sorted(per):
+        mf, mb = case.megatron(*blk)
+        meg_f, meg_b = sum(mf) * B * h * item, sum(mb) * B * h * item
+        f, b = per[blk]["forward"], per[blk]["backward"]
+        rf = sum(x[1] for x in f) / meg_f
+        rb = sum(x[1] for x in b) / meg_b if meg_b else (0.0 if not b else float("inf"))
+        above = len(f) > len(mf) or len(b) > len(mb) or rf > 1.01 or rb > 1.01
+        over |= above
+        blocks.append({"block": f"{blk[0]}.{blk[1]}", "fwd": len(f), "bwd": len(b),
+                       "megatron": (len(mf), len(mb)), "bytes": (round(rf, 3), round(rb, 3)),
+                       "above": above,
+                       "detail": [(c.phase, k, n, c.node, c.module, _short(c.source), c.src, c.dst)
+                                  for k, n, c in f + b]})
+    row["blocks"] = blocks
+    row["outside"] = {ph: [(k, n, c.node[:60]) for k, n, c in v] for ph, v in outside.items()}
+    stacks = {b["block"].rsplit(".", 1)[0] for b in blocks}
+    rep = []
+    for n, p in plan.params.items():
+        if len(p.global_shape) == 2 and (p.layout.startswith("R") or "*" in p.layout):
+            if min(p.global_shape) >= h // 2:
+                in_layer = any(n.startswith(s + ".") for s in stacks) and \
+                    not case.whole_ok(n, p.global_shape, tp)
+                rep.append((n, p.global_shape, p.layout, in_layer))
+    row["replicated"] = rep
+    row["fallbacks"] = list(plan.fallbacks)
+    big_in_layer = [r for r in rep if r[3]]
+    ok = not over and not big_in_layer and not plan.fallbacks and "error" not in row
+    row["verdict"] = "at bound" if ok else "ABOVE"
+    if not ok and not over and not big_in_layer and "error" not in row:
+        row["verdict"] = "per-layer at bound; fallbacks"
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["_plan"] = plan
+    return row
+
+
+def _short(src: Optional[str]) -> str:
+    if not src:
+        return "-"
+    return src.split("site-packages/")[-1]
+
+
+def counts_text(blocks) -> str:
+    seen: dict[str, list] = {}
+    for b in blocks:
+        stack = b["block"].rsplit(".", 1)[0].split(".")[-1]
+        key = f"({b['fwd']},{b['bwd']})"
+        seen.setdefault(stack, [])
+        if key not in seen[stack]:
+            seen[stack].append(key)
+    return "; ".join(f"{s}: {' '.join(v)}" for s, v in seen.items())
+
+
+def bytes_text(blocks) -> str:
+    vals = []
+    for b in blocks:
+        t = f"({b['bytes'][0]:.2f},{b['bytes'][1]:.2f})"
+        if t not in vals:
+            vals.append(t)
+    return " ".join(vals)
+
+
+def print_row(row: dict, verbose: bool) -> None:
+    if "plan_error" in row:
+        print(f"{row['model']:18s} tp={row['tp']} PLAN FAILED: {row['plan_error']}")
+        return
+    ex = row.get("exact")
+    ex_t = "exact" if ex else ("NOT exact" if ex is False else "-")
+    note = row.get("exact_note", row.get("error", ""))
+    print(f"{row['model']:18s} tp={row['tp']} {ex_t} [{note}]"
+          f"  {row['verdict']}  ({row['seconds']} s)")
+    if "error" in row:
+        print(f"    simulate error: {row['error']}")
+    print(f"    per block (fwd,bwd): {counts_text(row['blocks'])}   Megatron: "
+          f"{sorted({str(b['megatron']) for b in row['blocks']})}")
+    print(f"    bytes x Megatron: {bytes_text(row['blocks'])}")
+    o = row["outside"]
+    print(f"    outside blocks: fwd {[(k, n) for k, n, _ in o['forward']]} "
+          f"bwd {[(k, n) for k, n, _ in o['backward']]}")
+    replicated = [(name, shape, layout) + (() if inside else ("Megatron-whole/outside",))
+                  for name, shape, layout, inside in row["replicated"]]
+    print(f"    replicated >= h/2: {replicated or '-'}")
+    print(f"    fallbacks: {row['fallbacks'] or '-'}")
+    if verbose:
+        for b in row["blocks"]:
+            if b["above"] or verbose > 1:
+                print(f"    -- {b['block']} ({b['fwd']},{b['bwd']}) vs {b['megatron']}")
+                for d in b["detail"]:
+                    print("       ", d)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*")
+    ap.add_argument("--tp", type=int, nargs="*", default=None)
+    ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument("--verbose", "-v", action="count", default=0)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    cases = make_cases()
+    names = a.cases or list(cases)
+    rows = []
+    for name in names:
+        case = cases[name]
+        for tp in a.tp or case.tps:
+            try:
+                row = measure(case, tp, not a.no_sim, a.verbose)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                row = {"model": name, "tp": tp, "plan_error": "crash"}
+            print_row(row, a.verbose)
+            sys.stdout.flush()
+            row.pop("_plan", None)
+            rows.append(row)
+    print("\n| model | tp | exact | per block (fwd, bwd) | bytes x Megatron | verdict |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        if "plan_error" in row:
+            print(f"| {row['model']} | {row['tp']} | - | - | - | refused: {row['plan_error']} |")
+            continue
+        exact = {True: "yes", False: "NO"}.get(row.get("exact"), "-")
+        print(f"| {row['model']} | {row['tp']} | {exact} | {counts_text(row['blocks'])} | "
+              f"{bytes_text(row['blocks'])} | {row['verdict']} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
