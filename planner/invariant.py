@@ -13,7 +13,8 @@ after-backward bucket of replicated parameters' gradients.
 
     value v in layer k is invariant  <=>  every node v reads is a placeholder, a parameter,
         a value computed before the first layer from those alone, or an invariant value of
-        layer k; v is deterministic, writes nothing and sits outside autocast regions.
+        layer k; v is deterministic, writes nothing and sits outside autocast regions;
+        and v reads a model input (a value of the parameters alone is a weight).
 
 The first layer of a list reads the model's inputs where later layers read the stream, so
 the rule alone would call all of it invariant: there, a value computed before the layers
@@ -57,10 +58,13 @@ def layer_invariant(graph: fx.Graph) -> frozenset[str]:
               if len({layer.get(u) for u in node.users} - {None}) > 1}
     invariant: set[fx.Node] = set()
     before: set[fx.Node] = set()  # computed ahead of every layer, from inputs and parameters
+    per_sample: set[fx.Node] = set()  # reads a model input
     autocast = 0
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             before.add(node)
+            if node.op == "placeholder":
+                per_sample.add(node)
             continue
         if node.op != "call_function":
             continue
@@ -70,6 +74,8 @@ def layer_invariant(graph: fx.Graph) -> frozenset[str]:
         if node.target is torch.amp._exit_autocast:
             autocast -= 1
             continue
+        if any(x in per_sample for x in node.all_input_nodes):
+            per_sample.add(node)
         k = layer[node]
         if autocast or not _pure(node):
             continue
@@ -81,7 +87,10 @@ def layer_invariant(graph: fx.Graph) -> frozenset[str]:
                  x in before and (k not in firsts or x in shared or x.op == "get_attr")
                  for x in ins):
             invariant.add(node)
-    return frozenset(n.name for n in invariant)
+    # a value of the parameters alone (a transposed or stacked weight) is a weight, not a
+    # per-sample value: gathering weights ahead of the layers is not a plan to price as one
+    # small collective
+    return frozenset(n.name for n in invariant if n in per_sample)
 
 
 def _entry(node: fx.Node) -> Optional[tuple[str, int]]:

@@ -60,7 +60,8 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
         elif len(holders) == 2:
             # a contracted letter sharded alike in both operands: plainly, or in unequal
             # blocks (a concatenation of h and 4h pieces meeting one row-parallel weight)
-            for blocks in (1, *(b for b in call.blocks if isinstance(b, tuple))):
+            unequal: list[Blocks] = [b for b in call.blocks if isinstance(b, tuple)]
+            for blocks in [1, *unequal]:
                 if probe.shardable(0, call.tp, blocks):
                     inputs = [Shard(spec.index(letter), blocks) for spec in in_specs]
                     yield Strategy(tuple(inputs) + (R,) * extra, P, name="row")
