@@ -26,7 +26,7 @@ import torch.fx as fx
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
-from autotp.planner.checks import narrow_matrices
+from autotp.planner.checks import MATMULS, narrow_matrices
 from autotp.planner.transitions import Collective
 
 aten = torch.ops.aten
@@ -343,7 +343,6 @@ def leaf_memory_cost(tp: int, cost_model: Any,
 
 
 _HEAD_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_PRODUCTS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default)
 
 
 def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
@@ -351,7 +350,7 @@ def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
     with H < tp (k/v projections with 4 k/v heads at tp 8): tp cannot shard its output."""
     readers = [u for u in weight.users if u.target in (aten.t.default, aten.permute.default)]
     for product in [u for u in (*weight.users, *(r for t in readers for r in t.users))
-                    if u.op == "call_function" and u.target in _PRODUCTS]:
+                    if u.op == "call_function" and u.target in MATMULS]:
         n = product.meta["val"].shape[-1]
         for view in product.users:
             shape = view.meta.get("val").shape if view.target in _HEAD_VIEWS else None
