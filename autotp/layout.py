@@ -16,6 +16,9 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
     S(d)%8 blocked into segments of 8 elements, as many as the (symbolic) size holds, each
            sliced across the ranks: heads sharded in a dim that merges batch and heads
            (Bloom's [B*H, T, D] attention), where the count of segments is the batch
+    S(0)@experts  rows routed to experts (sorted by expert): rank r holds the contiguous rows
+           of the experts it owns, as many as the routing sends them, known only at run time
+           (the experts' cumulative row counts give the bounds: autotp.runtime.routing)
     P      every rank holds a tensor of the global shape; the global value is their sum
     P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
            over a sharded dim leaves one partial logsumexp per rank)
@@ -53,15 +56,28 @@ class Period:
             raise ValueError(f"Period.length must be >= 2, got {self.length}")
 
 
+@dataclass(frozen=True, order=True)
+class Routed:
+    """Rows split at run-time bounds: those routed to the experts each rank owns."""
+
+    def __str__(self) -> str:
+        return "experts"
+
+
+ROUTED = Routed()
+
 # Segments of a blocked dim: k equal ones (an int), or unequal ones in the given proportions
 # (a tuple of at least two ints, coprime in absolute value, not all equal and positive), or
 # equal ones of a given length (a Period: their count is a symbolic size, such as the batch).
 # A negative proportion marks a segment every rank holds whole (with a partial gradient).
-Blocks = Union[int, tuple[int, ...], Period]
+# Routed: not segments at all, a partition of the rows decided at run time.
+Blocks = Union[int, tuple[int, ...], Period, Routed]
 
 
 def counted(size: int, blocks: Blocks) -> Union[int, tuple[int, ...]]:
     """``blocks`` for a dim of this concrete size: a period becomes its count of segments."""
+    if isinstance(blocks, Routed):
+        raise TypeError("routed rows have run-time bounds: autotp.runtime.routing slices them")
     if isinstance(blocks, Period):
         if size % blocks.length:
             raise ValueError(f"size {size} is not a whole number of segments of "
@@ -71,6 +87,8 @@ def counted(size: int, blocks: Blocks) -> Union[int, tuple[int, ...]]:
 
 
 def block_weights(blocks: Blocks) -> tuple[int, ...]:
+    if isinstance(blocks, Routed):
+        raise TypeError("routed rows have run-time bounds, not segments")
     if isinstance(blocks, Period):
         raise TypeError("a period's segments are counted on a concrete size: use counted()")
     return (1,) * blocks if isinstance(blocks, int) else tuple(abs(w) for w in blocks)
@@ -78,7 +96,7 @@ def block_weights(blocks: Blocks) -> tuple[int, ...]:
 
 def whole_segments(blocks: Blocks) -> tuple[bool, ...]:
     """Per segment: held whole by every rank (not sliced)."""
-    if isinstance(blocks, Period):
+    if isinstance(blocks, (Period, Routed)):
         return ()
     return (False,) * blocks if isinstance(blocks, int) else tuple(w < 0 for w in blocks)
 
@@ -101,13 +119,15 @@ def segment_sizes(size: int, blocks: Blocks) -> list[int]:
 def smaller_whole(blocks: Blocks) -> Optional[Blocks]:
     """Unequal proportions with every segment smaller than the largest held whole (q sliced
     by heads, the k/v of multi-query attention whole); None for equal segments."""
-    if isinstance(blocks, (int, Period)) or is_mixed(blocks):
+    if isinstance(blocks, (int, Period, Routed)) or is_mixed(blocks):
         return None
     return tuple(-w if w < max(blocks) else w for w in blocks)
 
 
 def divides(size: int, tp: int, blocks: Blocks) -> bool:
     """Whether a dim of ``size`` splits into the segments, each sliced one across tp."""
+    if isinstance(blocks, Routed):
+        return True  # any count of rows, in any proportions the routing gives
     if isinstance(blocks, Period):
         return size % blocks.length == 0 and blocks.length % tp == 0
     units = block_units(blocks)
@@ -118,7 +138,10 @@ def divides(size: int, tp: int, blocks: Blocks) -> bool:
 
 
 def local_segment_sizes(size: int, blocks: Blocks, tp: int) -> list[int]:
-    """The segments' sizes on one rank, for a dim of global ``size``."""
+    """The segments' sizes on one rank, for a dim of global ``size`` (routed rows: the
+    expected share under balanced routing, for memory estimates)."""
+    if isinstance(blocks, Routed):
+        return [-(-size // tp)]
     blocks = counted(size, blocks)
     return [segment if whole else segment // tp for segment, whole in
             zip(segment_sizes(size, blocks), whole_segments(blocks))]
@@ -126,6 +149,8 @@ def local_segment_sizes(size: int, blocks: Blocks, tp: int) -> list[int]:
 
 def global_extent(local: int, blocks: Blocks, tp: int) -> int:
     """The global size of a dim that is ``local`` on one rank (inverse of the above)."""
+    if isinstance(blocks, Routed):
+        raise TypeError("routed rows have run-time bounds: the global size is not implied")
     if isinstance(blocks, Period):
         return local * tp
     weights, whole = block_weights(blocks), whole_segments(blocks)
@@ -150,7 +175,10 @@ class Shard:
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"Shard.dim must be normalized (>= 0), got {self.dim}")
-        if isinstance(self.blocks, Period):
+        if isinstance(self.blocks, Routed):
+            if self.dim != 0:
+                raise ValueError(f"routed rows are dim 0, got Shard.dim={self.dim}")
+        elif isinstance(self.blocks, Period):
             pass
         elif isinstance(self.blocks, int):
             if self.blocks < 1:
@@ -169,12 +197,16 @@ class Shard:
             return f"S({self.dim})"
         if isinstance(self.blocks, Period):
             return f"S({self.dim})%{self.blocks.length}"
+        if isinstance(self.blocks, Routed):
+            return f"S({self.dim})@{self.blocks}"
         if isinstance(self.blocks, int):
             return f"S({self.dim})x{self.blocks}"
         return f"S({self.dim})x" + ":".join(f"{-w}*" if w < 0 else str(w) for w in self.blocks)
 
 
 def _order(blocks: Blocks) -> tuple:
+    if isinstance(blocks, Routed):
+        return (2, ())
     if isinstance(blocks, Period):
         return (1, (blocks.length,))
     return (0, block_weights(blocks))
@@ -212,7 +244,7 @@ def is_replicated(layout: Layout) -> bool:
 
 def parse_layout(text: str) -> Layout:
     """Inverse of ``str(layout)``: ``"R"``, ``"R*"``, ``"P"``, ``"S(2)"``, ``"S(1)x3"``,
-    ``"S(0)%8"``."""
+    ``"S(0)%8"``, ``"S(0)@experts"``."""
     text = text.strip()
     if text == "R":
         return R
@@ -232,6 +264,8 @@ def parse_layout(text: str) -> Layout:
             blocks = parts[0] if len(parts) == 1 else parts
         elif rest.startswith("%"):
             blocks = Period(int(rest[1:]))
+        elif rest == f"@{ROUTED}":
+            blocks = ROUTED
         return Shard(int(dim_text), blocks)
     raise ValueError(f"not a layout: {text!r}")
 

@@ -88,6 +88,20 @@ SHAPES: dict[str, Shape] = {
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                     vocab_size=151936), 32),
     "BLOOM-7B": Shape("bloom", dict(hidden_size=4096, n_head=32, vocab_size=250880), 32),
+    "Qwen3-30B-A3B": Shape("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144,
+                                             num_attention_heads=32, num_key_value_heads=4,
+                                             num_experts=128,
+                                             num_experts_per_tok=8, moe_intermediate_size=768,
+                                             vocab_size=151936), 32),
+    # layer 0 dense (as the first three of the published 61), layer 1 a MoE layer
+    "DeepSeek-V3": Shape("deepseek_v3", dict(hidden_size=7168, intermediate_size=18432,
+                                             num_attention_heads=128, num_key_value_heads=128,
+                                             q_lora_rank=1536, kv_lora_rank=512,
+                                             qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                             v_head_dim=128, n_routed_experts=256,
+                                             n_shared_experts=1, moe_intermediate_size=2048,
+                                             num_experts_per_tok=8, n_group=8, topk_group=4,
+                                             first_k_dense_replace=1, vocab_size=129280), 128),
 }
 LAYERS = {"bloom": "n_layer"}  # the config field for the depth, where it is not the usual one
 

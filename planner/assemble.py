@@ -15,7 +15,7 @@ from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, w
 from autotp.planner.cost import CostModel, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, batched_gather, drop_grad_partial,
-                                    output_layout)
+                                    is_grouped, output_layout)
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output, output_layouts
 
@@ -177,6 +177,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 grad_sync=target in grad_sync,
                 layer=_first_use_layer(pn.node),
                 dtype=str(params[target].dtype).removeprefix("torch."))
+    plan.experts = expert_stacks(pnodes, values)
     if grad_sync:
         plan.collectives.append(CollectiveRecord(
             kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
@@ -184,6 +185,28 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             node="grad sync: " + ", ".join(sorted(grad_sync)),
             source=None, src="R*", dst="R"))
     return plan
+
+
+def expert_stacks(pnodes: list[PNode], values: dict[str, Any]) -> dict[str, list]:
+    """Stacked expert weights (read by a grouped product) -> [experts, how each rank holds
+    them]: "whole" (sharded along the experts), "sliced" (tensor parallel inside every
+    expert) or "replicated"."""
+    params = {pn.node.name: pn for pn in pnodes if pn.kind == "leaf" and pn.is_param}
+    out: dict[str, list] = {}
+    for pn in pnodes:
+        if pn.kind != "op" or not is_grouped(pn.node) or len(pn.node.args) < 2:
+            continue
+        weight = pn.node.args[1]
+        while isinstance(weight, fx.Node) and weight.name not in params and \
+                weight.op == "call_function" and len(weight.all_input_nodes) == 1:
+            weight = weight.all_input_nodes[0]  # a transpose, a cast
+        if not isinstance(weight, fx.Node) or weight.name not in params:
+            continue
+        layout = values[weight.name]
+        how = "whole" if layout == Shard(0) else \
+            "replicated" if isinstance(layout, Replicate) else "sliced"
+        out[str(weight.target)] = [int(weight.meta["val"].shape[0]), how]
+    return out
 
 
 def _first_use_layer(node: fx.Node) -> Optional[int]:

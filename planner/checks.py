@@ -110,12 +110,26 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         if not products or (by_design and not odd and not (
                 wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
-        if narrow(param.global_shape, plan.tp):
-            # A narrow matrix (a router over a few experts, a scalar gate): replicated by
+        if narrow(param.global_shape, plan.tp) or _routes(plan, products, flow):
+            # A narrow matrix (a router over a few experts, a scalar gate), or a router
+            # whose scores pick the experts (a top-k over its output): replicated by
             # design, as in Megatron; sharding it would cost more communication than the
-            # compute it saves.
+            # compute it saves, and the choice of experts must be the same on every rank.
             continue
         yield node, products, odd
+
+
+def _routes(plan: Plan, products: list[fx.Node], flow: Any) -> bool:
+    """Whether a product's output chooses experts: a top-k over it within its layer."""
+    for product in products:
+        if product.name not in flow:
+            continue
+        layer = plan.node_layers.get(product.name)
+        local = flow.subgraph(n for n in flow if plan.node_layers.get(n) == layer)
+        if any(plan.ops.get(n) == str(torch.ops.aten.topk.default)
+               for n in nx.descendants(local, product.name)):
+            return True
+    return False
 
 
 def _meets_a_shard(plan: Plan, products: list[fx.Node], flow: Any) -> bool:

@@ -3,6 +3,7 @@
     cost(plan) = sum_params  w(p) * bytes_per_rank(p)                      memory
                + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
                + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
+               + sum_grouped  knee * (experts a rank multiplies) / F      (MoE products)
                + epsilon * #(ops with a partial-sum output)                tie-break
                + sum_premium  w * premium(s) * (1 - 1/tp)                  see below
                + a * sum_activations bytes_per_rank(v)     with sequence parallelism only
@@ -48,12 +49,16 @@ class CostModel:
     activation_weight: float = 1e-9
     # a redistribution outside Megatron's pattern: dearer than replicating any model
     last_resort: float = 1e10
+    # FLOPs at which a GEMM runs at half its peak rate (planner/hardware.py's gemm_knee): a
+    # grouped product pays it once per expert a rank multiplies, so e/tp whole experts beat
+    # e slices of every expert (skinny GEMMs run far from peak)
+    gemm_knee: float = 2e9
 
     def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
         return self.latency + kind.ring_factor(tp) * nbytes / self.bandwidth
 
-    def compute_time(self, flops: float) -> float:
-        return flops / self.flops
+    def compute_time(self, flops: float, gemms: int = 0) -> float:
+        return (flops + gemms * self.gemm_knee) / self.flops
 
     def premium_cost(self, nbytes: float, tp: int) -> float:
         """A strategy outside Megatron's pattern: what sharding a matrix of ``nbytes`` saves."""

@@ -90,6 +90,8 @@ class Plan:
     # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
     states: dict[str, str] = field(default_factory=dict)
     last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
+    # stacked expert weights -> [experts, "whole" | "sliced" | "replicated"]
+    experts: dict[str, list] = field(default_factory=dict)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -127,6 +129,8 @@ class Plan:
             phases = "; ".join(f"{phase}: {_counted(table[key], phase)}"
                                for phase in ("forward", "backward"))
             lines.append(f"  {label}: {phases}")
+        if self.experts:
+            lines.append(f"  experts: {self.experts_summary()}")
         sharded_out = [x for x in self.outputs if x.startswith("S")]
         if sharded_out:
             lines.append(f"  outputs returned sharded (not gathered): {', '.join(self.outputs)}")
@@ -136,6 +140,17 @@ class Plan:
             lines.append(f"  fallbacks (replicated): {len(self.fallbacks)}")
             lines += [f"    {f}" for f in self.fallbacks]
         return "\n".join(lines)
+
+    def experts_summary(self) -> str:
+        """How the stacked expert weights are held: ``whole, 16 of 128 per rank`` (expert
+        parallelism), ``sliced`` (tensor parallel inside each expert), ``replicated``."""
+        kinds = Counter((count, how) for count, how in self.experts.values())
+        parts = []
+        for (count, how), n in sorted(kinds.items()):
+            text = f"whole, {count // self.tp} of {count} per rank" if how == "whole" else \
+                f"{how}, {count} per rank"
+            parts.append(f"{text} ({n} stacked weight{'s' if n != 1 else ''})")
+        return "; ".join(parts)
 
     # ---- JSON ------------------------------------------------------------------------
 
@@ -169,6 +184,7 @@ class Plan:
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.states = dict(data.get("states", {}))
         plan.last_resorts = int(data.get("last_resorts", 0))
+        plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}
         return plan
 
 

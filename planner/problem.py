@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -32,6 +32,7 @@ from autotp.layout import (
 from autotp.planner.cost import CostModel
 from autotp.planner.invariant import layer_invariant
 from autotp.planner.saved import saved_values
+from autotp.rules.matmul import GROUPED_MM
 from autotp.rules.registry import Registry, Strategy, output_layouts
 from autotp.rules.views import view_groups
 
@@ -58,6 +59,7 @@ class PNode:
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
     saved: bool = False  # a reader keeps it for backward (planner/saved.py): activation memory
     constant: bool = False  # computed from no input, parameter or state: replicated, exact
+    groups: int = 0  # the experts of a grouped product (one GEMM each)
     # computed from the inputs and its layer's own parameters alone (planner/invariant.py):
     # a gather of it joins every layer's in one collective before the first layer
     invariant: bool = False
@@ -226,7 +228,7 @@ def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:
     for size in val.shape:
         numel *= cost_model.evaluate(size_expr(size), dims)
     if node.target in (aten.mm.default, aten.bmm.default, aten.linear.default,
-                       aten.matmul.default):
+                       aten.matmul.default) or is_grouped(node):
         k = node.args[0].meta["val"].shape[-1]
         return 2.0 * numel * cost_model.evaluate(size_expr(k), dims)
     return numel
@@ -258,6 +260,7 @@ def build_problem(
     call_memo: dict[Any, Any] = {}  # _shared_key -> _call_key, sparing make_call
     size_memo: dict[Any, float] = {}
     split = sequence_symbols(dims) if options.sequence_parallel else frozenset()
+    routed_rows = _expert_rows(gm)
     constants: set[str] = set()  # values that read no input, parameter or state
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -296,6 +299,8 @@ def build_problem(
                 memo_key = call_memo.get(shared) if shared is not None else None
                 if memo_key is None:
                     call = make_call(node, tp, blocks, split)
+                    rows = _routed_rows(node, routed_rows)
+                    call = replace(call, routed=rows, experts=routed_rows.get(rows))
                     memo_key = _call_key(call)
                     if memo_key not in strategy_memo:  # repeated layers repeat their calls
                         strategy_memo[memo_key] = registry.strategies(call)
@@ -343,6 +348,11 @@ def build_problem(
         if split and isinstance(val, torch.Tensor):
             pn.seq_dims = frozenset(d for d, size in enumerate(val.shape)
                                     if size_expr(size) in split)
+        if pn.kind == "op" and is_grouped(node) and len(node.args) > 1 and \
+                isinstance(node.args[1], fx.Node):
+            weight = node.args[1].meta.get("val")
+            if isinstance(weight, torch.Tensor) and weight.ndim == 3:
+                pn.groups = int(weight.shape[0])
         if pn.kind == "op":
             shared = _shared_key(node)
             if shared is None:
@@ -440,10 +450,43 @@ def _shared_key(node: fx.Node) -> Any:
         return None
 
 
+def _expert_rows(gm: fx.GraphModule) -> dict[Any, Optional[int]]:
+    """The row counts of the grouped products' inputs (rows sorted by expert) -> the count of
+    experts they are sorted by (None where two groupings of as many rows disagree)."""
+    rows: dict[Any, Optional[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_grouped(node) and \
+                all(isinstance(a, fx.Node) for a in node.args[:2]):
+            val, weight = node.args[0].meta.get("val"), node.args[1].meta.get("val")
+            if isinstance(val, torch.Tensor) and val.ndim == 2 and \
+                    isinstance(weight, torch.Tensor) and weight.ndim == 3:
+                count, experts = size_expr(val.shape[0]), size_expr(weight.shape[0])
+                rows[count] = experts if rows.get(count, experts) == experts else None
+    return rows
+
+
+def is_grouped(node: fx.Node) -> bool:
+    """A grouped product of rows sorted by expert (a mixture of experts' stacked weights)."""
+    schema = getattr(node.target, "_schema", None)
+    name = schema.name if schema is not None else None
+    return node.target in GROUPED_MM or name in GROUPED_MM
+
+
+def _routed_rows(node: fx.Node, rows: dict) -> Any:
+    """The routed row count this op reads or writes along dim 0, if any."""
+    vals = [n.meta.get("val") for n in tensor_inputs(node)]
+    out = node.meta.get("val")
+    vals += list(out) if isinstance(out, (tuple, list)) else [out]
+    for val in vals:
+        if isinstance(val, torch.Tensor) and val.ndim and size_expr(val.shape[0]) in rows:
+            return size_expr(val.shape[0])
+    return None
+
+
 def _call_key(call: Any) -> Any:
     try:
         return (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs,
-                call.output)
+                call.output, repr(call.routed))
     except TypeError:  # unhashable argument: no memo
         return object()
 

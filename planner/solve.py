@@ -37,7 +37,7 @@ import torch
 from autotp.capture.trace import (
     Captured,
 )
-from autotp.layout import R, Partial, Replicate, Shard
+from autotp.layout import R, ROUTED, Partial, Replicate, Shard
 from autotp.planner.cache import cached
 from autotp.planner.cost import CostModel
 from autotp.planner.assemble import assemble
@@ -117,21 +117,27 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     could shard is planned again, with a 4x wider beam and, unless the options say
     otherwise, partial statistics. The second plan is kept when it does neither more often
     and one of them less, and moves no more large collectives per layer and direction than
-    Megatron's bound (4, counting sequence parallelism's pairs) or the first plan; a
-    collective of less than an eighth of the layer's largest (a norm's statistic) is not
-    counted.
+    Megatron's bound (4, counting sequence parallelism's pairs) or the first plan (a
+    collective of less than an eighth of the layer's largest, a norm's statistic, is not
+    counted), and no more bytes per layer and direction than the first plan or two of the
+    first plan's largest collectives of the layer (Megatron's two all-reduces).
 
     The wider beam: rotary embeddings make many plans of equal cost, and 64 states can fill
     with them while the plan that pays more early (a replicated k/v meeting sharded query
-    heads) to save more later is dropped. Partial statistics: Megatron's plan keeps every
-    norm's dim whole; OLMo2's q/k norms over all heads then force o_proj and down_proj
-    whole, while a partial statistic all-reduces only a [.., 1] statistic per norm. Their
-    premium keeps the plan from trading Megatron's replicated residual stream for k/v
-    projections narrower than it."""
+    heads, the all-reduce of a MoE block's input ahead of its router) to save more later is
+    dropped; stacked experts left sliced where tp divides them count as a shortfall too.
+    Partial statistics: Megatron's plan keeps every norm's dim whole; OLMo2's q/k norms over
+    all heads then force o_proj and down_proj whole, while a partial statistic all-reduces
+    only a [.., 1] statistic per norm. Their premium keeps the plan from trading Megatron's
+    replicated residual stream for k/v projections narrower than it."""
     def shortfalls(plan: Plan) -> tuple[int, int]:
         stuck = [node for node, _, odd in replicated_products(plan, gm, options.reported)
                  if not odd]
-        return plan.last_resorts, len(stuck)
+        # experts sliced (or whole on every rank) where tp divides them: e/tp whole experts
+        # per rank run fewer, wider GEMMs at the same communication
+        sliced = [t for t, (count, how) in plan.experts.items()
+                  if how != "whole" and count % plan.tp == 0]
+        return plan.last_resorts, len(stuck) + len(sliced)
 
     before = shortfalls(plan)
     if before == (0, 0):
@@ -149,6 +155,14 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     counted_before = _large_collectives(plan, cost_model)
     for key, count in _large_collectives(alt, cost_model, reference).items():
         if count > max(4, counted_before.get(key, 0)):
+            return plan
+    # nor more bytes than the first plan or Megatron's two reductions of the layer's largest
+    # tensor: DeepSeek-V3's MLA shards its q down-projection (1536 x 7168) only by
+    # all-reducing every head's q, 2.7x Megatron's bytes, where Megatron keeps it whole
+    bytes_before = {key: sum(v) for key, v in _layer_sizes(plan, cost_model).items()}
+    for key, values in _layer_sizes(alt, cost_model).items():
+        limit = max(1.05 * bytes_before.get(key, 0.0), 2.05 * reference.get(key[0], 0.0))
+        if sum(values) > limit:
             return plan
     return alt
 
@@ -251,7 +265,8 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         pn.split = [_split_cost(s) for s in pn.strategies]
     for index, strategy in enumerate(pn.strategies):
         extra = pn.flops / (tp if pn.split[index] else 1)
-        own = cost_model.compute_time(extra)
+        gemms = pn.groups // tp if strategy.name == "experts" else pn.groups
+        own = cost_model.compute_time(extra, gemms)
         if isinstance(strategy.output, Partial):
             own += cost_model.partial_output
         if strategy.premium:
@@ -310,8 +325,9 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
         if not src_pn.requires_grad and isinstance(have, Replicate) and \
                 isinstance(want, Replicate):
             continue
-        if isinstance(have, Replicate) and isinstance(want, Shard) and src_pn.kind != "leaf":
-            sliced = True
+        if isinstance(have, Replicate) and isinstance(want, Shard) and \
+                src_pn.kind != "leaf" and want.blocks != ROUTED:
+            sliced = True  # (routed rows are anchored by the experts that own them)
         batched = batched_gather(src_pn, pn, have, want, options)
         step = transition(have, want, requires_grad=src_pn.requires_grad,
                           to_output=to_output,

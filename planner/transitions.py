@@ -12,6 +12,8 @@
     S  -> R*      all-gather       reduce-scatter    sequence parallelism
     P(lse) -> R   all-gather       -                 tp numbers per row, combined locally;
     P(lse) -> R*  all-gather       all-reduce        the gradient is local: g * exp(x_r - y)
+    R* -> S(0)@experts  take rows  zero-pad          rows routed to the rank's experts
+    S(0)@experts -> R   zero-pad + all-reduce   -    (autotp.runtime.routing)
 
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed
+from autotp.layout import ROUTED, Layout, Partial, Replicate, Shard, is_mixed
 
 
 class Collective(enum.Enum):
@@ -81,6 +83,15 @@ def transition(
         return Transition(src, dst, fwd, bwd if grad else None, last_resort)
 
     gather_ok = to_output or sequence_parallel or batched
+    if _routed(src) or _routed(dst):
+        # rows routed to experts (autotp.runtime.routing): taken from replicated rows, whose
+        # gradient stays partial; given back zero-padded as a partial sum, all-reduced
+        if isinstance(src, Replicate) and _routed(dst) and (src.grad_partial or not grad):
+            return make(None, None)
+        if _routed(src) and isinstance(dst, Replicate):
+            return make(Collective.ALL_REDUCE,
+                        Collective.ALL_REDUCE if dst.grad_partial else None)
+        return None
     if isinstance(src, Replicate):
         if isinstance(dst, Replicate):
             if not grad:
@@ -107,3 +118,7 @@ def transition(
                         last_resort=not gather_ok)
         return None
     raise TypeError(f"not a layout: {src!r}")
+
+
+def _routed(layout: Layout) -> bool:
+    return isinstance(layout, Shard) and layout.blocks == ROUTED

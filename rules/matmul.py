@@ -17,12 +17,13 @@ stored [in, out] and its column is dim 1; ``linear``'s weight is [out, in] and i
 from __future__ import annotations
 
 import string
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-from autotp.layout import P, R, Blocks, Layout, Period, Shard
+from autotp.layout import P, R, ROUTED, Blocks, Layout, Period, Shard
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
+from autotp.runtime.routing import local_offsets
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -160,15 +161,35 @@ def grouped_mm_rule(call: OpCall) -> Iterator[Strategy]:
     cumulative counts, each group multiplied by its expert's ``W[e]`` [k, n]: "sk,ekn->sn"
     per group. Column (n) and row (k) parallel are exact within every expert, as in a dense
     MLP (Megatron's tensor parallelism inside the experts); the rows (tokens) are not, since
-    ``offs`` counts global rows."""
+    ``offs`` counts global rows. Experts whole (expert parallelism inside the group): the
+    stacked weights sharded along the experts, each rank multiplying the rows routed to the
+    experts it owns (``S(0)@experts``); the lowering makes ``offs`` local to those rows."""
     if len(call.inputs) != 3 or call.inputs[0].ndim != 2 or call.inputs[1].ndim != 3:
         return  # batched (3-D x 3-D) or biased forms: computed replicated
     for strategy in einsum_strategies("sk,ekn->sn", call):
         if not (isinstance(strategy.inputs[0], Shard) and strategy.inputs[0].dim == 0):
             yield strategy
+    experts = call.inputs[1].static(0)
+    if call.routed is not None and call.inputs[0].shape[0] == call.routed and \
+            experts is not None and experts % call.tp == 0:
+        # experts whole, e/tp per rank: each rank multiplies the rows routed to its own
+        # experts (S(0)@experts: contiguous, since the rows are sorted by expert)
+        rows = Shard(0, ROUTED)
+        yield Strategy((rows, Shard(0), R), rows, name="experts")
     if call.inputs[0].floating and call.inputs[1].floating:
         yield Strategy((P, R, R), P, name="linear")
         yield Strategy((R, P, R), P, name="linear")
+
+
+@rules.lowering(*GROUPED_MM)
+def experts_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    if strategy.output != Shard(0, ROUTED):
+        return
+    x, weight, offs = node.args[:3]
+    with ctx.graph.inserting_before(node):
+        local = ctx.graph.call_function(local_offsets,
+                                        (offs, ctx.routes[node.name], ctx.rank, ctx.tp))
+    node.args = (x, weight, local, *node.args[3:])
 
 
 @rules.register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)

@@ -16,7 +16,7 @@ present. Rules never read module or parameter names: only ops, shapes and argume
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import sympy
@@ -25,6 +25,7 @@ import torch
 from autotp.layout import (
     R,
     R_STAR,
+    ROUTED,
     Blocks,
     Layout,
     Partial,
@@ -149,6 +150,10 @@ class OpCall:
     output: Union[TensorMeta, tuple[Optional[TensorMeta], ...], None]
     tp: int
     blocks: tuple[Blocks, ...] = (1,)
+    # the row count of tensors sorted by expert (a grouped product's rows) when this call
+    # reads or writes such rows: their strategies are also offered on routed rows
+    routed: Optional[Size] = None
+    experts: Optional[int] = None  # how many experts those rows are sorted by
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         if index < len(self.args):
@@ -250,6 +255,7 @@ class Registry:
         replicated = _replicate_output(call.output, R)
         base = [Strategy((R,) * n, replicated, name="replicated")]
         base += self.base_strategies(call)
+        base += self._routed_variants(call)
         for strategy in base:
             if len(strategy.inputs) != n:
                 raise AssertionError(
@@ -264,6 +270,53 @@ class Registry:
                     seen.add(key)
                     out.append(variant)
         return out
+
+
+    def _routed_variants(self, call: OpCall) -> list[Strategy]:
+        """Strategies on rows routed to experts (``S(0)@experts``), derived from the rule's
+        own: where the rule computes rows independently (every sharded tensor, read or
+        written, is sharded along dim 0 of the routed row count), any contiguous split of
+        the rows is as exact as an equal one, so it holds for the run-time split the
+        experts' row counts give. The rule sees the row count as a size it may split (as
+        sequence parallelism's sequence). Only where the output holds routed rows (not a
+        size read off them), and not for ops that draw random numbers (their streams are
+        placed by rank). Lowerings see ``S(0)@experts`` and keep its rows' count as is."""
+        rows = call.routed
+        tags = getattr(call.op, "tags", ())
+        if rows is None or torch.Tag.nondeterministic_seeded in tags:
+            return []
+
+        def widen(meta: Any) -> Any:
+            if isinstance(meta, TensorMeta) and meta.ndim and meta.shape[0] == rows:
+                return replace(meta, split=meta.split | {rows})
+            return meta
+
+        output = tuple(widen(o) for o in call.output) if isinstance(call.output, tuple) \
+            else widen(call.output)
+        wide = replace(call, inputs=tuple(widen(m) for m in call.inputs), output=output)
+        metas = list(wide.inputs) + _as_list(output)
+        routed = Shard(0, ROUTED)
+
+        def swap(x: Any) -> Any:
+            return routed if x == Shard(0) else x
+
+        out: list[Strategy] = []
+        for strategy in self.base_strategies(wide):
+            layouts = list(strategy.inputs) + _as_list(strategy.output)
+            shards = [(x, m) for x, m in zip(layouts, metas) if isinstance(x, Shard)]
+            if not any(isinstance(o, Shard) for o in _as_list(strategy.output)) or \
+                    any(isinstance(x, Partial) for x in layouts) or \
+                    any(x != Shard(0) or m is None or m.shape[0] != rows for x, m in shards):
+                continue
+            output_layout = tuple(swap(o) for o in strategy.output) \
+                if isinstance(strategy.output, tuple) else swap(strategy.output)
+            out.append(Strategy(tuple(swap(x) for x in strategy.inputs), output_layout,
+                                name=f"{strategy.name or 'rows'} (routed)"))
+        return out
+
+
+def _as_list(output: Any) -> list[Any]:
+    return list(output) if isinstance(output, tuple) else [output]
 
 
 def _sums_whole_segments(strategy: Strategy) -> bool:

@@ -24,6 +24,7 @@ from autotp.layout import (
     P,
     R,
     R_STAR,
+    ROUTED,
     Period,
     Shard,
     block_units,
@@ -35,6 +36,7 @@ from autotp.layout import (
     smaller_whole,
     whole_segments,
 )
+from autotp.errors import PlanError, where
 from autotp.rules.registry import (
     OpCall,
     RuleSet,
@@ -43,6 +45,7 @@ from autotp.rules.registry import (
     normalize_dim,
     shardable_dims,
 )
+from autotp.runtime.routing import expert_rows, routed_lookup
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -190,7 +193,14 @@ def localize_shape_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     if isinstance(out, Shard):
         shape = list(node.args[1])
         size = shape[out.dim]
-        if is_mixed(out.blocks) and isinstance(size, int) and size != -1:
+        if out.blocks == ROUTED:  # as many rows as the rank holds: the view infers them
+            if node.target == aten.expand.default:
+                shape[out.dim] = -1
+            elif -1 in shape[1:]:
+                raise PlanError(f"a view of routed rows infers two sizes{where(node)}")
+            else:
+                shape[out.dim] = -1
+        elif is_mixed(out.blocks) and isinstance(size, int) and size != -1:
             shape[out.dim] = sum(local_segment_sizes(size, out.blocks, ctx.tp))
         else:
             shape[out.dim] = ctx.local_size_arg(size, node)
@@ -578,6 +588,37 @@ def index_rule(call: OpCall) -> Iterator[Strategy]:
         out_dim = d if d < first else d - k + index_ndim
         yield Strategy((Shard(d, blocks),) + (R,) * n_index, Shard(out_dim, blocks),
                        name="gather rows")
+    if first == 0 and k == 1 and n_index == 1:
+        index = call.inputs[1]
+        # the output's leading dims are the index's: a shard of the index's rows is a shard
+        # of the output's (each rank gathers the rows its slice of the index names)
+        if index.ndim >= 1 and call.out.shape[0] == index.shape[0]:
+            for blocks in (1,):
+                if index.shardable(0, call.tp, blocks):
+                    yield Strategy((R, Shard(0, blocks)), Shard(0, blocks), name="index rows")
+        if src.floating and call.routed is not None and src.shape[0] == call.routed:
+            # rows routed to experts, gathered back into token order: each rank reads the
+            # rows it holds and writes zeros elsewhere, so the ranks' outputs sum to x[idx]
+            yield Strategy((Shard(0, ROUTED), R), P, name="routed lookup")
+        if call.experts is not None and src.static(0) == call.experts and \
+                call.experts % call.tp == 0 and index.ndim == 1 and \
+                index.shape[0] == call.routed and not index.floating:
+            # a per-expert table (gpt-oss's expert biases) read at the routed rows' expert
+            # ids: each rank's rows name only its own experts, the table's rows it holds
+            # (checked at run time)
+            yield Strategy((Shard(0), Shard(0, ROUTED)), Shard(0, ROUTED), name="expert rows")
+
+
+@rules.lowering(aten.index.Tensor)
+def routed_lookup_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    if strategy.inputs[0] == Shard(0, ROUTED):
+        x, (index,) = node.args[:2]
+        node.target = routed_lookup
+        node.args = (x, index, ctx.routes[node.name])
+    elif strategy.inputs == (Shard(0), Shard(0, ROUTED)):
+        x, (index,) = node.args[:2]
+        node.target = expert_rows
+        node.args = (x, index, ctx.rank)
 
 
 @rules.register(aten.index_put.default, aten.index_put_.default)

@@ -37,16 +37,20 @@ from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.runtime.regather import ShardKeeper
+from autotp.runtime.routing import route_rows, routed_text
 from autotp.rules.registry import Registry, Strategy, parse_output
 
 
 class LowerContext:
     """What a lowering may use: the rank, tp, the graph being rewritten."""
 
-    def __init__(self, graph: fx.Graph, rank: int, tp: int):
+    def __init__(self, graph: fx.Graph, rank: int, tp: int,
+                 routes: Optional[dict[str, fx.Node]] = None):
         self.graph = graph
         self.rank = rank
         self.tp = tp
+        # node -> the bounds of its routed rows (autotp.runtime.routing)
+        self.routes = routes or {}
         self.lowered: dict[fx.Node, fx.Node] = {}
 
     def local_size_arg(self, arg: Any, node: fx.Node) -> Any:
@@ -173,6 +177,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     for edge in plan.edges:
         if edge.batched:  # joined with the others in one gather (join_gathers)
             continue
+        if edge.src != edge.dst and (routed_text(edge.src) or routed_text(edge.dst)):
+            continue  # rows routed to experts: moved by route_rows
         value, consumer = nodes[edge.value], nodes[edge.consumer]
         src, dst = parse_layout(edge.src), parse_layout(edge.dst)
         if _reads_unchanged_size(consumer, src, dst):
@@ -286,9 +292,10 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_") or "x"
 
 
-def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int) -> dict[str, str]:
+def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
+              routes: Optional[dict[str, fx.Node]] = None) -> dict[str, str]:
     """Lower every op; returns original node -> the node now holding its value."""
-    ctx = LowerContext(graph, rank, plan.tp)
+    ctx = LowerContext(graph, rank, plan.tp, routes)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in plan.choices:
             continue
@@ -370,11 +377,12 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     root = shard_parameters(captured, plan, graph, rank, weights)
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
+    routes = route_rows(graph, plan, comm, root)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     join_gathers(graph, plan, comm, root)
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
-    lowered = lower_ops(graph, plan, registry, rank)
+    lowered = lower_ops(graph, plan, registry, rank, routes)
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
