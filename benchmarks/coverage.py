@@ -27,6 +27,9 @@ is listed, and where the tps differ, each tp's in tp order ("a / b"):
 - largest replicated: the largest 2-D parameter whose plan layout is replicated (an
   embedding too), as rows x columns.
 - fallbacks: how many entries the plan's fallbacks list has.
+- experts: how the stacked expert weights of a mixture of experts are held (``plan.experts``):
+  whole (sharded along the experts), sliced (tensor parallel inside every expert),
+  replicated; "-" for a model without grouped experts.
 
 tests/test_coverage.py reruns families at tp = 2 and checks the README's status words.
 """
@@ -358,7 +361,8 @@ def _check_tp(row: dict[str, Any], model: Any, kwargs: dict[str, Any], call: Any
     shape, param = largest_replicated(sim.plan)
     fallbacks = len(sim.plan.fallbacks)
     row.update(fallbacks=fallbacks, largest_replicated=list(shape) if shape else None,
-               largest_replicated_param=param)
+               largest_replicated_param=param,
+               experts=", ".join(sorted({how for _, how in sim.plan.experts.values()})) or "-")
     try:
         results = sim.run(lambda m: sharded_step(m, call, loss, pick))
         comparisons = [compare(reference, r) for r in results]
@@ -401,7 +405,7 @@ def _per_tp(values: list[str]) -> str:
 
 
 HEADER = ("| family | model | {tps} | collectives / layer (fwd, bwd) | bytes / layer, x Megatron "
-          "(fwd, bwd) | largest replicated matrix | fallbacks |")
+          "(fwd, bwd) | largest replicated matrix | fallbacks | experts |")
 
 
 def _short(text: str, limit: int = 100) -> str:
@@ -412,10 +416,10 @@ def _short(text: str, limit: int = 100) -> str:
 def table(rows: list[dict[str, Any]], tps: list[int]) -> str:
     by = {(r["family"], r["tp"]): r for r in rows}
     head = HEADER.format(tps=" | ".join(f"tp = {tp}" for tp in tps))
-    lines = [head, "|" + "---|" * (6 + len(tps))]
+    lines = [head, "|" + "---|" * (7 + len(tps))]
     for family in dict.fromkeys(r["family"] for r in rows):
         cells: list[str] = []
-        counts, ratios, largest, fallbacks = [], [], [], []
+        counts, ratios, largest, fallbacks, experts = [], [], [], [], []
         for i, tp in enumerate(tps):
             r = by[(family, tp)]
             word = status_word(r["status"])
@@ -443,9 +447,10 @@ def table(rows: list[dict[str, Any]], tps: list[int]) -> str:
             shape = r.get("largest_replicated")
             largest.append("×".join(map(str, shape)) if shape else "-")
             fallbacks.append(str(r["fallbacks"]) if "fallbacks" in r else "-")
+            experts.append(r.get("experts", "-"))
         lines.append(f"| {family} | {by[(family, tps[0])]['model']} | " + " | ".join(cells) +
                      f" | {_per_tp(counts)} | {_per_tp(ratios)} | {_per_tp(largest)} | "
-                     f"{_per_tp(fallbacks)} |")
+                     f"{_per_tp(fallbacks)} | {_per_tp(experts)} |")
     return "\n".join(lines)
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import sympy
 import torch.fx as fx
 
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
-from autotp.planner.cost import CostModel, readable
+from autotp.planner.cost import CostModel, parse_size, readable
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, batched_gather, drop_grad_partial,
                                     is_grouped, output_layout)
@@ -138,7 +137,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             seen.add((name, str(want)))
             nbytes = _bytes_expr(src.node, dims)
             if isinstance(have, Partial) and have.reduce == "logsumexp":  # one value per rank
-                nbytes = str(sympy.sympify(nbytes) * tp)
+                nbytes = str(parse_size(nbytes) * tp)
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
@@ -155,7 +154,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
         if joined:
             plan.collectives.append(CollectiveRecord(
                 kind=kind.value, phase=phase, layer=None,
-                bytes_expr=readable(sum(sympy.sympify(b) for _, b in joined), {}),
+                bytes_expr=readable(sum(parse_size(b) for _, b in joined), {}),
                 node="batched: " + ", ".join(name for name, _ in joined),
                 source=None, src="S", dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}

@@ -18,6 +18,7 @@ batch and sequence sizes; they are evaluated at a reference (batch, seq) for the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -78,9 +79,24 @@ class CostModel:
         return _evaluate(str(expr), values, self.seq)
 
 
+# sympy's one-letter names (its singleton registry S, Euler's E, the imaginary I, ...) that a
+# dim may be called (the decoding program's cache slots are S)
+_SYMPY_LETTERS = frozenset("SNEIOQ")
+
+
+def parse_size(text: Any) -> Any:
+    """A size expression written as text ("32768*B*T") back to sympy, every name in it a
+    symbol unless it is one of sympy's functions (floor, Mod)."""
+    if not isinstance(text, str):
+        return sympy.sympify(text)
+    names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
+    return sympy.sympify(text, locals={n: sympy.Symbol(n) for n in names
+                                       if n in _SYMPY_LETTERS or not hasattr(sympy, n)})
+
+
 @lru_cache(maxsize=65536)
 def _evaluate(expr_text: str, values: tuple[tuple[str, int], ...], default: int) -> float:
-    expr = sympy.sympify(expr_text)
+    expr = parse_size(expr_text)
     subs = dict(values)
     return float(expr.subs({s: subs.get(str(s), default) for s in expr.free_symbols}))
 
@@ -89,5 +105,5 @@ def readable(expr: Any, dim_names: dict[sympy.Symbol, str]) -> str:
     """A size expression with the export's symbols renamed to B, T."""
     if isinstance(expr, (int, float)):
         return str(int(expr))
-    renamed = sympy.sympify(expr).subs({sym: sympy.Symbol(name) for sym, name in dim_names.items()})
+    renamed = parse_size(expr).subs({sym: sympy.Symbol(name) for sym, name in dim_names.items()})
     return str(renamed)

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from autotp.capture.trace import Captured, size_expr, tensor_inputs
 from autotp.layout import Layout, Replicate, Shard, local_shape, parse_layout
+from autotp.planner.cost import parse_size
 from autotp.planner.plan import Plan
 from autotp.planner.saved import saves_input, saves_output
 
@@ -154,7 +155,7 @@ class _Sizes:
 
 @lru_cache(maxsize=1 << 16)
 def _value_text(text: str, subs: tuple[tuple[str, int], ...]) -> int:
-    expr = sympy.sympify(text)
+    expr = parse_size(text)
     values = dict(subs)
     return int(expr.subs({s: values.get(str(s), 1) for s in expr.free_symbols}))
 
@@ -401,7 +402,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
     for c in plan.collectives:
         node = nodes.get(c.node)
         if node is None:  # the after-backward sum of replicated parameters' gradients
-            nbytes = float(sympy.sympify(c.bytes_expr)) / 4 * dtype_bytes
+            nbytes = float(parse_size(c.bytes_expr)) / 4 * dtype_bytes
         else:
             val = node.meta.get("val")
             numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0

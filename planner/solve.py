@@ -31,7 +31,6 @@ import warnings
 from dataclasses import fields, replace
 from typing import Any, Optional
 
-import sympy
 import torch
 
 from autotp.capture.trace import (
@@ -39,7 +38,7 @@ from autotp.capture.trace import (
 )
 from autotp.layout import R, ROUTED, Partial, Replicate, Shard
 from autotp.planner.cache import cached
-from autotp.planner.cost import CostModel
+from autotp.planner.cost import CostModel, parse_size
 from autotp.planner.assemble import assemble
 from autotp.planner.checks import (
     check_divisibility,
@@ -56,6 +55,7 @@ from autotp.planner.problem import (
     block_counts,
     build_problem,
     drop_grad_partial,
+    is_grouped,
     leaf_candidates,
     output_layout,
 )
@@ -89,7 +89,12 @@ def plan_graph(
                         model_name)
 
     def search() -> Plan:
-        return _search_further(plan_with(options), gm, options, cost_model, plan_with)
+        first = options
+        if any(node.op == "call_function" and is_grouped(node) for node in gm.graph.nodes):
+            # every op on a MoE block's rows may run on routed rows (S(0)@experts) too: as
+            # many more plans of equal cost, which crowd a 64-state beam
+            first = replace(options, max_states=4 * options.max_states)
+        return _search_further(plan_with(first), gm, first, cost_model, plan_with)
 
     if default_rules:  # a registry of the caller's is code the cache key cannot see
         plan = cached(captured, (tp, _options_key(options), repr(cost_model), model_name),
@@ -170,7 +175,7 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
 def record_bytes(record: Any, cost_model: CostModel) -> float:
     """A recorded collective's bytes at the cost model's reference batch and sequence (its
     sizes are named B and T: cost.readable)."""
-    expr = sympy.sympify(record.bytes_expr)
+    expr = parse_size(record.bytes_expr)
     return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
 
 

@@ -72,8 +72,20 @@ def bigcode() -> Any:
         tie_word_embeddings=False))
 
 
+def qwen3_moe() -> Any:
+    """4 experts stacked per layer (transformers writes them per expert): whole experts per
+    rank, each rank reading only its own experts' tensors."""
+    tf = _tf()
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {"gpt2": gpt2, "llama": llama, "phi3": phi3,
-                                          "phi3_gqa": phi3_gqa, "bigcode": bigcode}
+                                          "phi3_gqa": phi3_gqa, "bigcode": bigcode,
+                                          "qwen3_moe": qwen3_moe}
 MQA = "transformer.h.0.attn.c_attn.weight"  # GPTBigCode's fused q|k|v, one k/v head
 QKV = "model.layers.0.self_attn.qkv_proj.weight"  # Phi-3's fused q|k|v
 

@@ -40,8 +40,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_from_pretrained_matches_transformers(saved: dict[str, str], tp: int) -> None:
     """Each rank asks the files for exactly its parameters' bytes: slices, never a sharded
     tensor whole (Phi-3's q|k|v with 4 k/v heads: a 2:1:1 slice of each part; GPTBigCode's
-    multi-query q|k|v: a slice of q and the whole k/v head)."""
-    names = ["gpt2", "llama", "phi3", "phi3_gqa", "bigcode"]
+    multi-query q|k|v: a slice of q and the whole k/v head; Qwen3-MoE's experts, stored one
+    tensor per expert and part, stacked: only the experts the rank owns)."""
+    names = ["gpt2", "llama", "phi3", "phi3_gqa", "bigcode", "qwen3_moe"]
     for per_rank in run_processes(cc.load_cases, tp, [saved[n] for n in names], timeout=360):
         for name, r in zip(names, per_rank):
             assert r["weights"] == 0.0, (name, r)
@@ -62,13 +63,16 @@ def test_from_pretrained_passes_options_through(saved: dict[str, str]) -> None:
         assert r["logits"] <= ATOL and r["loss"] <= ATOL and r["grad"] <= ATOL, r
 
 
+@pytest.mark.parametrize("name", ["gpt2", "qwen3_moe"])
 def test_save_pretrained_loads_bitwise_in_transformers(saved: dict[str, str],
-                                                       tmp_path: Path) -> None:
-    run_processes(cc.save_case, 2, saved["gpt2"], str(tmp_path), timeout=240)
+                                                       tmp_path: Path, name: str) -> None:
+    """Written in the model's own layout (Qwen3-MoE's experts stacked, as the model holds
+    them), which transformers loads as it is."""
+    run_processes(cc.save_case, 2, saved[name], str(tmp_path), timeout=240)
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 3
     tf = cc._tf()
-    original = tf.AutoModelForCausalLM.from_pretrained(saved["gpt2"]).state_dict()
+    original = tf.AutoModelForCausalLM.from_pretrained(saved[name]).state_dict()
     again = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path)).state_dict()
     assert original.keys() == again.keys()
     for key, value in original.items():

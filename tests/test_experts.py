@@ -203,3 +203,27 @@ def test_rows_split_by_two_groupings_are_refused() -> None:
         plan.values[node.name] = "S(0)@experts"
     with pytest.raises(PlanError, match="2 expert groupings"):
         routing._regions(graph, plan)
+
+
+def test_generate_with_experts_whole() -> None:
+    """Greedy decoding on a left-padded batch: the same tokens as the unsharded model, with
+    the prefill and decode programs both holding whole experts (each rank's decode step
+    reads only its own experts)."""
+    from autotp.features.generate import decoder_of
+
+    model = _qwen3_moe()
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = autotp.simulate(model, 2)
+        for got in sim.run(lambda m: m.generate(ids, **kwargs)):
+            assert torch.equal(got, want)
+    programs = sim.run(lambda m: list(decoder_of(m).programs.values()))[0]
+    assert len(programs) == 2
+    for program in programs:
+        assert all(how == "whole" for _, how in program.plan.experts.values())
+        assert not program.plan.fallbacks, program.plan.fallbacks

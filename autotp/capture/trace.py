@@ -263,6 +263,7 @@ def _normalized(ep: torch.export.ExportedProgram, model: torch.nn.Module,
         out_of_place(gm)
         constant_index_to_slice(gm)
         broadcast_to_as_expand(gm)
+        histogram_of_floats(gm)
     return gm
 
 
@@ -334,6 +335,21 @@ def broadcast_to_as_expand(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.target == aten.broadcast_to.default:
             node.target = aten.expand.default
+    gm.recompile()
+
+
+def histogram_of_floats(gm: fx.GraphModule) -> None:
+    """``histc`` of integers (the experts' row counts, traced where the library picks the
+    integer form: CUDA, the meta device) counts their float values: the CPU kernel takes only
+    floats, and ids below 2**24 fall in the same bins."""
+    for node in list(gm.graph.nodes):
+        val = node.args[0].meta.get("val") if node.target == aten.histc.default else None
+        if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point:
+            with gm.graph.inserting_before(node):
+                cast = _emit(gm.graph, node, aten._to_copy.default, node.args[0])
+                cast.kwargs = {"dtype": torch.float32}
+                cast.meta["val"] = _fake_run(aten._to_copy.default, (node.args[0],)).float()
+            node.args = (cast, *node.args[1:])
     gm.recompile()
 
 

@@ -22,13 +22,14 @@ programs, so logits processors, stopping criteria, streamers, beam search and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import threading
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -197,6 +198,21 @@ def _replica(sharded: Any) -> nn.Module:
     return model.to(weights_dtype(sharded)).eval()
 
 
+@contextlib.contextmanager
+def _batched_experts(model: nn.Module) -> Iterator[None]:
+    """transformers' grouped-GEMM experts take only bfloat16 on the meta device: the probe
+    runs their batched form, which writes the same cache."""
+    configs = {id(c): c for c in [getattr(m, "config", None) for m in model.modules()]
+               if getattr(c, "_experts_implementation", None) == "grouped_mm"}
+    for config in configs.values():
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._experts_implementation = "grouped_mm"
+
+
 def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     """The per-layer key and value shapes ``[1, heads, 1, head_dim]`` the model writes, read
     from one run on the meta device (no formula per family: MLA and GQA alike)."""
@@ -208,7 +224,7 @@ def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     # not have) when the config names a pad token: the probe runs without one
     pad, model.config.pad_token_id = getattr(model.config, "pad_token_id", None), None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _batched_experts(model):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
                   use_cache=True, **{cache_argument(model.forward): cache})
     finally:

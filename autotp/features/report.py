@@ -36,10 +36,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import sympy
 import torch
 
-from autotp.planner.cost import CostModel
+from autotp.planner.cost import CostModel, parse_size
 from autotp.planner.plan import CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
@@ -54,7 +53,7 @@ PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 def evaluate_bytes(expr: str, batch: int, seq: int) -> int:
     """A byte expression ("32768*B*T") at ``batch`` and ``seq``; every layer repeats its
     layer's few expressions."""
-    value = sympy.sympify(expr)
+    value = parse_size(expr)
     subs = {s: (batch if str(s).startswith("B") else seq) for s in value.free_symbols}
     return int(value.subs(subs))
 

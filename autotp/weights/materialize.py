@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -229,12 +230,14 @@ class CheckpointWeights(Weights):
         super().__init__(model, device)
         self.files = TensorFiles(path)
         state = set(model.state_dict().keys())
-        self.keys = _match_keys(model, self.files.names(), state)  # model name -> file key
+        # model name -> the per-expert file keys transformers stacks into it
+        self.stacked: dict[str, Stacked] = {}
+        self.keys = _match_keys(model, self.files.names(), state, self.stacked)
         self._check(param_names, state)
 
     def _check(self, param_names: dict[str, Sequence[str]], state: set[str]) -> None:
         missing = [names[0] for names in param_names.values()
-                   if not any(n in self.keys for n in names)]
+                   if not any(n in self.keys or n in self.stacked for n in names)]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -244,6 +247,8 @@ class CheckpointWeights(Weights):
                 "never initializes a missing weight at random; pass init=True to initialize "
                 "the whole model instead)")
         used = {key for name, key in self.keys.items() if name in state}
+        used |= {key for name, stack in self.stacked.items() if name in state
+                 for group in stack.groups for key in group}
         ignored = [re.compile(p) for p in (*IGNORED_UNEXPECTED, *_hf_ignored(self.model))]
         unexpected = [k for k in self.files.names()
                       if k not in used and not any(p.search(k) for p in ignored)]
@@ -254,7 +259,16 @@ class CheckpointWeights(Weights):
                 f"{type(self.model).__name__} has no place for: {shown}: it belongs to another "
                 "model or config")
         for names in param_names.values():
-            name = next(n for n in names if n in self.keys)
+            name = next(n for n in names if n in self.keys or n in self.stacked)
+            if name in self.stacked:
+                shape = self.stacked[name].shape(self.files)
+                if shape != tuple(_get(self.model, name).shape):
+                    raise ConfigError(
+                        f"the experts stacked into {name!r} from the checkpoint have shape "
+                        f"{list(shape)}, but the model's has "
+                        f"{list(_get(self.model, name).shape)}: the checkpoint does not fit "
+                        "this config")
+                continue
             self._check_shape(name, _get(self.model, name))
 
     def _check_shape(self, name: str, like: torch.Tensor) -> None:
@@ -268,6 +282,9 @@ class CheckpointWeights(Weights):
 
     def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
                   like: torch.Tensor) -> torch.Tensor:
+        stacked = next((self.stacked[n] for n in names if n in self.stacked), None)
+        if stacked is not None and not any(n in self.keys for n in names):
+            return self._place(stacked.read(self.files, layout, rank, tp), like)
         key = self.keys[next(n for n in names if n in self.keys)]
         if isinstance(layout, Shard):
             size = self.files.entry(key).shape[layout.dim]
@@ -297,22 +314,72 @@ def _hf_ignored(model: nn.Module) -> list[str]:
     return [str(p) for p in patterns]
 
 
-def _match_keys(model: nn.Module, checkpoint_keys: list[str], state: set[str]
-                ) -> dict[str, str]:
-    """Model state name -> checkpoint key."""
-    renamed = _hf_renamed(model, checkpoint_keys, state)
+@dataclass
+class Stacked:
+    """A stacked expert weight that the checkpoint stores per expert: ``groups[g][e]`` is the
+    file key of part g (gate, up) of expert e; the parts are concatenated along ``concat``
+    (a dim of the stacked tensor) and the experts stacked along dim 0. Each rank reads only
+    the ranges its layout holds: the experts it owns, or its slice of every expert."""
+
+    groups: list[list[str]]
+    concat: Optional[int] = None
+
+    def shape(self, files: TensorFiles) -> tuple[int, ...]:
+        shapes = [tuple(files.entry(group[0]).shape) for group in self.groups]
+        part = list(shapes[0])
+        if self.concat is not None:
+            part[self.concat - 1] = sum(s[self.concat - 1] for s in shapes)
+        return (len(self.groups[0]), *part)
+
+    def read(self, files: TensorFiles, layout: Layout, rank: int, tp: int) -> torch.Tensor:
+        shape = self.shape(files)
+        dim = layout.dim if isinstance(layout, Shard) else None
+        ranges = slice_ranges(shape[dim], layout, rank, tp) if isinstance(layout, Shard) \
+            else None
+        experts = range(shape[0]) if dim != 0 or ranges is None else \
+            [e for start, stop in ranges for e in range(start, stop)]
+        return torch.stack([self._expert(files, e, dim, ranges) for e in experts])
+
+    def _expert(self, files: TensorFiles, e: int, dim: Optional[int],
+                ranges: Optional[list[tuple[int, int]]]) -> torch.Tensor:
+        keys = [group[e] for group in self.groups]
+        if dim is None or dim == 0:
+            parts = [files.read(key) for key in keys]
+        elif dim == self.concat:  # ranges of the concatenated parts, in the layout's order
+            parts, edges = [], [0]
+            for key in keys:
+                edges.append(edges[-1] + files.entry(key).shape[dim - 1])
+            for start, stop in ranges or []:
+                for key, lo, hi in zip(keys, edges, edges[1:]):
+                    a, b = max(start, lo), min(stop, hi)
+                    if a < b:
+                        parts.append(files.read_range(key, dim - 1, a - lo, b - lo))
+            return torch.cat(parts, dim=dim - 1)
+        else:
+            parts = [torch.cat([files.read_range(key, dim - 1, a, b) for a, b in ranges or []],
+                               dim=dim - 1) for key in keys]
+        return torch.cat(parts, dim=self.concat - 1) if self.concat is not None else parts[0]
+
+
+def _match_keys(model: nn.Module, checkpoint_keys: list[str], state: set[str],
+                stacked: Optional[dict[str, Stacked]] = None) -> dict[str, str]:
+    """Model state name -> checkpoint key; per-expert keys stacked into one model tensor are
+    collected in ``stacked`` instead."""
+    renamed = _hf_renamed(model, checkpoint_keys, state, stacked)
     out: dict[str, str] = {}
     for key in checkpoint_keys:
         name = renamed.get(key, key)
-        if name in state:
+        if name in state and name not in (stacked or {}):
             out.setdefault(name, key)
     return out
 
 
-def _hf_renamed(model: nn.Module, keys: list[str], state: set[str]) -> dict[str, str]:
-    """transformers' own renamings of checkpoint keys (legacy names, base-model prefixes);
-    keys that transformers would combine with others (per-expert MoE weights fused into
-    one tensor) cannot be read as slices yet: a clear error."""
+def _hf_renamed(model: nn.Module, keys: list[str], state: set[str],
+                stacked: Optional[dict[str, Stacked]] = None) -> dict[str, str]:
+    """transformers' own renamings of checkpoint keys (legacy names, base-model prefixes),
+    and its stacking of per-expert weights into one tensor per layer (gathered into
+    ``stacked``: read by slices, as any other tensor); a combination autotp does not read
+    is a clear error."""
     if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
         return {}
     try:
@@ -326,12 +393,27 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: set[str]) -> dict[str,
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     out, converted = {}, []
     lookup = dict.fromkeys(state, True)  # what rename_source_key reads (.get) of a state dict
+    parts: dict[str, dict[str, dict[int, str]]] = {}  # name -> pattern -> expert -> key
     for key in keys:
         name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
                                           lookup)
-        if pattern is not None and name not in state:
-            converted.append(key)
+        if pattern is not None:
+            expert = _expert_index(key, pattern)
+            if name not in state or expert is None or stacked is None:
+                converted.append(key)
+            else:
+                parts.setdefault(name, {}).setdefault(pattern, {})[expert] = key
         out[key] = name
+    for name, by_pattern in parts.items():
+        converter = next(c for c in converters if set(by_pattern) <= set(c.source_patterns))
+        recipe = _stacking(converter)
+        groups = [by_pattern.get(p, {}) for p in converter.source_patterns]
+        count = len(groups[0])
+        if recipe is False or any(sorted(g) != list(range(count)) for g in groups):
+            converted += [k for g in groups for k in g.values()]
+            continue
+        assert stacked is not None
+        stacked[name] = Stacked([[g[e] for e in range(count)] for g in groups], recipe)
     if converted:
         raise ConfigError(
             f"{type(model).__name__}'s checkpoint stores {converted[:4]} in a form transformers "
@@ -339,6 +421,28 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: set[str]) -> dict[str,
             "autotp reads tensors by slices and does not combine them: re-save the checkpoint "
             "in the model's own layout (model.save_pretrained after a transformers load)")
     return out
+
+
+def _expert_index(key: str, pattern: str) -> Optional[int]:
+    """The expert number a per-expert key holds, where ``pattern`` has ``*``."""
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    match = re.search(regex, key)
+    return int(match.group(1)) if match and match.groups() else None
+
+
+def _stacking(converter: Any) -> Any:
+    """The concatenation dim of a converter that stacks per-expert tensors (None: none, or
+    ``False`` for one autotp does not read: anything but a stack along dim 0 and at most
+    one concatenation)."""
+    names = [type(op).__name__ for op in converter.operations]
+    if not names or names[0] != "MergeModulelist" or \
+            getattr(converter.operations[0], "dim", None) != 0:
+        return False
+    if names == ["MergeModulelist"]:
+        return None
+    if names == ["MergeModulelist", "Concatenate"]:
+        return getattr(converter.operations[1], "dim", None)
+    return False
 
 
 def _prefix_renamed(prefix: str, keys: list[str], state: set[str]) -> dict[str, str]:
