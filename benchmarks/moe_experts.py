@@ -120,7 +120,8 @@ def main() -> None:
     for name, (x, idx, w, module) in rows.items():
         x = x.detach().requires_grad_()
 
-        def step() -> None:
+        def step(module: Any = module, x: torch.Tensor = x, idx: torch.Tensor = idx,
+                 w: torch.Tensor = w) -> None:
             module.zero_grad(set_to_none=True)
             module(x, idx, w).float().sum().backward()
 
