@@ -29,17 +29,22 @@ ATOL = 1e-4  # logits, loss: max abs; gradients relative to each parameter's lar
 ROWS = Shard(0, ROUTED)
 
 
+def _perturbed(cls: type, config: object) -> torch.nn.Module:
+    """``cls(config)`` seeded, in eval mode, every weight perturbed (biases and norms too)."""
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    return model
+
+
 def _qwen3_moe(top_k: int = 2, experts: int = 4) -> torch.nn.Module:
     config = transformers.Qwen3MoeConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, num_experts=experts,
         num_experts_per_tok=top_k, moe_intermediate_size=32, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.02 * torch.randn_like(param))
-    return model
+    return _perturbed(transformers.Qwen3MoeForCausalLM, config)
 
 
 def _gpt_oss() -> torch.nn.Module:
@@ -47,12 +52,7 @@ def _gpt_oss() -> torch.nn.Module:
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, head_dim=16, intermediate_size=32, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.02 * torch.randn_like(param))
-    return model
+    return _perturbed(transformers.GptOssForCausalLM, config)
 
 
 def _route_to_first_experts(model: torch.nn.Module) -> None:
