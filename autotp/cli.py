@@ -347,13 +347,13 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autotp.capture.trace import capture
     from autotp.planner import hardware as hw_module
     from autotp.planner.configure import (
         Estimate,
         Planner,
         Request,
         attention_heads,
+        capture_for_training,
         parse_mesh,
         search,
         training_example,
@@ -382,7 +382,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if example_args is None and example_kwargs is None:
         example_kwargs = training_example(loaded.model)
     with progress.step("tracing with torch.export"):
-        captured = capture(loaded.model, example_args, example_kwargs)
+        captured = capture_for_training(loaded.model, example_args, example_kwargs, args.dtype)
     req = Request(
         gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
         gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
@@ -423,7 +423,7 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
     s.add_argument("--precision", default="bf16-mixed",
                    help="bf16-mixed (16-bit weights and grads, float32 master and moments), "
-                        "fp16-mixed or fp32")
+                        "fp16-mixed, bf16 (everything in bfloat16, the moments too) or fp32")
     s.add_argument("--optimizer", default="adam", help="adam, sgd or sgd-nomomentum")
     s.add_argument("--dp-shard", default="fsdp", choices=["fsdp", "optimizer", "none"],
                    help="what data parallelism shards: everything (FSDP2, default), the "

@@ -17,8 +17,9 @@
 3. llama70b: a LLaMA-2-70B shape on 64 A100-80GB (8 per node), global batch 512 x 4096
    tokens, bf16: the whole search on the meta device, its time, the best configuration and
    its MFU (published Megatron runs of this size sit near 50 %), and why the others are out.
-4. gpu (only where CUDA is present): the predicted step time of a small model at tp 1
-   against the measured one on this GPU.
+4. gpu (only where CUDA is present): LLaMA shapes at tp 1 trained on this GPU (bfloat16,
+   fused AdamW): the forward and backward time, the optimizer step, the model states, what
+   the forward leaves for backward and the peak, each predicted beside measured.
 
 Every model is built on the meta device (no weights); nothing here needs a GPU but step 4.
 """
@@ -90,12 +91,16 @@ def _gpt2(h: int, heads: int, layers: int) -> torch.nn.Module:
         return transformers.GPT2LMHeadModel(config)
 
 
-def _planner(model: torch.nn.Module, name: str, seq: int) -> Any:
-    from autotp.capture.trace import capture
-    from autotp.planner.configure import Planner, attention_heads, training_example
+def _planner(model: torch.nn.Module, name: str, seq: int, dtype: str = "bfloat16") -> Any:
+    from autotp.planner.configure import (
+        Planner,
+        attention_heads,
+        capture_for_training,
+        training_example,
+    )
 
-    return Planner(capture(model, None, training_example(model)), name, seq,
-                   attention_heads(model))
+    return Planner(capture_for_training(model, None, training_example(model), dtype), name,
+                   seq, attention_heads(model))
 
 
 def megatron() -> None:
@@ -110,7 +115,7 @@ def megatron() -> None:
                       precision="fp16-mixed", dp_shard="none")
         return search(planner, hw, req)[0]
 
-    small = _planner(_gpt2(1536, 16, 40), "gpt2-1.2B", 1024)
+    small = _planner(_gpt2(1536, 16, 40), "gpt2-1.2B", 1024, "float16")
     results = {tp: run(small, tp) for tp in (1, 2, 4, 8)}
     print("2. Megatron-LM 2019, DGX-2H V100, fp16, full recomputation, batch 8 x 1024")
     print(f"   1.2B on 1 GPU: {results[1].time.step:.3f} s per step predicted, "
@@ -135,7 +140,7 @@ def megatron() -> None:
         a, b = where[1].get(key, 0.0), where[8][key]
         print(f"   {key:<44} tp 1 {a:>7.3f}  tp 8 {b:>7.3f}" +
               (f"  ({a / b:.1f}x less)" if a and b else ""))
-    big = run(_planner(_gpt2(3072, 32, 72), "gpt2-8.3B", 1024), 8)
+    big = run(_planner(_gpt2(3072, 32, 72), "gpt2-8.3B", 1024, "float16"), 8)
     ratio = big.mfu / results[1].mfu
     print(f"   8.3B at tp 8: {big.time.step:.3f} s per step, per-GPU FLOP rate "
           f"{ratio:.0%} of the 1.2B's on one GPU (published 77 %)")
@@ -205,54 +210,107 @@ def llama70b() -> None:
     print("   " + to_table(est, top=8).replace("\n", "\n   "))
 
 
+# (hidden, layers, micro-batch, sequence, recomputation) of the LLaMA shapes timed on a GPU
+GPU_CASES = ((1024, 8, 8, 1024, "none"), (2048, 8, 4, 2048, "none"),
+             (2048, 8, 4, 2048, "full"), (4096, 4, 2, 4096, "none"))
+
+
+def _llama(transformers: Any, hidden: int, layers: int) -> Any:
+    return transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4,
+                                    num_attention_heads=hidden // 128,
+                                    num_key_value_heads=hidden // 128,
+                                    num_hidden_layers=layers, vocab_size=32000)
+
+
+def predicted(hw: Any, hidden: int, layers: int, batch: int, seq: int, policy: str) -> Any:
+    """autotp estimate's configuration for one GPU training the LLaMA shape as ``measure``
+    does: everything in bfloat16 (the AdamW moments too), persistent gradients."""
+    from autotp.planner.configure import Request, search
+
+    with torch.device("meta"):
+        meta = _quiet().LlamaForCausalLM(_llama(_quiet(), hidden, layers))
+    req = Request(gpus=1, global_batch=batch, seq=seq, mesh=(1, 1, 1), micro_batch=batch,
+                  checkpointing=policy, sequence_parallel=False, dp_shard="none",
+                  precision="bf16", optimizer="adamw")
+    return search(_planner(meta, "llama", seq), hw, req)[0]
+
+
+def measure(hidden: int, layers: int, batch: int, seq: int, policy: str,
+            steps: int = 5) -> dict[str, float]:
+    """One GPU's training step of the LLaMA shape in bfloat16 with fused AdamW: the forward
+    and backward, the optimizer step, the model states, what the forward leaves allocated
+    for backward, and the peak."""
+    transformers = _quiet()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama(transformers, hidden, layers))
+    model = model.to("cuda", torch.bfloat16)
+    if policy == "full":  # each decoder layer under a checkpoint: its input kept
+        model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    sync = torch.cuda.synchronize
+
+    def fwd_bwd() -> None:
+        loss = model(input_ids=ids, labels=ids).loss  # the outputs freed before backward
+        loss.backward()
+
+    for _ in range(3):
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients persist, as the estimate counts them
+    sync()
+    states = torch.cuda.memory_allocated()
+    loss = model(input_ids=ids, labels=ids).loss
+    sync()
+    saved = torch.cuda.memory_allocated() - states
+    del loss
+    torch.cuda.reset_peak_memory_stats()
+    compute = optimizer = 0.0
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        fwd_bwd()
+        sync()
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        sync()
+        compute += middle - start
+        optimizer += time.perf_counter() - middle
+    return {"compute": compute / steps, "optimizer": optimizer / steps, "states": states,
+            "saved": saved, "peak": torch.cuda.max_memory_allocated()}
+
+
 def gpu() -> None:
     if not torch.cuda.is_available():
-        print("4. no CUDA device: the predicted-against-measured step time is skipped")
+        print("4. no CUDA device: the predicted-against-measured step is skipped")
         return
-    from autotp.planner.configure import Request, search
     from autotp.planner.hardware import PRESETS, calibrate
 
-    transformers = _quiet()
     name = torch.cuda.get_device_name().lower()
     base = PRESETS["h200" if "h200" in name else "h100" if "h100" in name else "a100-80gb"]
     hw, _ = calibrate(base, dtype="bfloat16")
-    print(f"4. {torch.cuda.get_device_name()}: predicted (calibrated {base.name}) against "
-          "measured step time, tp 1, bf16, no recomputation")
-    for hidden, layers, batch, seq in ((1024, 8, 8, 1024), (2048, 8, 4, 2048)):
-        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4,
-                                          num_attention_heads=hidden // 128,
-                                          num_key_value_heads=hidden // 128,
-                                          num_hidden_layers=layers, vocab_size=32000)
-        with torch.device("meta"):
-            meta = transformers.LlamaForCausalLM(config)
-        req = Request(gpus=1, global_batch=batch, seq=seq, mesh=(1, 1, 1), micro_batch=batch,
-                      checkpointing="none", sequence_parallel=False, dp_shard="none")
-        predicted = search(_planner(meta, "llama", seq), hw, req)[0]
-        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, 32000, (batch, seq), device="cuda")
-
-        for _ in range(3):
-            _train_step(model, opt, ids)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(5):
-            _train_step(model, opt, ids)
-        torch.cuda.synchronize()
-        measured = (time.perf_counter() - start) / 5
-        peak = torch.cuda.max_memory_allocated()
-        print(f"   h={hidden} L={layers} b={batch} s={seq}: step "
-              f"{predicted.time.step * 1e3:.1f} ms predicted, {measured * 1e3:.1f} ms measured "
-              f"({predicted.time.step / measured:.2f}x); memory "
-              f"{predicted.memory.total / 2**30:.2f} GiB predicted, "
-              f"{peak / 2**30:.2f} GiB measured peak")
-
-
-def _train_step(model: torch.nn.Module, opt: Any, ids: torch.Tensor) -> None:
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    print(f"4. {torch.cuda.get_device_name()}: predicted (calibrated {base.name}) / measured, "
+          "tp 1, LLaMA shapes, everything bfloat16, fused AdamW")
+    print(f"   {'h':>5} {'L':>2} {'b':>2} {'s':>5} {'ckpt':>4} | {'fwd+bwd ms':>15} "
+          f"{'optimizer ms':>13} | {'states GiB':>11} {'saved GiB':>11} {'peak GiB':>11}")
+    gib = float(1 << 30)
+    for hidden, layers, batch, seq, policy in GPU_CASES:
+        c = predicted(hw, hidden, layers, batch, seq, policy)
+        got = measure(hidden, layers, batch, seq, policy)
+        torch.cuda.empty_cache()
+        m, t = c.memory, c.time
+        pairs = [(t.compute * 1e3, got["compute"] * 1e3), (t.optimizer * 1e3,
+                                                           got["optimizer"] * 1e3),
+                 ((m.parameters + m.gradients + m.optimizer) / gib, got["states"] / gib),
+                 (m.activations / gib, got["saved"] / gib), (m.total / gib, got["peak"] / gib)]
+        cells = [f"{a:.1f}/{b:.1f}" if i < 2 else f"{a:.2f}/{b:.2f}"
+                 for i, (a, b) in enumerate(pairs)]
+        print(f"   {hidden:>5} {layers:>2} {batch:>2} {seq:>5} {policy:>4} | {cells[0]:>15} "
+              f"{cells[1]:>13} | {cells[2]:>11} {cells[3]:>11} {cells[4]:>11}  "
+              f"(step {t.step / (got['compute'] + got['optimizer']):.2f}x, "
+              f"peak {m.total / got['peak']:.2f}x)")
 
 
 STEPS = {"activations": activations, "megatron": megatron, "llama70b": llama70b, "gpu": gpu}

@@ -83,7 +83,8 @@ class Config:
         if self.time is not None:
             t = self.time
             out["time"] = {"step_s": t.step, "compute_s": t.compute, "tp_comm_s": t.tp_comm,
-                           "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm}
+                           "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm,
+                           "optimizer_s": t.optimizer}
         return out
 
 
@@ -345,8 +346,6 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
     ``dp_shard``); the ones left out are searched. The model may be on the meta device."""
     import time
 
-    from autotp.capture.trace import capture
-
     start = time.perf_counter()
     hw = get_hardware(hardware)
     req = Request(gpus=_positive("gpus", gpus), global_batch=_positive("global_batch",
@@ -354,7 +353,7 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
                   seq=_positive("seq", seq), **options)
     if example_args is None and example_kwargs is None:
         example_kwargs = training_example(model)
-    captured = capture(model, example_args, example_kwargs)
+    captured = capture_for_training(model, example_args, example_kwargs, req.dtype)
     planner = Planner(captured, model_name or type(model).__name__, seq,
                       attention_heads(model))
     configs = search(planner, hw, req)
@@ -362,6 +361,25 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
                     global_batch=req.global_batch, seq=seq, dtype=req.dtype,
                     precision=get_precision(req.precision, req.optimizer).name,
                     configs=configs, seconds=time.perf_counter() - start)
+
+
+def capture_for_training(model: torch.nn.Module, example_args: Optional[tuple],
+                         example_kwargs: Optional[dict], dtype: str) -> Any:
+    """The model traced in its training dtype where that costs nothing: a model on meta is
+    copied and cast first, so the values it computes in float32 (an RMSNorm's upcast, the
+    loss's ``logits.float()``) are counted at 4 bytes, not at the training dtype's. A model
+    with weights is traced as it is."""
+    import copy
+
+    from autotp.capture.trace import capture
+
+    target = torch.float32 if dtype == "tfloat32" else getattr(torch, dtype, None)
+    params = list(model.parameters())
+    floats = {p.dtype for p in params if p.dtype.is_floating_point}
+    if isinstance(target, torch.dtype) and floats and floats != {target} and \
+            all(p.device.type == "meta" for p in params):
+        model = copy.deepcopy(model).to(target)
+    return capture(model, example_args, example_kwargs)
 
 
 def training_example(model: torch.nn.Module) -> dict[str, Any]:

@@ -17,7 +17,8 @@ GIB = float(1 << 30)
 _MEMORY = (("parameters", "#4e79a7"), ("gradients", "#76b7b2"), ("optimizer", "#59a14f"),
            ("activations", "#f28e2b"), ("transient", "#edc948"))
 _TIME = (("compute_s", "compute", "#4e79a7"), ("tp_comm_s", "tp comm", "#e15759"),
-         ("pp_bubble_s", "pp bubble", "#b07aa1"), ("dp_comm_s", "dp comm", "#9c755f"))
+         ("pp_bubble_s", "pp bubble", "#b07aa1"), ("dp_comm_s", "dp comm", "#9c755f"),
+         ("optimizer_s", "optimizer", "#bab0ac"))
 
 
 def to_json(est: Estimate) -> str:
@@ -32,7 +33,7 @@ def _row(rank: str, c: Config) -> str:
             f"{(m.parameters + m.gradients + m.optimizer) / GIB:>8.1f} "
             f"{m.activations / GIB:>7.1f} {m.transient / GIB:>6.1f} {m.total / GIB:>7.1f} "
             f"{t.step:>8.3f} {t.compute:>8.3f} {t.tp_comm:>7.3f} {t.pp_bubble:>7.3f} "
-            f"{t.dp_comm:>7.3f} {c.mfu:>5.1%}")
+            f"{t.dp_comm:>7.3f} {t.optimizer:>7.3f} {c.mfu:>5.1%}")
 
 
 def to_table(est: Estimate, top: int = 20) -> str:
@@ -47,7 +48,7 @@ def to_table(est: Estimate, top: int = 20) -> str:
         "",
         "                                  memory per GPU (GiB)               step time (s)",
         "rank  tp  pp   dp  mb  sp      ckpt   states    act  trans   total     step  compute"
-        "      tp  bubble      dp   MFU",
+        "      tp  bubble      dp     opt   MFU",
     ]
     lines += [_row(str(i + 1), c) for i, c in enumerate(fits[:top])]
     if len(fits) > top:

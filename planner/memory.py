@@ -7,8 +7,9 @@ hold them.
     activations   = in-flight micro-batches x (what the stage's layers keep for backward under
                     the recomputation policy) + the embeddings' / head's own
     peak          = model states + activations + the transient of the policy (a fully
-                    recomputed layer's activations, rebuilt during its backward) + FSDP's
-                    gathered weights of the layers in flight
+                    recomputed layer's activations, rebuilt during its backward) + the
+                    largest gradient pair one op's backward holds (the head's, over the
+                    vocabulary, in float32) + FSDP's gathered weights of the layers in flight
 
 Activations come from ``profile.py``, which reads them off the captured program and the plan
 (the tensors autograd saves on one rank), not from a formula. Under 1F1B the first stage
@@ -34,30 +35,41 @@ class Precision:
     weight: int
     grad: int
     optimizer: int  # master weights and moments
+    master: int = 0  # of which a float32 master copy of the weights
+
+    @property
+    def optimizer_bytes_moved(self) -> int:
+        """Bytes one fused optimizer step reads and writes per parameter element: the
+        gradient read (and zeroed after), the state (master weights and moments) read and
+        written, the weights written, and read too where they are their own master."""
+        return 2 * self.grad + 2 * self.optimizer + (1 if self.master else 2) * self.weight
 
 
+# name -> (weight, gradient, float32 master copy, bytes per moment element)
 PRECISIONS = {
     # mixed precision with Adam: 16-bit weights and gradients, float32 master weights and
     # two float32 moments (Rajbhandari et al., ZeRO: 2 + 2 + 12 bytes per parameter)
-    "bf16-mixed": Precision("bf16-mixed", 2, 2, 12),
-    "fp16-mixed": Precision("fp16-mixed", 2, 2, 12),
-    "fp32": Precision("fp32", 4, 4, 8),  # Adam's two moments
+    "bf16-mixed": (2, 2, 4, 4),
+    "fp16-mixed": (2, 2, 4, 4),
+    # everything in bfloat16, the moments too (model.to(torch.bfloat16) and torch's AdamW:
+    # 2 + 2 + 4 bytes per parameter)
+    "bf16": (2, 2, 0, 2),
+    "fp32": (4, 4, 0, 4),
 }
-# optimizer state per element beyond the weights (float32), by optimizer
-OPTIMIZER_STATE = {"adam": 8, "adamw": 8, "sgd": 4, "sgd-nomomentum": 0}
+# moments per parameter element, by optimizer
+OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
 DATA_PARALLEL = ("fsdp", "optimizer", "none")  # what dp shards: everything, the optimizer, nothing
 
 
 def precision(name: str, optimizer: str = "adam") -> Precision:
     if name not in PRECISIONS:
         raise ConfigError(f"unknown precision {name!r}; use one of {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATE:
+    if optimizer not in OPTIMIZER_MOMENTS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; use one of "
-                          f"{', '.join(OPTIMIZER_STATE)}")
-    base = PRECISIONS[name]
-    master = 4 if base.weight < 4 else 0
-    return Precision(f"{name}/{optimizer}", base.weight, base.grad,
-                     master + OPTIMIZER_STATE[optimizer])
+                          f"{', '.join(OPTIMIZER_MOMENTS)}")
+    weight, grad, master, moment = PRECISIONS[name]
+    return Precision(f"{name}/{optimizer}", weight, grad,
+                     master + OPTIMIZER_MOMENTS[optimizer] * moment, master)
 
 
 @dataclass
@@ -138,6 +150,9 @@ def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
     if policy == "full" and mine:
         full = layer_activations(prof, "none")
         transient += max(full.get(layer, 0.0) for layer in mine)
+    ends = (["first"] if stage == 0 else []) + (["last"] if stage == pp - 1 else [])
+    transient += max([prof.backward_working.get(at, 0.0) for at in [*mine, *ends]],
+                     default=0.0)
     if dp_shard == "fsdp" and dp > 1 and largest_layer:
         # the unsharded weights of the layer in use and the one prefetched
         biggest = sorted(largest_layer.values(), reverse=True)[:2]

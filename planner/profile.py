@@ -10,9 +10,18 @@ each collective. The memory model (``memory.py``) and the time model (``timing.p
 nothing else.
 
 Views allocate nothing: a saved view keeps its base's storage, counted once, as autograd's
-own ``saved_tensors_hooks`` see it. Float tensors are counted at the training dtype
-(``dtype_bytes``), whatever dtype the model was traced in; masks, indices and the float32
-statistics of norms keep theirs.
+own ``saved_tensors_hooks`` see it. Float tensors of the model's own dtype (its parameters')
+are counted at the training dtype (``dtype_bytes``); masks, indices, the float32 statistics
+of norms and the values a model computes in another float dtype keep theirs. The last are
+found only where the model was traced in its training dtype: traced in float32, a bfloat16
+model's upcasts (RMSNorm's ``.to(torch.float32)``, the loss's ``logits.float()``) cannot be
+told from its own float32 (``configure.capture_for_training`` traces a copy on meta in the
+training dtype).
+
+Beside what is saved, backward needs room to work: while an op's backward runs, the gradient
+of its output and the gradients of its inputs are alive together (the head's log-softmax over
+the vocabulary: two float32 tensors of tokens x vocabulary). The largest such pair, per layer
+and end, is ``backward_working``.
 """
 
 from __future__ import annotations
@@ -124,6 +133,8 @@ class Profile:
     # per layer: the bytes of the values it reads from outside itself (what a fully
     # recomputed layer keeps), each value counted at the first layer that reads it
     layer_inputs: dict[int, float] = field(default_factory=dict)
+    # per layer (and "first", "last"): the largest gradient pair of one op's backward
+    backward_working: dict[Any, float] = field(default_factory=dict)
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
@@ -173,12 +184,25 @@ def _local_numel(shape: tuple[int, ...], layout: Layout, tp: int) -> float:
     return float(math.prod(shape))
 
 
-def _element_bytes(val: torch.Tensor, dtype_bytes: int) -> int:
+def _element_bytes(val: torch.Tensor, dtype_bytes: int,
+                   model_dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes per element in training: the model's own float dtype at ``dtype_bytes``, any
+    other dtype (a float32 upcast in a bfloat16 model, a mask, an index) at its own."""
     if val.dtype.is_floating_point:
-        return dtype_bytes
+        return dtype_bytes if model_dtype in (None, val.dtype) else val.element_size()
     if val.dtype.is_complex:
-        return 2 * dtype_bytes
+        real = val.dtype.to_real()
+        return 2 * (dtype_bytes if model_dtype in (None, real) else real.itemsize)
     return val.element_size()
+
+
+def model_dtype(gm: fx.GraphModule) -> Optional[torch.dtype]:
+    """The float dtype holding most of the parameters' elements."""
+    counts: dict[torch.dtype, int] = {}
+    for p in gm.parameters():
+        if p.dtype.is_floating_point:
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _layout(text: Optional[str]) -> Layout:
@@ -199,12 +223,14 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                    seq=seq, dtype_bytes=dtype_bytes, layers=layers)
     nodes = {n.name: n for n in gm.graph.nodes}
     reads = {(e.value, e.consumer): e for e in plan.edges}
+    own = model_dtype(gm)
 
     def local_bytes(node: fx.Node, layout: Layout) -> float:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return 0.0
-        return _local_numel(sizes.shape(val), layout, tp) * _element_bytes(val, dtype_bytes)
+        return _local_numel(sizes.shape(val), layout, tp) * \
+            _element_bytes(val, dtype_bytes, own)
 
     def read_layout(value: fx.Node, consumer: fx.Node, position: int) -> Layout:
         edge = reads.get((value.name, consumer.name))
@@ -258,6 +284,12 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                                    side[node.name]))
         if not grads.get(node.name, False):
             continue
+        if node.target not in VIEWS and isinstance(val, torch.Tensor):
+            pair = local_bytes(node, out_layout) + sum(
+                local_bytes(a, lay) for a, lay in zip(ins, in_layouts)
+                if grads.get(a.name, False) and a.op != "get_attr")
+            at = layer if layer is not None else side[node.name]
+            prof.backward_working[at] = max(prof.backward_working.get(at, 0.0), pair)
         # what this op's backward keeps
         only = _KEEPS_ONLY.get(node.target)
         for i, (arg, lay) in enumerate(zip(ins, in_layouts)):
@@ -293,7 +325,7 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
         elif saves_output(node):
             keep(node.name, node, local_bytes(node, out_layout), quadratic)
     prof.saved = list(kept.values())
-    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side)
+    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side, own)
     prof.params = _params(gm, plan, side)
     prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
     return prof
@@ -397,7 +429,7 @@ def _sides(gm: fx.GraphModule, plan: Plan) -> dict[str, str]:
 
 
 def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: int,
-           side: dict[str, str]) -> list[Comm]:
+           side: dict[str, str], own: Optional[torch.dtype] = None) -> list[Comm]:
     out = []
     for c in plan.collectives:
         node = nodes.get(c.node)
@@ -406,7 +438,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
         else:
             val = node.meta.get("val")
             numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0
-            nbytes = numel * _element_bytes(val, dtype_bytes) if numel else 0.0
+            nbytes = numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
             if c.src.startswith("P(") and c.src != "P":
                 nbytes *= plan.tp
         where = "layer" if c.layer is not None else side.get(c.node, "last")

@@ -30,8 +30,8 @@ _SAVES_NOTHING = {
 }
 # ops whose backward reads their own output instead of their input (d softmax(x) = y (dy - ..))
 _SAVES_OUTPUT = {
-    aten._softmax.default, aten.softmax.int, aten.sigmoid.default, aten.tanh.default,
-    aten.exp.default,
+    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+    aten.sigmoid.default, aten.tanh.default, aten.exp.default,
 }
 # binary products: an input is kept only for the gradient of another input (d(a*b) = b da + a db)
 _PRODUCTS = {aten.mul.Tensor, aten.div.Tensor}

@@ -12,6 +12,9 @@
                sends of activations and their gradients
     dp comm    the gradients' reduce (and FSDP's weight gathers), overlapped with backward
                except the last layer's share
+    optimizer  one fused step over the rank's shard of the parameters and the zeroing of
+               its gradients: memory-bound, ``Precision.optimizer_bytes_moved`` per element
+               at the optimizer's achieved bandwidth
 
 The ranks are laid out as a (pp, dp, tp) mesh: tp innermost (adjacent GPUs, within a node),
 then dp, then pp.
@@ -37,6 +40,7 @@ class StepTime:
     tp_comm: float
     pp_bubble: float
     dp_comm: float
+    optimizer: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,9 @@ def collective_time(hw: Hardware, kind: str, nbytes: float, group: int, within: 
 
 
 def _op_time(hw: Hardware, kind: str, flops: float, nbytes: float, dtype: str) -> float:
-    if kind in ("gemm", "attention"):
+    if kind == "attention":
+        return hw.attention_time(flops, dtype, nbytes)
+    if kind == "gemm":
         return hw.gemm_time(flops, dtype, nbytes)
     return hw.memory_time(nbytes)
 
@@ -156,6 +162,8 @@ def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
         _, bandwidth = hw.link(mesh.pp_within_node)
         send = hw.ring_latency(1, mesh.pp_within_node) + boundary_bytes / bandwidth
         bubble = (pp - 1) * slots[slowest] + (m + pp - 1) * 2 * send
+    shard = mesh.dp if dp_shard in ("fsdp", "optimizer") else 1
+    optimizer = hw.optimizer_time(stage_params[slowest] / shard * prec.optimizer_bytes_moved)
     dp_comm = 0.0
     if mesh.dp > 1:
         params = stage_params[slowest]
@@ -168,5 +176,5 @@ def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
         overlap = m * w.backward + (m * w.forward if dp_shard == "fsdp" else 0.0)
         tail = total / max(1, layers_per_stage[slowest])
         dp_comm = max(total - overlap, tail)
-    return StepTime(step=compute + tp_comm + bubble + dp_comm, compute=compute,
-                    tp_comm=tp_comm, pp_bubble=bubble, dp_comm=dp_comm)
+    return StepTime(step=compute + tp_comm + bubble + dp_comm + optimizer, compute=compute,
+                    tp_comm=tp_comm, pp_bubble=bubble, dp_comm=dp_comm, optimizer=optimizer)

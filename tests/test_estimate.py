@@ -104,6 +104,51 @@ def test_activation_bytes_match_what_autograd_saves(tp: int, sp: bool) -> None:
         assert want == pytest.approx(got, rel=0.10), (tp, sp, policy, want, got)
 
 
+def test_float32_inside_a_bfloat16_model_counts_four_bytes() -> None:
+    """A LLaMA trained in bfloat16 computes its norms and its loss in float32 (RMSNorm's
+    upcast, ``logits.float()``): traced on meta in bfloat16 (``capture_for_training``), the
+    profile counts those at 4 bytes and matches what autograd keeps; traced in float32 it
+    undercounts them."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from autotp.planner.configure import Planner, capture_for_training, training_example
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=4,
+                                      num_hidden_layers=2, vocab_size=512)
+    batch, seq = 2, 32
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(3))
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    measured = sum(seen.values())
+    assert loss.requires_grad
+
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config)
+
+    def estimated(dtype: str) -> float:
+        captured = capture_for_training(copy.deepcopy(meta), None, training_example(meta),
+                                        dtype)
+        prof = Planner(captured, "llama", seq).profile(1, False, batch, 2)
+        return sum(layer_activations(prof, "none").values()) + \
+            end_activations(prof, "first") + end_activations(prof, "last")
+
+    assert estimated("bfloat16") == pytest.approx(measured, rel=0.10)
+    assert estimated("float32") < 0.9 * measured  # every float32 value at 2 bytes
+    assert next(meta.parameters()).dtype == torch.float32  # the caller's model is untouched
+
+
 def test_selective_recomputation_drops_the_attention_core() -> None:
     model = _model()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -267,10 +312,10 @@ def test_cli_estimate_writes_the_schema(tmp_path) -> None:
     first = data["configs"][0]
     assert first["fits"] and set(first["memory"]) >= {"parameters", "gradients", "optimizer",
                                                       "activations", "total"}
-    assert set(first["time"]) == {"step_s", "compute_s", "tp_comm_s", "pp_bubble_s",
-                                  "dp_comm_s"}
-    assert math.isclose(sum(first["time"][k] for k in ("compute_s", "tp_comm_s",
-                                                       "pp_bubble_s", "dp_comm_s")),
+    parts = ("compute_s", "tp_comm_s", "pp_bubble_s", "dp_comm_s", "optimizer_s")
+    assert set(first["time"]) == {"step_s", *parts}
+    assert first["time"]["optimizer_s"] > 0
+    assert math.isclose(sum(first["time"][k] for k in parts),
                         first["time"]["step_s"], rel_tol=1e-6)
     steps = [c["time"]["step_s"] for c in data["configs"] if c["fits"]]
     assert steps == sorted(steps)
