@@ -120,12 +120,16 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
 
 
 def _routes(plan: Plan, products: list[fx.Node], flow: Any) -> bool:
-    """Whether a product's output chooses experts: a top-k over it within its layer."""
+    """Whether a product's output chooses experts: a top-k over it within its layer, reached
+    without another product on the way (a router's scores; not a q projection whose
+    attention output flows on through o_proj into the router)."""
+    others = {str(t) for t in MATMULS}
     for product in products:
         if product.name not in flow:
             continue
         layer = plan.node_layers.get(product.name)
-        local = flow.subgraph(n for n in flow if plan.node_layers.get(n) == layer)
+        local = flow.subgraph(n for n in flow if plan.node_layers.get(n) == layer and
+                              (n == product.name or plan.ops.get(n) not in others))
         if any(plan.ops.get(n) == str(torch.ops.aten.topk.default)
                for n in nx.descendants(local, product.name)):
             return True

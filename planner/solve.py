@@ -136,7 +136,11 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     only a [.., 1] statistic per norm. Their premium keeps the plan from trading Megatron's
     replicated residual stream for k/v projections narrower than it."""
     def shortfalls(plan: Plan) -> tuple[int, int]:
-        stuck = [node for node, _, odd in replicated_products(plan, gm, options.reported)
+        # wide matrices count even where their replication is Megatron's choice for the
+        # plan at hand (OLMoE's q/k projections before norms over all heads): a plan with
+        # partial statistics may shard them
+        stuck = [node for node, _, odd in replicated_products(plan, gm, options.reported,
+                                                              wide_heads=True)
                  if not odd]
         # experts sliced (or whole on every rank) where tp divides them: e/tp whole experts
         # per rank run fewer, wider GEMMs at the same communication

@@ -457,6 +457,31 @@ def test_kv_heads_fewer_than_tp_keep_megatrons_plan_at_wide_heads() -> None:
         assert counts == (2, 2), (layer, plan.summary())
 
 
+def test_an_example_of_batch_one_plans_as_any_batch() -> None:
+    """torch.export fixes a dim of size 1: traced at batch 1, Qwen3's grouped k/v heads (4,
+    against 32 query heads at tp 8; planned on meta) read as other ops and stayed whole with
+    their gradients all-reduced (4 backward). An example of batch 1 is traced at batch 2:
+    the plan is the one a batch of 2 gets, Megatron's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=2048,
+                                      intermediate_size=6144, num_hidden_layers=2,
+                                      num_attention_heads=32, num_key_value_heads=4,
+                                      head_dim=64)
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(config)
+    plans = {}
+    for batch_size in (1, 2):
+        ids = torch.zeros(batch_size, 16, dtype=torch.long, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[batch_size] = autotp.plan(model, 8, example_kwargs={"input_ids": ids})
+    assert plans[1].params == plans[2].params
+    assert not plans[1].fallbacks, plans[1].fallbacks
+    for layer in (0, 1):
+        assert (plans[1].count("forward", layer), plans[1].count("backward", layer)) == \
+            (2, 2), plans[1].summary()
+
+
 class ConstantIndex(nn.Module):
     """Falcon's ``qkv[..., [-2], :]``: a one-element list index, then a view of it; and an
     index read from a buffer, which the model may change."""

@@ -123,6 +123,19 @@ def normalize_example(
     return named, signature
 
 
+def _batch_of_two(named: dict[str, Any]) -> dict[str, Any]:
+    """An example of batch 1 is traced at batch 2: torch.export specializes a dim of size 1
+    (its 0/1 rule), and a program fixed at batch 1 plans worse (its reshapes of the batch read
+    as other ops: grouped k/v heads then stay whole, with two more all-reduces backward).
+    Every tensor input's dim 0 is repeated, where all of them are 1."""
+    tensors = [v for v in pytree.tree_leaves(named) if isinstance(v, torch.Tensor)]
+    if not tensors or any(t.dim() == 0 or t.shape[0] != 1 for t in tensors):
+        return named
+    return pytree.tree_map(
+        lambda v: v.repeat(2, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) else v,
+        named)
+
+
 def _dynamic_shapes(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Batch and sequence (dims 0 and 1) of every tensor input are symbolic; the spec has the
     inputs' own structure (a dict holding no tensor is a dict of None, as export wants)."""
@@ -190,6 +203,8 @@ def capture(
     named = pytree.tree_map(
         lambda v: v.detach().clone(memory_format=torch.contiguous_format)
         if isinstance(v, torch.Tensor) else v, named)
+    if dynamic_shapes is None:
+        named = _batch_of_two(named)
     meta = any(p.device.type == "meta" for p in model.parameters())
     if meta:  # a model without weights traces with inputs (and buffers) on meta too
         named = pytree.tree_map(
