@@ -382,7 +382,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if example_args is None and example_kwargs is None:
         example_kwargs = training_example(loaded.model)
     with progress.step("tracing with torch.export"):
-        captured = capture_for_training(loaded.model, example_args, example_kwargs, args.dtype)
+        profiled, planned = capture_for_training(loaded.model, example_args, example_kwargs,
+                                                 args.dtype)
     req = Request(
         gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
         gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
@@ -392,7 +393,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dtype=args.dtype, precision=args.precision, optimizer=args.optimizer,
         dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
         max_micro_batch=args.max_micro_batch)
-    planner = Planner(captured, args.model, args.seq, attention_heads(loaded.model))
+    planner = Planner(profiled, args.model, args.seq, attention_heads(loaded.model), planned)
     with progress.step("planning and ranking configurations"):
         configs = search(planner, base, req)
     est = Estimate(model=args.model, hardware=base, gpus=req.gpus,

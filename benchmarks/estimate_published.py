@@ -99,8 +99,8 @@ def _planner(model: torch.nn.Module, name: str, seq: int, dtype: str = "bfloat16
         training_example,
     )
 
-    return Planner(capture_for_training(model, None, training_example(model), dtype), name,
-                   seq, attention_heads(model))
+    profiled, planned = capture_for_training(model, None, training_example(model), dtype)
+    return Planner(profiled, name, seq, attention_heads(model), planned)
 
 
 def megatron() -> None:

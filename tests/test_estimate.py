@@ -138,9 +138,9 @@ def test_float32_inside_a_bfloat16_model_counts_four_bytes() -> None:
         meta = transformers.LlamaForCausalLM(config)
 
     def estimated(dtype: str) -> float:
-        captured = capture_for_training(copy.deepcopy(meta), None, training_example(meta),
-                                        dtype)
-        prof = Planner(captured, "llama", seq).profile(1, False, batch, 2)
+        profiled, planned = capture_for_training(copy.deepcopy(meta), None,
+                                                 training_example(meta), dtype)
+        prof = Planner(profiled, "llama", seq, planned=planned).profile(1, False, batch, 2)
         return sum(layer_activations(prof, "none").values()) + \
             end_activations(prof, "first") + end_activations(prof, "last")
 
