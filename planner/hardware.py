@@ -357,9 +357,11 @@ def _optimizer_rate(dev: Any, dtype: Any, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
+    from autotp.planner.memory import Precision
+
     seconds = _timed(step, dev, repeats)
-    width = params[0].element_size()
-    moved = width + 2 * (2 * width) + 2 * width + width  # grad; moments r+w; weight r+w; zero
+    width = params[0].element_size()  # weights, gradients and both moments in one dtype
+    moved = Precision("calibration", width, width, 2 * width).optimizer_bytes_moved
     return 8 * size * moved / seconds
 
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import json
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -137,14 +139,19 @@ def test_float32_inside_a_bfloat16_model_counts_four_bytes() -> None:
     with torch.device("meta"):
         meta = transformers.LlamaForCausalLM(config)
 
-    def estimated(dtype: str) -> float:
+    def profiled_in(dtype: str) -> Any:
         profiled, planned = capture_for_training(copy.deepcopy(meta), None,
                                                  training_example(meta), dtype)
-        prof = Planner(profiled, "llama", seq, planned=planned).profile(1, False, batch, 2)
+        return Planner(profiled, "llama", seq, planned=planned).profile(1, False, batch, 2)
+
+    def estimated(dtype: str) -> float:
+        prof = profiled_in(dtype)
         return sum(layer_activations(prof, "none").values()) + \
             end_activations(prof, "first") + end_activations(prof, "last")
 
     assert estimated("bfloat16") == pytest.approx(measured, rel=0.10)
+    # backward's largest pair: the logits' float32 gradient and the bfloat16 one of the cast
+    assert profiled_in("bfloat16").backward_working["last"] == batch * seq * 512 * (4 + 2)
     assert estimated("float32") < 0.9 * measured  # every float32 value at 2 bytes
     assert next(meta.parameters()).dtype == torch.float32  # the caller's model is untouched
 
