@@ -15,7 +15,8 @@ from typing import Iterator
 import torch
 
 from autotp.layout import P, R, Layout, Shard
-from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
+from autotp.rules.registry import (OpCall, RuleSet, Strategy, TensorMeta, all_layouts,
+                                   shardable_dims)
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -32,8 +33,6 @@ LINEAR_UNARY = [
     aten.to.dtype,
     aten.to.dtype_layout,
     aten.to.device,
-    aten.to.other,
-    aten.type_as.default,
     aten.positive.default,
 ]
 
@@ -168,6 +167,31 @@ def linear_unary_rule(call: OpCall) -> Iterator[Strategy]:
         src, dst = call.inputs[0].dtype, call.output.dtype
         if src.is_floating_point and dst.is_floating_point and dst.itemsize >= src.itemsize:
             yield Strategy((P,), P, name="linear")
+
+
+# Casts to another tensor's dtype: that tensor gives its dtype only, never its values.
+CAST_LIKE = [aten.type_as.default, aten.to.other]
+
+
+@rules.register(*CAST_LIKE)
+def cast_like_rule(call: OpCall) -> Iterator[Strategy]:
+    """``x.type_as(other)``: ``x``'s layout passes through, ``other`` may hold any layout.
+
+    torchtitan's rotary embedding writes ``xq_out.type_as(xv)`` with ``xv`` of fewer heads:
+    reading ``other`` as an operand would tie q's layout to v's shape. A replicated ``x``
+    takes a replicated ``other`` (the strategy the registry adds), as a replicated output
+    from a sharded input would be read as a gather.
+    """
+    x, other = call.inputs[0], call.inputs[1]
+    others = all_layouts(other, call)
+    own: list[tuple[Layout, Layout]] = [(Shard(d, b), Shard(d, b))
+                                        for d, b in shardable_dims(x, call)]
+    if x.dtype.is_floating_point and call.out.dtype.is_floating_point \
+            and call.out.dtype.itemsize >= x.dtype.itemsize:
+        own.append((P, P))
+    for x_layout, out_layout in own:
+        for other_layout in others:
+            yield Strategy((x_layout, other_layout), out_layout, name="cast")
 
 
 @rules.register(*ADDITIVE)

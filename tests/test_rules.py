@@ -199,7 +199,10 @@ SAMPLES: dict[Any, list[Sample]] = {
     ],
     aten.to.device: [s(X, torch.device("cpu"), torch.float64)],
     aten.to.other: [s(X, randn(8, 12, dtype=torch.float64))],
-    aten.type_as.default: [s(X, randn(12, dtype=torch.float64)), s(X, randn(3))],
+    # ``other`` gives its dtype only: any layout of it, whatever its shape (torchtitan's
+    # ``xq_out.type_as(xv)`` with v of fewer heads)
+    aten.type_as.default: [s(X, randn(12, dtype=torch.float64)), s(X, randn(3)),
+                           s(X3, randn(4, 2, 6, dtype=torch.float64))],
     # ---- nonlinear pointwise ----
     **unary([aten.relu.default, aten.silu.default, aten.sigmoid.default,
              aten.tanh.default, aten.exp.default, aten.abs.default, aten.sin.default,
