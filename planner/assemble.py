@@ -12,8 +12,9 @@ import torch.fx as fx
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.cost import CostModel, parse_size, readable
+from autotp.planner.invariant import stages
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
-from autotp.planner.problem import (PlanOptions, PNode, batched_gather, drop_grad_partial,
+from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
                                     is_grouped, output_layout)
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output, output_layouts
@@ -94,7 +95,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if not src.requires_grad and isinstance(have, Replicate) and \
                     isinstance(want, Replicate):
                 continue
-            batched = batched_gather(src, pn, have, want, options)
+            batched = joins_ahead(src, pn, have, want, options)
             step = transition(have, want, requires_grad=src.requires_grad,
                               to_output=pn.kind == "output",
                               sequence_parallel=src.sequence_step(have, want, options),
@@ -147,16 +148,23 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
                         node=name, source=source_of(at), src=str(have), dst=str(want),
                         module=module_of(at)))
-    for phase, kind in (("forward", Collective.ALL_GATHER),
-                        ("backward", Collective.REDUCE_SCATTER)):
-        joined = [(name, nbytes) for name, step, nbytes in gathered
-                  if (step.forward if phase == "forward" else step.backward) is kind]
-        if joined:
-            plan.collectives.append(CollectiveRecord(
-                kind=kind.value, phase=phase, layer=None,
-                bytes_expr=readable(sum(parse_size(b) for _, b in joined), {}),
-                node="batched: " + ", ".join(name for name, _ in joined),
-                source=None, src="S", dst="R"))
+    # the joined collectives (autotp.runtime.batching): per phase, one of each kind per stage
+    stage_of = stages(captured.gm.graph, {(e.value, e.consumer) for e in plan.edges
+                                          if e.batched})
+    for stage in sorted({stage_of[name] for name, _, _ in gathered}):
+        for phase, kind, src_text in (("forward", Collective.ALL_REDUCE, "P"),
+                                      ("forward", Collective.ALL_GATHER, "S"),
+                                      ("backward", Collective.ALL_REDUCE, "P"),
+                                      ("backward", Collective.REDUCE_SCATTER, "S")):
+            joined = [(name, nbytes) for name, step, nbytes in gathered
+                      if stage_of[name] == stage and
+                      (step.forward if phase == "forward" else step.backward) is kind]
+            if joined:
+                plan.collectives.append(CollectiveRecord(
+                    kind=kind.value, phase=phase, layer=None,
+                    bytes_expr=readable(sum(parse_size(b) for _, b in joined), {}),
+                    node="batched: " + ", ".join(name for name, _ in joined),
+                    source=None, src=src_text, dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:

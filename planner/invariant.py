@@ -113,6 +113,19 @@ def _pure(node: fx.Node) -> bool:
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in tags
 
 
+def stages(graph: fx.Graph, joined: set[tuple[str, str]]) -> dict[str, int]:
+    """Per node, the most joined collectives on one path to it from the inputs: a value of
+    stage k joins the (k+1)-th collective ahead of the layers (autotp.runtime.batching).
+    ``joined`` holds (value, reader) pairs; a reader of a joined value reads what the
+    collective returns, so it comes one stage later. One pass in graph order, which is
+    topological (a longest-path count, weights 0 and 1)."""
+    level: dict[str, int] = {}
+    for node in graph.nodes:
+        level[node.name] = max((level[x.name] + ((x.name, node.name) in joined)
+                                for x in node.all_input_nodes), default=0)
+    return level
+
+
 def closure(values: Iterable[fx.Node]) -> list[fx.Node]:
     """``values`` and every node they read, but placeholders, in graph order."""
     values = list(values)

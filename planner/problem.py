@@ -23,6 +23,7 @@ from autotp.layout import (
     R_STAR,
     Blocks,
     Layout,
+    Partial,
     Period,
     Replicate,
     Shard,
@@ -61,7 +62,7 @@ class PNode:
     constant: bool = False  # computed from no input, parameter or state: replicated, exact
     groups: int = 0  # the experts of a grouped product (one GEMM each)
     # computed from the inputs and its layer's own parameters alone (planner/invariant.py):
-    # a gather of it joins every layer's in one collective before the first layer
+    # a gather or sum of it joins every layer's in one collective before the first layer
     invariant: bool = False
 
     def sequence_step(self, have: Any, want: Any, options: "PlanOptions") -> bool:
@@ -106,13 +107,18 @@ def output_layout(have: Any, options: PlanOptions) -> Any:
     return R
 
 
-def batched_gather(src: PNode, reader: PNode, have: Any, want: Any,
-                   options: PlanOptions) -> bool:
-    """A layer-invariant value gathered where it meets the stream (a reader that is not
-    invariant itself): joined with every other layer's into one all-gather before the first
-    layer (planner/invariant.py)."""
-    return src.invariant and not reader.invariant and options.batch_gathers and \
-        isinstance(have, Shard) and isinstance(want, Replicate)
+def joins_ahead(src: PNode, reader: PNode, have: Any, want: Any, options: PlanOptions) -> bool:
+    """A layer-invariant value made whole, joined with every other layer's into one
+    collective ahead of the first layer (planner/invariant.py, autotp.runtime.batching): a
+    shard gathered where it meets the stream (a reader that is not invariant itself), or a
+    partial sum summed wherever it is read (a row-parallel timestep MLP's output, which the
+    chain reads on: ``silu``, then the column-parallel modulation). A value whose chain holds
+    such a sum is joined in a later collective than the sum."""
+    if not (src.invariant and options.batch_gathers and isinstance(want, Replicate)):
+        return False
+    if isinstance(have, Shard):
+        return not reader.invariant
+    return isinstance(have, Partial) and have.reduce == "sum"
 
 
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)

@@ -51,7 +51,7 @@ from autotp.planner.problem import (
     Entry,
     PlanOptions,
     PNode,
-    batched_gather,
+    joins_ahead,
     block_counts,
     build_problem,
     drop_grad_partial,
@@ -337,7 +337,7 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
         if isinstance(have, Replicate) and isinstance(want, Shard) and \
                 src_pn.kind != "leaf" and want.blocks != ROUTED:
             sliced = True  # (routed rows are anchored by the experts that own them)
-        batched = batched_gather(src_pn, pn, have, want, options)
+        batched = joins_ahead(src_pn, pn, have, want, options)
         step = transition(have, want, requires_grad=src_pn.requires_grad,
                           to_output=to_output,
                           sequence_parallel=src_pn.sequence_step(have, want, options),

@@ -356,30 +356,76 @@ class AdaLNZero(nn.Module):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("embed_input", [True, False])
 def test_adaln_modulation_is_gathered_once_for_all_blocks(tp: int, embed_input: bool) -> None:
-    """The modulation linears are column-parallel and every block's shift/scale/gate is
-    gathered in one all-gather ahead of the first block: each block keeps Megatron's one
-    all-reduce each way, and the result is exact (outputs, every gradient, the timestep
-    embedding's included)."""
+    """The modulation linears are sharded and every block's shift/scale/gate is made whole
+    in one collective ahead of the first block (gathered column-parallel outputs, or summed
+    row-parallel ones): each block keeps Megatron's one all-reduce each way, and the result
+    is exact (outputs, every gradient, the timestep embedding's included)."""
     torch.manual_seed(0)
     x = torch.randn(2, 16, 16 if embed_input else 64)
     sim = check_exact(AdaLNZero(embed_input=embed_input), (x, torch.randn(2, 8)), tp)
     plan = sim.plan
-    assert all(plan.params[f"blocks.{i}.mod.weight"].layout.startswith("S(0)") for i in range(4))
+    assert all(plan.params[f"blocks.{i}.mod.weight"].layout.startswith("S(") for i in range(4))
     per = plan.per_layer()
     for layer in range(1, 4):
         assert per[layer] == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}, \
             plan.summary()
-    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"
-               and c.node.startswith("batched")]
-    assert len(gathers) == 1 and gathers[0].layer is None, plan.summary()
-    assert gathers[0].node.count(",") + 1 >= 12  # shift, scale, gate of four blocks
-    # the blocks stay submodules of the program; the joined gather runs in the root
+    joined = [c for c in plan.collectives if c.phase == "forward" and c.node.startswith("batched")]
+    assert len(joined) == 1 and joined[0].layer is None, plan.summary()
+    assert joined[0].node.count(",") + 1 >= 4  # the modulation of four blocks
+    # the blocks stay submodules of the program; the joined collective runs in the root
     rank = sim.ranks[0]
     assert isinstance(rank.program.blocks[1], torch.fx.GraphModule)
-    # what ran in check_exact's one step: the joined gather once, each block's one
-    # all-reduce forward, and no other gather
+    # what ran in check_exact's one step: the joined collective once, each block's one
+    # all-reduce forward, and no gather
     events = sim.ranks[0].comm.log.events
-    assert [e.label.split(":")[0] for e in events if e.kind == "all_gather"] == ["batched"]
+    assert [e.label.split(":")[0] for e in events if e.phase == "forward" and e.layer is None] \
+        == ["batched"], events
+    assert not [e for e in events if e.kind == "all_gather" and e.layer is not None], events
     for layer in range(4):
         assert [e.kind for e in events if e.phase == "forward" and e.layer == layer] == \
             ["all_reduce"], events
+
+
+class TimestepBlock(AdaLNZeroBlock):  # diffusers' DiT: each block embeds the timestep again
+    def __init__(self, h: int = 64) -> None:
+        super().__init__(h)
+        self.t_mlp = nn.Sequential(nn.Linear(8, h), nn.SiLU(), nn.Linear(h, h))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, self.t_mlp(t))
+
+
+class TimestepPerBlock(nn.Module):
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TimestepBlock() for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, t)
+        return x
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_timestep_mlp_in_every_block_is_summed_once_for_all_blocks(tp: int) -> None:
+    """Each block's timestep MLP (h x h: not to be kept whole) ends row-parallel, a partial
+    sum its modulation reads: every block's is all-reduced in one collective ahead of the
+    blocks, then every block's modulation made whole in a second. Each block keeps
+    Megatron's one all-reduce each way; exact, every gradient included."""
+    torch.manual_seed(0)
+    sim = check_exact(TimestepPerBlock(), (torch.randn(2, 16, 64), torch.randn(2, 8)), tp)
+    plan = sim.plan
+    for i in range(4):
+        assert plan.params[f"blocks.{i}.t_mlp.2.weight"].layout != "R", plan.summary()
+        assert plan.params[f"blocks.{i}.mod.weight"].layout != "R", plan.summary()
+    per = plan.per_layer()
+    for layer in range(4):
+        assert per[layer].get(("forward", "all_reduce")) == 1, plan.summary()
+        assert sum(n for (phase, _), n in per[layer].items() if phase == "forward") == 1
+        assert sum(n for (phase, _), n in per[layer].items() if phase == "backward") <= 1
+    joined = [c for c in plan.collectives if c.phase == "forward" and c.layer is None]
+    assert [c.kind for c in joined] == ["all_reduce", "all_gather"], plan.summary()
+    assert all(c.node.startswith("batched") and c.node.count(",") >= 3 for c in joined)
+    events = sim.ranks[0].comm.log.events
+    assert [e.kind for e in events if e.phase == "forward" and e.layer is None] == \
+        ["all_reduce", "all_gather"], events

@@ -1,8 +1,9 @@
-"""Layer-invariant gathers joined: one all-gather for every layer's, before the first layer.
+"""Layer-invariant values made whole ahead of the layers: one collective for every layer's.
 
 A value a layer computes from the model's inputs and its own parameters alone (adaLN's
-modulation vectors, ``planner/invariant.py``) may be computed sharded and gathered where it
-meets the replicated stream. The plan marks those gathers ``batched``; here they become one:
+modulation vectors, a timestep MLP each block recomputes; ``planner/invariant.py``) may be
+computed sharded or as a partial sum and made whole where it is read. The plan marks those
+redistributions ``batched``; here they become one collective per kind:
 
     before:  layer k: ... mod_k(c) [S] -> all-gather -> (1 + scale_k) * norm(x) ...   (x L)
     after:   mod_0(c) ... mod_L-1(c) [S], one all-gather of all of them;
@@ -10,9 +11,15 @@ meets the replicated stream. The plan marks those gathers ``batched``; here they
 
 The values and everything they read move ahead of the first layer (they read no layer's
 output, so the program means the same); they belong to no layer afterwards
-(``autotp.runtime.layers`` leaves them in the root). Backward: each rank keeps its slice of
-the gathered gradient, or, where the plan keeps the gradient partial (``S -> R*``), one
-reduce-scatter of all of them.
+(``autotp.runtime.layers`` leaves them in the root). A chain that reads a joined value and
+makes another (DiT's per-block timestep MLP: its row-parallel output summed, then the
+column-parallel modulation gathered) runs in stages, one joined collective per stage
+(``planner.invariant.stages``).
+
+Forward: the shards all-gathered together, the partial sums all-reduced together.
+Backward: each rank keeps its slice of a gathered value's gradient, or, where the plan keeps
+the gradient partial (``S -> R*``), one reduce-scatter of all of those; a summed value's
+gradient passes as it is, or, partial (``P -> R*``), is all-reduced with the others.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.layout import Replicate, Shard, parse_layout
-from autotp.planner.invariant import closure
+from autotp.layout import Layout, Partial, Replicate, Shard, parse_layout
+from autotp.planner.invariant import closure, stages
 from autotp.planner.plan import Plan
 from autotp.runtime.collectives import _rank_major, _segment_major, local_slice
 from autotp.runtime.comm import Communicator
@@ -33,12 +40,16 @@ from autotp.runtime.comm import Communicator
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
 
 
-class BatchedGather(nn.Module):
-    """All-gathers several sharded values in one collective; returns them whole."""
+class JoinedRedistribute(nn.Module):
+    """Makes several sharded or partial values whole: one all-gather of the shards and one
+    all-reduce of the partial sums."""
 
-    def __init__(self, comm: Communicator, layouts: list[tuple[Shard, Replicate]],
+    def __init__(self, comm: Communicator, layouts: list[tuple[Layout, Replicate]],
                  labels: list[str]):
         super().__init__()
+        for src, _ in layouts:
+            assert isinstance(src, Shard) or (isinstance(src, Partial) and src.reduce == "sum"), \
+                src
         self.comm = comm
         self.layouts = layouts
         self.labels = labels
@@ -48,33 +59,55 @@ class BatchedGather(nn.Module):
 
     @torch.compiler.disable  # collectives run eagerly
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _BatchedGatherFn.apply(self, *xs)
+        return _JoinedFn.apply(self, *xs)
 
-    def gather(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        tp = self.comm.world_size
+    def _where(self, kind: type) -> list[int]:
+        return [i for i, (src, _) in enumerate(self.layouts) if isinstance(src, kind)]
+
+    def whole(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        out: list[Any] = [None] * len(xs)
+        gathered, summed = self._where(Shard), self._where(Partial)
+        if gathered:
+            tp = self.comm.world_size
+            flat = torch.cat([xs[i].contiguous().reshape(-1) for i in gathered])
+            full = self.comm.all_gather(flat, 0).view(tp, -1)
+            self._log("all_gather", "forward", full)
+            start = 0
+            for i in gathered:
+                x, src = xs[i], self.layouts[i][0]
+                pieces = full[:, start:start + x.numel()].reshape(tp, *x.shape)
+                start += x.numel()
+                whole = torch.cat(pieces.unbind(0), dim=src.dim).to(x.dtype)
+                out[i] = _segment_major(whole, src.dim, src.blocks, tp)
+        if summed:
+            out_summed = self._all_reduce([xs[i] for i in summed], "forward")
+            for i, x in zip(summed, out_summed):
+                out[i] = x
+        return out
+
+    def _all_reduce(self, xs: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
         flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
-        full = self.comm.all_gather(flat, 0).view(tp, -1)
-        self._log("all_gather", "forward", full)
+        self._log("all_reduce", phase, flat)
+        total = self.comm.all_reduce(flat)
         out, start = [], 0
-        for x, (src, _) in zip(xs, self.layouts):
-            pieces = full[:, start:start + x.numel()].reshape(tp, *x.shape)
+        for x in xs:
+            out.append(total[start:start + x.numel()].reshape(x.shape).to(x.dtype))
             start += x.numel()
-            whole = torch.cat(pieces.unbind(0), dim=src.dim)
-            out.append(_segment_major(whole, src.dim, src.blocks, tp))
         return out
 
     def scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each value's gradient of its slice: kept locally, or summed over the ranks where
-        the plan keeps it partial (one reduce-scatter for all of those)."""
+        """Each value's gradient in its own layout (see the module docstring)."""
         tp, rank = self.comm.world_size, self.comm.rank
         out: list[Any] = [None] * len(grads)
-        summed = [i for i, (_, dst) in enumerate(self.layouts) if dst.grad_partial]
+        scattered = [i for i in self._where(Shard) if self.layouts[i][1].grad_partial]
+        reduced = [i for i in self._where(Partial) if self.layouts[i][1].grad_partial]
         for i, (src, dst) in enumerate(self.layouts):
             if not dst.grad_partial:
-                out[i] = local_slice(grads[i], src, rank, tp).contiguous()
-        if summed:
+                out[i] = local_slice(grads[i], src, rank, tp).contiguous() \
+                    if isinstance(src, Shard) else grads[i]
+        if scattered:
             rows = []
-            for i in summed:
+            for i in scattered:
                 src = self.layouts[i][0]
                 ordered = _rank_major(grads[i], src.dim, src.blocks, tp)
                 rows.append(torch.stack([p.reshape(-1) for p in ordered.chunk(tp, src.dim)]))
@@ -82,13 +115,16 @@ class BatchedGather(nn.Module):
             self._log("reduce_scatter", "backward", buffer)
             mine = self.comm.reduce_scatter(buffer.reshape(-1).contiguous(), 0)
             start = 0
-            for i in summed:
+            for i in scattered:
                 src = self.layouts[i][0]
                 shape = list(grads[i].shape)
                 shape[src.dim] //= tp
                 n = int(torch.Size(shape).numel())
-                out[i] = mine[start:start + n].reshape(shape)
+                out[i] = mine[start:start + n].reshape(shape).to(grads[i].dtype)
                 start += n
+        if reduced:
+            for i, g in zip(reduced, self._all_reduce([grads[i] for i in reduced], "backward")):
+                out[i] = g
         return out
 
     def _log(self, kind: str, phase: str, sized: torch.Tensor) -> None:
@@ -96,12 +132,13 @@ class BatchedGather(nn.Module):
                              "batched: " + ", ".join(self.labels))
 
 
-class _BatchedGatherFn(torch.autograd.Function):
+class _JoinedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, module: BatchedGather, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, module: JoinedRedistribute, *xs: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
         ctx.module = module
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
-        return tuple(module.gather(xs))
+        return tuple(module.whole(xs))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -110,48 +147,53 @@ class _BatchedGatherFn(torch.autograd.Function):
         for g, (shape, dtype, device), (src, _) in zip(grads, ctx.shapes, module.layouts):
             if g is None:  # an output no gradient reached: zeros of the whole value
                 whole = list(shape)
-                whole[src.dim] *= module.comm.world_size
+                if isinstance(src, Shard):
+                    whole[src.dim] *= module.comm.world_size
                 g = torch.zeros(whole, dtype=dtype, device=device)
             full.append(g)
         return (None, *module.scatter(full))
 
 
-def join_gathers(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
-    """The plan's batched gathers as one ``BatchedGather`` ahead of the first layer; returns
-    how many values it gathers."""
+def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
+    """The plan's batched redistributions as ``JoinedRedistribute`` calls ahead of the first
+    layer, one per stage; returns how many values they make whole."""
     edges = [e for e in plan.edges if e.batched]
     if not edges or plan.tp == 1:
         return 0
     nodes = {n.name: n for n in graph.nodes}
     keys = list(dict.fromkeys((e.value, e.dst) for e in edges))
     have = {e.value: e.src for e in edges}
-    values = [nodes[value] for value, _ in keys]
-    moved = closure(values)
+    level = stages(graph, {(e.value, e.consumer) for e in edges})
+    moved = closure([nodes[value] for value, _ in keys])
     hoisted = set(moved)
     order = list(graph.nodes)
     last_input = max(i for i, n in enumerate(order) if n.op == "placeholder")
     anchor = next(n for n in order[last_input + 1:] if n not in hoisted and
                   not (n.op == "call_module" and n.target == "_guards_fn"))
+    # graph order within a stage; every read goes to the same or a later stage
+    index = {n: i for i, n in enumerate(order)}
+    moved.sort(key=lambda n: (level[n.name], index[n]))
     for node in moved:
         anchor.prepend(node)
         node.meta[HOISTED] = True
-    layouts = []
-    for value, dst in keys:
-        src = parse_layout(have[value])
-        assert isinstance(src, Shard), (value, src)
-        layouts.append((src, parse_layout(dst)))
-    name = "autotp_batched_gather"
-    root.add_module(name, BatchedGather(comm, layouts, [f"{v} {have[v]}->{d}"
-                                                        for v, d in keys]))
-    with graph.inserting_before(anchor):
-        call = graph.call_module(name, tuple(values))
-        call.meta[HOISTED] = True
-        outs = {}
-        for i, key in enumerate(keys):
-            out = graph.call_function(operator.getitem, (call, i))
-            out.meta["val"] = nodes[key[0]].meta.get("val")
-            out.meta[HOISTED] = True
-            outs[key] = out
+    outs: dict[tuple[str, str], fx.Node] = {}
+    levels = sorted({level[value] for value, _ in keys})
+    for stage in levels:
+        staged = [k for k in keys if level[k[0]] == stage]
+        # the call goes before the next stage's first node (after this stage's last)
+        where = next((n for n in moved if level[n.name] > stage), anchor)
+        name = "autotp_joined" if len(levels) == 1 else f"autotp_joined_{stage}"
+        root.add_module(name, JoinedRedistribute(
+            comm, [(parse_layout(have[v]), parse_layout(d)) for v, d in staged],
+            [f"{v} {have[v]}->{d}" for v, d in staged]))
+        with graph.inserting_before(where):
+            call = graph.call_module(name, tuple(nodes[v] for v, _ in staged))
+            call.meta[HOISTED] = True
+            for i, key in enumerate(staged):
+                out = graph.call_function(operator.getitem, (call, i))
+                out.meta["val"] = nodes[key[0]].meta.get("val")
+                out.meta[HOISTED] = True
+                outs[key] = out
     for e in edges:
         nodes[e.consumer].replace_input_with(nodes[e.value], outs[(e.value, e.dst)])
     return len(keys)
