@@ -10,7 +10,13 @@ strategies, inputs referenced relative to the layer start (values of the layer i
 previous layer, parameters first used in it) or by name (values shared by all layers, like
 rotary tables). When a layer's signature and its incoming states (renamed the same way, costs
 relative to the cheapest) equal those of a layer already solved, its outgoing states and its
-back-pointers are that layer's, renamed: the result is exactly what solving it would give.
+back-pointers are that layer's, renamed: the result is what solving it would give (costs
+equal to a relative 1e-6, ``_same_result``, which also allows states that no best path
+started from to cost more).
+
+A layer is solved once only where the states entering each layer stop changing. Two rules
+keep states from drifting: a value that takes no gradient held replicated covers the same
+value held sharded (``_drop_dominated``), and costs are compared to a relative 1e-6.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.fx as fx
 
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
-from autotp.layout import Shard, is_mixed, whole_numel
+from autotp.layout import ROUTED, Replicate, Shard, is_mixed, whole_numel
 from autotp.planner.checks import MATMULS, narrow_matrices
 from autotp.planner.transitions import Collective
 
@@ -48,10 +54,12 @@ class Segment:
 @dataclass
 class _Solved:
     segment: Segment
-    incoming: frozenset
+    incoming: dict  # canonical entries -> cost above the cheapest incoming state
     min_in: float
     outgoing: States
     names: dict[Any, str]  # canonical reference -> name in this segment
+    useful: frozenset  # the incoming states some outgoing state's best path starts from
+    whole: bool  # no state was cut by the beam inside the segment
 
 
 class FrontierSolver:
@@ -73,6 +81,7 @@ class FrontierSolver:
                 self.first_use.setdefault(name, i)
         self.history: list[Any] = [None] * len(pnodes)
         self.reused_layers = 0
+        self.cut = False  # the beam dropped a state (since the flag was last cleared)
 
     # ---- the plain DP step -------------------------------------------------------------
 
@@ -105,13 +114,18 @@ class FrontierSolver:
             raise PlanError(f"no exact tensor-parallel plan reaches {pn.node.name} "
                             f"({pn.node.target}){where(pn.node)}")
         if len(new_states) > self.max_states // 2:  # cheap enough only where it matters
-            new_states = _drop_dominated(new_states)
+            new_states = _drop_dominated(new_states, self._gradient_free)
         if len(new_states) > self.max_states:
+            self.cut = True
             # a stable sort: ties keep their deterministic insertion order
             kept = sorted(new_states.items(), key=lambda kv: kv[1][0])[: self.max_states]
             new_states = dict(kept)
         self.history[i] = record
         return new_states
+
+    def _gradient_free(self, name: str) -> bool:
+        pn = self.by_name[name]
+        return not pn.requires_grad and pn.kind != "leaf"
 
     # ---- the whole graph ---------------------------------------------------------------
 
@@ -129,14 +143,17 @@ class FrontierSolver:
             signature = self.signature(segment)
             incoming, min_in = self._canonical(states, segment)
             earlier = solved.get(signature)
-            if earlier is not None and earlier.incoming == incoming:
+            if earlier is not None and _same_result(earlier, incoming, min_in):
                 states = self._reuse(earlier, segment, min_in)
                 self.reused_layers += 1
             else:
+                self.cut = False
+                entering = states
                 for j in range(segment.start, segment.end):
                     states = self.step(j, states)
+                useful = self._origins(segment, states, entering)
                 solved[signature] = _Solved(segment, incoming, min_in, states,
-                                            self._names(segment))
+                                            self._names(segment), useful, not self.cut)
             i = segment.end
         best_key = min(states, key=lambda k: states[k][0])
         return self._backtrack(best_key), states[best_key][0]
@@ -216,14 +233,22 @@ class FrontierSolver:
                           pn.is_output, round(pn.nbytes), round(pn.flops), getitem))
         return tuple(parts)
 
-    def _canonical(self, states: States, segment: Segment) -> tuple[frozenset, float]:
+    def _canonical(self, states: States, segment: Segment) -> tuple[dict, float]:
         min_in = min(cost for cost, _ in states.values())
-        canon = frozenset(
-            (frozenset((self.ref(n, segment), e) for n, e in entries.items()),
-             round(cost - min_in, 6))
-            for cost, entries in states.values()
-        )
+        canon = {frozenset((self.ref(n, segment), e) for n, e in entries.items()):
+                 cost - min_in for cost, entries in states.values()}
         return canon, min_in
+
+    def _origins(self, segment: Segment, outgoing: States, incoming: States) -> frozenset:
+        """The incoming states (canonical) that the best path to some outgoing state of the
+        segment starts from, found by following the back-pointers of its steps."""
+        origins = set()
+        for key in outgoing:
+            for i in range(segment.end - 1, segment.start - 1, -1):
+                if self.history[i] is not None:
+                    key = self.history[i][key][0]
+            origins.add(frozenset((self.ref(n, segment), e) for n, e in incoming[key][1].items()))
+        return frozenset(origins)
 
     def _names(self, segment: Segment) -> dict[Any, str]:
         """Canonical reference -> name, for every name the segment's states can hold."""
@@ -253,13 +278,58 @@ class FrontierSolver:
         return out
 
 
-def _drop_dominated(states: States) -> States:
-    """Drop a state when another has the same layouts, has materialized at least the same
-    redistributions, and costs no more: whatever follows, it can do no better."""
+# Costs are sums of thousands of floating-point terms: two that differ by less than this
+# fraction of the cost so far are the same cost.
+COST_RTOL = 1e-6
+
+
+def _same_result(earlier: _Solved, incoming: dict, min_in: float) -> bool:
+    """Whether solving the segment from ``incoming`` gives ``earlier``'s outgoing states and
+    back-pointers, renamed (costs equal within ``COST_RTOL`` of the cost so far).
+
+    Equal incoming states do. So do incoming states equal but for costlier states that no
+    best path of ``earlier`` started from: every outgoing state's cost is a minimum over
+    the incoming states of (incoming cost + path cost), and raising a term that was not the
+    minimum changes neither the minimum nor where it is reached. That needs every path
+    evaluated, so it holds only where the beam cut no state inside ``earlier``."""
+    if incoming.keys() != earlier.incoming.keys():
+        return False
+    tol = COST_RTOL * max(1.0, abs(min_in))
+
+    def same(k: Any) -> bool:
+        return abs(incoming[k] - earlier.incoming[k]) <= tol
+
+    if all(same(k) for k in incoming):
+        return True
+    return earlier.whole and all(same(k) if k in earlier.useful else
+                                 incoming[k] >= earlier.incoming[k] - tol for k in incoming)
+
+
+def _drop_dominated(states: States, gradient_free: Callable[[str], bool]) -> States:
+    """Drop a state when another costs no more and holds every live value at least as well:
+    in the same layout with at least the same redistributions materialized, or, for a value
+    that takes no gradient (a rotary table), replicated where the other holds it sharded
+    (slicing is free and sends nothing back). Whatever follows, it can do no better.
+
+    Without the second case a repeated layer never reaches a fixed point: a state holding
+    the rotary tables sharded pays a little more in every layer than one holding them whole,
+    so the states entering each layer differ in cost and no layer is solved once for all."""
+    def covered(name: str, layout: Any) -> bool:
+        return isinstance(layout, (Replicate, Shard)) and gradient_free(name) and \
+            not (isinstance(layout, Shard) and (is_mixed(layout.blocks) or
+                                                layout.blocks == ROUTED))
+
+    def covers(a: Entry, b: Entry, name: str) -> bool:
+        if a[0] == b[0]:
+            return a[1] >= b[1]
+        return isinstance(a[0], Replicate) and not a[0].grad_partial and \
+            covered(name, b[0]) and all(covered(name, made) for made in b[1])
+
     groups: dict[frozenset, list[Key]] = {}
     for key, (_, entries) in states.items():
-        layouts = frozenset((name, entry[0]) for name, entry in entries.items())
-        groups.setdefault(layouts, []).append(key)
+        fixed = frozenset((name, entry[0]) for name, entry in entries.items()
+                          if not covered(name, entry[0]))
+        groups.setdefault(fixed, []).append(key)
     dropped: set[Key] = set()
     for keys in groups.values():
         if len(keys) < 2:
@@ -272,7 +342,8 @@ def _drop_dominated(states: States) -> States:
                 if b is a or b in dropped:
                     continue
                 cost_b, entries_b = states[b]
-                if cost_a <= cost_b and all(entries_a[n][1] >= entries_b[n][1] for n in entries_b):
+                if cost_a <= cost_b and entries_a.keys() == entries_b.keys() and \
+                        all(covers(entries_a[n], entries_b[n], n) for n in entries_b):
                     dropped.add(b)
     if not dropped:
         return states

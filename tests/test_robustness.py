@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import warnings
@@ -597,3 +598,40 @@ def test_a_reduction_is_attributed_to_the_product_that_made_the_partial() -> Non
     makers = {(c.layer, (c.module or "").rsplit(".", 1)[-1]) for c in forward}
     assert makers == {(None, "embed_tokens"), (0, "o_proj"), (0, "down_proj"),
                       (1, "o_proj"), (1, "down_proj")}, makers
+
+
+def test_a_bfloat16_model_solves_each_repeated_layer_once(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """In a bfloat16 LLaMA with sequence parallelism (tp 8, on meta) the rotary tables are
+    cast per call and may be held sharded by sequence: states holding them so cost a little
+    more in every layer, and no layer's incoming states equaled the last one's, so every
+    layer was solved (10x the time at 80 layers). A table held whole covers it held sharded:
+    the middle layers are solved once, and the plan is the one solving each layer gives."""
+    from autotp.capture.trace import capture
+    from autotp.planner import frontier
+    from autotp.planner.problem import PlanOptions
+    from autotp.planner.solve import plan_graph
+
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                            num_key_value_heads=4, num_hidden_layers=6, vocab_size=512)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+    captured = capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), {})
+    reused = []
+    run = frontier.FrontierSolver.run
+
+    def counting(self: Any) -> Any:
+        out = run(self)
+        reused.append(self.reused_layers)
+        return out
+
+    monkeypatch.setattr(frontier.FrontierSolver, "run", counting)
+    plans = [plan_graph(captured, 8, options=PlanOptions(reuse_layers=reuse,
+                                                        sequence_parallel=True))
+             for reuse in (True, False)]
+    # layer 0 reads the embeddings and the last layer feeds the final norm: 6 - 3 reused
+    assert reused == [3, 0]
+    reusing, solving = (json.loads(plan.to_json()) for plan in plans)
+    assert reusing.pop("cost") == pytest.approx(solving.pop("cost"), rel=1e-6)
+    assert reusing == solving
