@@ -105,8 +105,8 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         # Recorded all the same where the matrix is wide (one side more than half the other:
         # above h x h/2), where keeping it whole costs real memory and compute; narrower
         # ones (k/v heads, MLA's low-rank down-projections) are Megatron's own choice.
-        by_design = param.grad_sync or (not trained[node.target] and
-                                        _meets_a_shard(plan, products, flow))
+        by_design = param.grad_sync or _normalized_whole(products) or (
+            not trained[node.target] and _meets_a_shard(plan, products, flow))
         if not products or (by_design and not odd and not (
                 wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
@@ -117,6 +117,56 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
             # compute it saves, and the choice of experts must be the same on every rank.
             continue
         yield node, products, odd
+
+
+# Reductions over the last dim: a norm's statistic (RMSNorm's mean of squares, LayerNorm).
+_STATISTICS = (aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction,
+               aten.linalg_vector_norm.default)
+_NORMS = (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
+
+
+def _normalized_whole(products: list[fx.Node]) -> bool:
+    """Whether a product's output (or a slice of it) is normalized over its features before
+    it meets any other value: MLA's low-rank down-projections (q_a_proj into q_a_layernorm,
+    kv_a_proj_with_mqa's latent into kv_a_layernorm). Sharding one would split the norm's
+    statistic across ranks; Megatron-Core keeps them whole, and their gradients arrive whole
+    (the up-projections' input gradients are summed). Not one: an MLP's down-projection (it
+    meets the residual stream, an add of another value, before the next norm), nor a
+    projection normalized per head (the norm's dim is a head's, not most of the output)."""
+    if not products:
+        return False
+    graph = products[0].graph
+    # value -> reader, where the reader reads no other computed tensor (casts, squares, a
+    # scalar eps, views and splits): the path from a product to its own norm
+    alone = nx.DiGraph((x, n) for n in graph.nodes if n.op == "call_function"
+                       for x in n.all_input_nodes
+                       if len([y for y in n.all_input_nodes if y.op != "get_attr"]) == 1)
+    for product in products:
+        out = product.meta.get("val")
+        if not isinstance(out, torch.Tensor) or out.ndim == 0:
+            continue
+        reach = (nx.descendants(alone, product) if product in alone else set()) | {product}
+        for value in reach:
+            for user in value.users:
+                size = _normalized_size(user)
+                if isinstance(size, int) and 2 * size > int(out.shape[-1]):
+                    return True
+    return False
+
+
+def _normalized_size(node: fx.Node) -> Any:
+    """The size of the last dim a norm or a statistic over it reduces, or None."""
+    val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) \
+        else None
+    if not isinstance(val, torch.Tensor) or val.ndim == 0:
+        return None
+    if node.target in _NORMS:
+        return val.shape[-1]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target not in _STATISTICS or dims is None:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return val.shape[-1] if [d % val.ndim for d in dims] == [val.ndim - 1] else None
 
 
 def _routes(plan: Plan, products: list[fx.Node], flow: Any) -> bool:

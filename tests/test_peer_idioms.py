@@ -429,3 +429,52 @@ def test_a_timestep_mlp_in_every_block_is_summed_once_for_all_blocks(tp: int) ->
     events = sim.ranks[0].comm.log.events
     assert [e.kind for e in events if e.phase == "forward" and e.layer is None] == \
         ["all_reduce", "all_gather"], events
+
+
+class LowRankAttention(nn.Module):  # DeepSeek's MLA: low-rank q and k/v, each normalized
+    def __init__(self, h: int = 256, heads: int = 8, q_rank: int = 96, kv_rank: int = 64,
+                 rope: int = 16) -> None:
+        super().__init__()
+        self.heads, self.d, self.kv_rank, self.rope = heads, h // heads, kv_rank, rope
+        self.q_a, self.q_norm = nn.Linear(h, q_rank, bias=False), nn.RMSNorm(q_rank)
+        self.q_b = nn.Linear(q_rank, h, bias=False)
+        self.kv_a = nn.Linear(h, kv_rank + rope, bias=False)  # the latent and a shared k part
+        self.kv_norm, self.kv_b = nn.RMSNorm(kv_rank), nn.Linear(kv_rank, 2 * h, bias=False)
+        self.o = nn.Linear(h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))).view(b, t, self.heads, self.d).transpose(1, 2)
+        latent, k_shared = self.kv_a(x).split([self.kv_rank, self.rope], -1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, t, self.heads, 2 * self.d)
+        k, v = kv.transpose(1, 2).chunk(2, -1)
+        k = k + F.pad(k_shared, (0, self.d - self.rope))[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LowRankLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([LowRankAttention() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_low_rank_down_projections_normalized_whole_are_no_fallback() -> None:
+    """MLA's down-projections feed a norm over their whole output: kept whole, as
+    Megatron-Core keeps them, their gradients arriving whole from the up-projections'
+    summed input gradients. That is the design, not a fallback (it was reported as "no
+    exact sharding of its use exists"); the up-projections and o_proj are sharded."""
+    torch.manual_seed(0)
+    sim = check_exact(LowRankLayers(), (torch.randn(2, 16, 256),), 2)
+    plan = sim.plan
+    assert plan.fallbacks == [], plan.fallbacks
+    for i in range(2):
+        assert plan.params[f"layers.{i}.q_a.weight"].layout == "R"
+        assert plan.params[f"layers.{i}.kv_a.weight"].layout == "R"
+        for name in ("q_b", "kv_b", "o"):
+            assert plan.params[f"layers.{i}.{name}.weight"].layout.startswith("S")
