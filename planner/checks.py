@@ -162,7 +162,7 @@ def _normalized_size(node: fx.Node) -> Any:
         return None
     if node.target in _NORMS:
         return val.shape[-1]
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if node.target not in _STATISTICS or dims is None:
         return None
     dims = [dims] if isinstance(dims, int) else list(dims)
