@@ -30,6 +30,11 @@ is listed, and where the tps differ, each tp's in tp order ("a / b"):
 - experts: how the stacked expert weights of a mixture of experts are held (``plan.experts``):
   whole (sharded along the experts), sliced (tensor parallel inside every expert),
   replicated; "-" for a model without grouped experts.
+- at a published shape: the family at a size people train (``PUBLISHED``: the shapes of
+  benchmarks/published.py, planned on meta with 2 layers at tp 8, or 4 where the heads
+  forbid 8): at bound or ABOVE (at most 4 collectives each way, within 1.05x Megatron's
+  bytes, no matrix above h x h/2 replicated, no fallback), the collectives and bytes per
+  layer, the largest matrix kept whole. ``--no-published`` leaves it out.
 
 tests/test_coverage.py reruns families at tp = 2 and checks the README's status words.
 """
@@ -405,7 +410,42 @@ def _per_tp(values: list[str]) -> str:
 
 
 HEADER = ("| family | model | {tps} | collectives / layer (fwd, bwd) | bytes / layer, x Megatron "
-          "(fwd, bwd) | largest replicated matrix | fallbacks | experts |")
+          "(fwd, bwd) | largest replicated matrix | fallbacks | experts | at a published shape |")
+
+# Each family's published shape in benchmarks/published.py: planned on meta (2 layers) at
+# tp 8, or 4 where the heads forbid 8. Small configs hide what real shapes show.
+PUBLISHED = {"LLaMA (GQA)": "LLaMA-3-8B", "Mistral": "Mistral-7B", "Qwen2": "Qwen2.5-7B",
+             "Starcoder2": "StarCoder2-7B", "GPT-NeoX": "GPT-NeoX-20B", "Bloom": "BLOOM-7B",
+             "Phi-3 (GQA, fused qkv)": "Phi-3-mini", "Falcon (grouped k/v)": "Falcon-40B",
+             "Qwen3": "Qwen3-8B", "OLMo2": "OLMo-2-7B", "Gemma3": "Gemma-3-12B",
+             "Mixtral (MoE)": "Mixtral-8x7B", "Qwen3-MoE": "Qwen3-30B-A3B",
+             "DeepSeek-V3 (MLA, MoE)": "DeepSeek-V3"}
+
+
+def published_rows(names: list[str]) -> dict[str, Any]:
+    """family -> its published shape's row (benchmarks/published.py), for ``names``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import published
+
+    out = {}
+    for family in names:
+        if family in PUBLISHED:
+            name = PUBLISHED[family]
+            out[family] = published.plan_row(name, published.SHAPES[name])
+            print(f"{family:32s} {name} at tp {out[family].tp}: {out[family].status} "
+                  f"({out[family].seconds:.1f} s)", flush=True)
+    return out
+
+
+def published_cell(row: Any) -> str:
+    if row is None:
+        return "-"
+    if not row.counts:
+        return _short(f"{row.name}, tp {row.tp}: {row.status}")
+    counts = " ".join(dict.fromkeys(f"({f}, {b})" for f, b in row.counts))
+    ratios = " ".join(dict.fromkeys(f"({f:.2f}, {b:.2f})" for f, b in row.ratios))
+    whole = f", {row.largest} whole" if row.largest != "-" else ""
+    return f"{row.name}, tp {row.tp}: {row.status}, {counts}, {ratios} x Megatron{whole}"
 
 
 def _short(text: str, limit: int = 100) -> str:
@@ -413,10 +453,12 @@ def _short(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 
 
-def table(rows: list[dict[str, Any]], tps: list[int]) -> str:
+def table(rows: list[dict[str, Any]], tps: list[int],
+          published: Optional[dict[str, Any]] = None) -> str:
     by = {(r["family"], r["tp"]): r for r in rows}
     head = HEADER.format(tps=" | ".join(f"tp = {tp}" for tp in tps))
-    lines = [head, "|" + "---|" * (7 + len(tps))]
+    lines = [head, "|" + "---|" * (8 + len(tps))]
+    published = published or {}
     for family in dict.fromkeys(r["family"] for r in rows):
         cells: list[str] = []
         counts, ratios, largest, fallbacks, experts = [], [], [], [], []
@@ -450,7 +492,8 @@ def table(rows: list[dict[str, Any]], tps: list[int]) -> str:
             experts.append(r.get("experts", "-"))
         lines.append(f"| {family} | {by[(family, tps[0])]['model']} | " + " | ".join(cells) +
                      f" | {_per_tp(counts)} | {_per_tp(ratios)} | {_per_tp(largest)} | "
-                     f"{_per_tp(fallbacks)} | {_per_tp(experts)} |")
+                     f"{_per_tp(fallbacks)} | {_per_tp(experts)} | "
+                     f"{published_cell(published.get(family))} |")
     return "\n".join(lines)
 
 
@@ -502,6 +545,8 @@ def main() -> None:
     parser.add_argument("--families", help="comma-separated names (default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows there as JSON")
     parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--no-published", action="store_true",
+                        help="leave out the published shapes' column (about 2 minutes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tps = [int(x) for x in args.tp.split(",")]
@@ -516,7 +561,9 @@ def main() -> None:
             print(f"{name:32s} tp={r['tp']}: {r['status'][:70]:40s} {r['seconds']:5.1f} s "
                   f"{r['detail'][:80] if r['status'] == 'refused' else ''}", flush=True)
     print(f"{len(names)} families, tp {args.tp}: {time.perf_counter() - started:.0f} s")
-    text = table(rows, tps)
+    if args.write_readme and args.no_published:
+        raise SystemExit("--write-readme writes the published shapes' column too")
+    text = table(rows, tps, None if args.no_published else published_rows(names))
     print()
     print(text)
     if args.json:
