@@ -54,6 +54,9 @@ class Config:
     time: Optional[StepTime] = None
     mfu: float = 0.0
     stages: list[list[int]] = field(default_factory=list)
+    # experts held whole per rank: (experts, top-k, busiest rank's routed rows over the
+    # mean under uniform routing; planner/routing.py), or None
+    experts: Optional[tuple[int, int, float]] = None
 
     @property
     def mesh(self) -> str:
@@ -85,6 +88,10 @@ class Config:
             out["time"] = {"step_s": t.step, "compute_s": t.compute, "tp_comm_s": t.tp_comm,
                            "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm,
                            "optimizer_s": t.optimizer}
+        if self.experts is not None:
+            experts, top_k, imbalance = self.experts
+            out["experts"] = {"experts": experts, "top_k": top_k,
+                              "per_rank": experts // self.tp, "imbalance": round(imbalance, 4)}
         return out
 
 
@@ -284,6 +291,8 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     if policy == "selective" and not asked and not any(
             s.quadratic and s.layer is not None for s in prof.saved):
         return None
+    if prof.experts:
+        config.experts = (prof.experts, prof.top_k, prof.expert_imbalance)
     if pp > len(prof.layers):
         config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
         return config

@@ -72,6 +72,12 @@ def to_table(est: Estimate, top: int = 20) -> str:
                       f"--checkpointing {best.checkpointing}: {best.time.step:.3f} s per step, "
                       f"{best.memory.total / GIB:.1f} GiB on the fullest GPU "
                       f"(stage {best.memory.stage}), MFU {best.mfu:.1%}"]
+        if best.experts is not None:
+            experts, top_k, imbalance = best.experts
+            lines.append(f"experts: {experts // best.tp} of {experts} whole per rank, top "
+                         f"{top_k}; under uniform routing the busiest rank computes "
+                         f"{imbalance:.3f}x the mean rows (the expert products are timed "
+                         f"at it; a real router's imbalance is the model's and the data's)")
     return "\n".join(lines) + "\n"
 
 

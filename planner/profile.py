@@ -37,9 +37,11 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.trace import Captured, size_expr, tensor_inputs
-from autotp.layout import Layout, Replicate, Shard, local_shape, parse_layout
+from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.cost import parse_size
 from autotp.planner.plan import Plan
+from autotp.planner.problem import is_grouped
+from autotp.planner.routing import routing_imbalance
 from autotp.planner.saved import saves_input, saves_output
 
 aten = torch.ops.aten
@@ -135,6 +137,12 @@ class Profile:
     layer_inputs: dict[int, float] = field(default_factory=dict)
     # per layer (and "first", "last"): the largest gradient pair of one op's backward
     backward_working: dict[Any, float] = field(default_factory=dict)
+    # experts held whole per rank: how many, the top-k, and the busiest rank's routed rows
+    # over the mean under uniform routing, which scales the ops on routed rows
+    # (planner/routing.py)
+    experts: int = 0
+    top_k: int = 0
+    expert_imbalance: float = 1.0
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
@@ -226,11 +234,13 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     own = model_dtype(gm)
 
     def local_bytes(node: fx.Node, layout: Layout) -> float:
+        """On this rank; routed rows as many as the busiest rank holds."""
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return 0.0
         return _local_numel(sizes.shape(val), layout, tp) * \
-            _element_bytes(val, dtype_bytes, own)
+            _element_bytes(val, dtype_bytes, own) * \
+            (prof.expert_imbalance if _routed(layout) else 1.0)
 
     def read_layout(value: fx.Node, consumer: fx.Node, position: int) -> Layout:
         edge = reads.get((value.name, consumer.name))
@@ -247,6 +257,10 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             node = node.args[0]
         return node
 
+    prof.experts, prof.top_k = _routing(gm, plan)
+    if prof.experts:
+        prof.expert_imbalance = routing_imbalance(micro_batch * seq, prof.experts, prof.top_k,
+                                                  tp)
     grads = _requires_grad(gm, plan)
     kept: dict[str, Saved] = {}
     side = _sides(gm, plan)
@@ -275,9 +289,13 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             moved = sum(local_bytes(a, lay) for a, lay in zip(ins, in_layouts))
             if isinstance(val, torch.Tensor):
                 moved += local_bytes(node, out_layout)
-            if node.target in PRODUCTS or node.target in ATTENTION:
+            # rows routed to this rank's experts: the busiest rank's, which every rank awaits
+            busiest = prof.expert_imbalance if any(
+                _routed(x) for x in (*in_layouts, out_layout)) else 1.0
+            if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
                 prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
-                                   else "gemm", _flops(node, ins, in_layouts, sizes, tp),
+                                   else "gemm",
+                                   busiest * _flops(node, ins, in_layouts, sizes, tp),
                                    moved, quadratic, side[node.name]))
             else:
                 prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
@@ -331,6 +349,28 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     return prof
 
 
+def _routed(layout: Layout) -> bool:
+    return isinstance(layout, Shard) and isinstance(layout.blocks, Routed)
+
+
+def _routing(gm: fx.GraphModule, plan: Plan) -> tuple[int, int]:
+    """(experts, top-k) of the experts the plan holds whole per rank, or (0, 0): the
+    experts from the plan, k from the top-k over that many scores (not a grouped router's
+    top-k over its groups)."""
+    counts = [count for count, how in plan.experts.values() if how == "whole"]
+    if not counts or plan.tp == 1:
+        return 0, 0
+    experts = max(counts)
+    for node in gm.graph.nodes:
+        if node.target is aten.topk.default:
+            scores = node.args[0].meta.get("val")
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            if isinstance(scores, torch.Tensor) and isinstance(k, int) and \
+                    scores.shape[-1] == experts:
+                return experts, k
+    return 0, 0
+
+
 def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,
                  tp: int, dtype_bytes: int, keep: Any) -> None:
     """Norm statistics (float32 per row); attention's output and logsumexp."""
@@ -360,6 +400,9 @@ def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Siz
     if node.target == aten.einsum.default:
         val = node.meta["val"]
         return 2.0 * math.prod(sizes.shape(val)) / tp
+    if is_grouped(node):  # rows [S, k] sorted by expert, each times its expert's [k, n]
+        x, w = local[0], local[1]
+        return 2.0 * math.prod(x[:-1]) * w[-2] * w[-1]
     a = local[-2] if node.target in (aten.addmm.default, aten.baddbmm.default,
                                      aten.addbmm.default) else local[0]
     # the output's size from the local operands: a row-parallel product's partial output is
