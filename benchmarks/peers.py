@@ -14,7 +14,8 @@ entry: stack name from the collective's module path, index from its layer label)
 evaluated at the example's sizes (symbols -> their example values), and compared with
 Megatron's: one all-reduce of B x T_block x h forward and one backward per attention,
 cross-attention, MLP block (per stream for joint blocks; a parallel attn+MLP block is one).
-Large replicated = a 2-D parameter in R with both sides >= h/2.
+Large replicated = a 2-D parameter (a conv kernel: its out x in channels) in R with both
+sides >= h/2.
 """
 from __future__ import annotations
 
@@ -167,6 +168,159 @@ def pixart():
     return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
 
 
+def auraflow():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.AuraFlowTransformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2,
+            num_single_dit_layers=2, attention_head_dim=16, num_attention_heads=4,
+            joint_attention_dim=32, caption_projection_dim=64, out_channels=4,
+            pos_embed_max_size=16)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "timestep": torch.tensor([3.0, 7.0]), "return_dict": False}
+
+    ctx = 8 + T_TXT  # 8 register tokens lead the caption
+
+    def megatron(stack, i):
+        if stack == "single_transformer_blocks":  # serial attn then MLP on [caption; image]
+            return [ctx + T_IMG] * 2, [ctx + T_IMG] * 2
+        # joint: to_out / to_add_out, ff / ff_context (never context_pre_only)
+        return [T_IMG, ctx, T_IMG, ctx], [T_IMG, ctx, T_IMG, ctx]
+    return build, inputs, megatron
+
+
+def sana():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.SanaTransformer2DModel(
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
+            num_layers=2, num_cross_attention_heads=4, cross_attention_head_dim=16,
+            cross_attention_dim=64, caption_channels=32, sample_size=4, patch_size=1)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 4, 4),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "timestep": torch.tensor([3, 7]), "return_dict": False}
+    # linear self-attn, cross-attn, GLUMBConv (1x1 conv, depthwise 3x3, GLU chunk, 1x1 conv):
+    # as PixArt, plus the trained caption's backward all-reduce for the cross-attn's k/v
+    return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
+
+
+def hunyuan_dit(layers=4):
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.HunyuanDiT2DModel(
+            num_attention_heads=4, attention_head_dim=16, in_channels=4, patch_size=2,
+            sample_size=8, hidden_size=64, num_layers=layers, cross_attention_dim=64,
+            cross_attention_dim_t5=32, pooled_projection_dim=32, text_len=2, text_len_t5=4,
+            use_style_cond_and_image_meta_size=False)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3.0, 7.0]),
+                "encoder_hidden_states": torch.randn(B, 2, 64),
+                "text_embedding_mask": torch.ones(B, 2),
+                "encoder_hidden_states_t5": torch.randn(B, 4, 32),
+                "text_embedding_mask_t5": torch.ones(B, 4), "return_dict": False}
+    # self-attn, cross-attn (caption: 2 CLIP + 4 T5 tokens, trained), MLP, as PixArt; the
+    # long-skip blocks' skip_norm + skip_linear (2h -> h) run on the replicated stream in Megatron
+    # too (LayerNorm over the whole 2h), no collective
+    return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
+
+
+T_VID = 32  # 2 latent frames x 4 x 4 patches
+
+
+def cogvideox():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.CogVideoXTransformer3DModel(
+            num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+            time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8,
+            sample_frames=5, patch_size=2, max_text_seq_length=T_TXT)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 2, 4, 8, 8),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "timestep": torch.tensor([3, 7]), "return_dict": False}
+    # one attention and one MLP, both over [text; video] (shared weights, split after): one
+    # all-reduce of the joint sequence each way per sub-block
+    return build, inputs, lambda s, i: ([T_TXT + T_VID] * 2, [T_TXT + T_VID] * 2)
+
+
+def ltx_video():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.LTXVideoTransformer3DModel(
+            in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16,
+            cross_attention_dim=64, num_layers=2, caption_channels=32)).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, T_IMG, 8),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "timestep": torch.tensor([3, 7]), "encoder_attention_mask": torch.ones(B, T_TXT),
+                "num_frames": 1, "height": 4, "width": 4, "return_dict": False}
+    # self-attn (rotary), cross-attn (trained caption), MLP, as PixArt. Its q/k RMSNorm spans all
+    # heads (rms_norm_across_heads): with heads sharded, each needs B x T sums of squares
+    # all-reduced, which Megatron (per-head qk norm only) has no pattern for: not counted here
+    return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
+
+
+def lumina_next():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.LuminaNextDiT2DModel(
+            sample_size=8, patch_size=2, in_channels=4, hidden_size=64, num_layers=2,
+            num_attention_heads=4, num_kv_heads=4, multiple_of=16, cross_attention_dim=64,
+            learn_sigma=False)).eval()
+
+    def inputs():
+        from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([0.3, 0.7]),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 64),
+                "encoder_mask": torch.ones(B, T_TXT),
+                "image_rotary_emb": get_2d_rotary_pos_embed_lumina(16, 8, 8),  # complex
+                "cross_attention_kwargs": {}, "return_dict": False}
+    # self- and cross-attn outputs mix per head (tanh gate) before one shared to_out: one
+    # all-reduce; then the MLP. Backward: the image's q/k/v (both attns), the caption's k/v
+    # (its norm1_context weight trains), the MLP. Its q/k LayerNorm spans all heads
+    # (layer_norm_across_heads): B x T statistics all-reduced, no Megatron pattern (not counted)
+    return build, inputs, lambda s, i: ([T_IMG] * 2, [T_IMG, T_TXT, T_IMG])
+
+
+def qwen_image():
+    def build():
+        import diffusers
+        torch.manual_seed(0)
+        return perturbed(diffusers.QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))).eval()
+
+    def inputs():
+        torch.manual_seed(1)
+        return {"hidden_states": torch.randn(B, T_IMG, 16),
+                "encoder_hidden_states": torch.randn(B, T_TXT, 32),
+                "encoder_hidden_states_mask": torch.ones(B, T_TXT),
+                "timestep": torch.tensor([0.3, 0.7]), "img_shapes": [(1, 4, 4)] * B,
+                "return_dict": False}
+    # every block double-stream as Flux's: to_out, to_add_out, img_mlp, txt_mlp
+    return build, inputs, lambda s, i: ([T_IMG, T_TXT] * 2, [T_IMG, T_TXT] * 2)
+
+
 # ---- x-transformers ---------------------------------------------------------------------
 
 T_TOK = 16
@@ -195,9 +349,24 @@ def xt(kind="Decoder", ctx=False, **kw):
     return build, inputs, megatron
 
 
-# ---- peft LoRA on LLaMA -------------------------------------------------------------------
+def xt_vit():
+    def build():
+        import x_transformers as xtr
+        torch.manual_seed(0)
+        return perturbed(xtr.ViTransformerWrapper(
+            image_size=16, patch_size=4, num_classes=10, num_register_tokens=4,
+            attn_layers=xtr.Encoder(dim=64, depth=2, heads=4))).eval()
 
-def lora_llama(targets=("q_proj", "v_proj")):
+    def inputs():
+        torch.manual_seed(1)
+        return {"img": torch.randn(B, 3, 16, 16)}
+    # 16 patches + 4 register tokens; per entry (attn, ff) one all-reduce each way
+    return build, inputs, lambda s, i: ([20], [20])
+
+
+# ---- peft adapters (LoRA, DoRA, IA3) on LLaMA and GPT-2 ---------------------------------
+
+def lora_llama(targets=("q_proj", "v_proj"), dora=False, ia3=None):
     def build():
         import peft
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -205,13 +374,35 @@ def lora_llama(targets=("q_proj", "v_proj")):
         cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=64)
-        return perturbed(peft.get_peft_model(LlamaForCausalLM(cfg),
-                                             peft.LoraConfig(r=4, target_modules=list(targets))))
+        # ia3: the feedforward targets (their input is scaled, the others' output)
+        adapter = peft.IA3Config(target_modules=list(targets), feedforward_modules=list(ia3)) \
+            if ia3 is not None else \
+            peft.LoraConfig(r=4, target_modules=list(targets), use_dora=dora)
+        return perturbed(peft.get_peft_model(LlamaForCausalLM(cfg), adapter))
 
     def inputs():
         torch.manual_seed(1)
         t = torch.randint(0, 128, (B, T_TOK))
         return {"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t}
+    return build, inputs, lambda s, i: ([T_TOK, T_TOK], [T_TOK, T_TOK])
+
+
+def lora_gpt2(targets=("c_attn",)):
+    def build():
+        import peft
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0)  # trained (not eval) as lora-llama: no dropout
+        # GPT-2's Conv1D (weight in x out), c_attn fused q|k|v: fan_in_fan_out LoRA
+        return perturbed(peft.get_peft_model(GPT2LMHeadModel(cfg), peft.LoraConfig(
+            r=4, target_modules=list(targets), fan_in_fan_out=True)))
+
+    def inputs():
+        torch.manual_seed(1)
+        t = torch.randint(0, 128, (B, T_TOK))
+        return {"input_ids": t, "labels": t}
     return build, inputs, lambda s, i: ([T_TOK, T_TOK], [T_TOK, T_TOK])
 
 
@@ -325,6 +516,15 @@ def make_cases() -> dict[str, Case]:
     add("flux-3double", flux(3), 64)
     add("pixart", pixart(), 64)
     add("dit", dit(), 64)
+    add("auraflow", auraflow(), 64)
+    add("sana", sana(), 64)
+    # the long-skip block (layer 3 of 4): skip_linear (2h -> h) is whole in Megatron too
+    add("hunyuan-dit", hunyuan_dit(), 64,
+        whole_ok=lambda n, s, tp: "skip_linear" in n)
+    add("cogvideox", cogvideox(), 64)
+    add("ltx-video", ltx_video(), 64)
+    add("lumina-next", lumina_next(), 64)
+    add("qwen-image", qwen_image(), 64)
     add("xt-rotary", xt(rotary_pos_emb=True), 64)
     add("xt-qknorm", xt(attn_qk_norm=True), 64)
     add("xt-ffglu", xt(ff_glu=True), 64)
@@ -332,6 +532,9 @@ def make_cases() -> dict[str, Case]:
     add("xt-talking", xt(attn_pre_talking_heads=True, attn_post_talking_heads=True), 64)
     add("xt-modern", xt(rotary_pos_emb=True, attn_qk_norm=True, ff_glu=True, use_rmsnorm=True),
         64)
+    add("xt-gated", xt(attn_gate_values=True, residual_attn=True, sandwich_norm=True,
+                       ff_swish=True, use_scalenorm=True), 64)
+    add("xt-vit", xt_vit(), 64)
     def kv_whole(n: str, s: Any, tp: int) -> bool:  # 2 k/v heads: whole at tp 4, as Megatron
         return tp > 2 and 32 in s and ("k_proj" in n or "v_proj" in n)
 
@@ -339,6 +542,11 @@ def make_cases() -> dict[str, Case]:
     add("lora-llama-all", lora_llama(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                       "up_proj", "down_proj")), 64, loss=lambda o: o.loss,
         whole_ok=kv_whole)
+    # DoRA on q/v: the norm of W + BA over input features is local to column-parallel rows
+    add("dora-llama", lora_llama(dora=True), 64, loss=lambda o: o.loss, whole_ok=kv_whole)
+    add("ia3-llama", lora_llama(("k_proj", "v_proj", "down_proj"), ia3=("down_proj",)), 64,
+        loss=lambda o: o.loss, whole_ok=kv_whole)
+    add("lora-gpt2", lora_gpt2(), 64, loss=lambda o: o.loss)
     add("torchtitan-llama", torchtitan(), 64)
     add("tt-typeas-other", torchtitan(type_as_v=True), 64)
     return cases
@@ -431,6 +639,7 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
                     row["plan_error"] = f"{type(exc2).__name__}: {str(exc2).splitlines()[0][:300]}"
                     return row
             else:
+                row["plan_error"] = row.pop("error")
                 return row
     if sim is not None:
         try:
@@ -476,8 +685,9 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
     stacks = {b["block"].rsplit(".", 1)[0] for b in blocks}
     rep = []
     for n, p in plan.params.items():
-        if len(p.global_shape) == 2 and (p.layout.startswith("R") or "*" in p.layout):
-            if min(p.global_shape) >= h // 2:
+        # a matrix, or a conv kernel by its out x in channels (Sana's 1x1 convs are its MLP)
+        if len(p.global_shape) >= 2 and (p.layout.startswith("R") or "*" in p.layout):
+            if min(p.global_shape[:2]) >= h // 2:
                 in_layer = any(n.startswith(s + ".") for s in stacks) and \
                     not case.whole_ok(n, p.global_shape, tp)
                 rep.append((n, p.global_shape, p.layout, in_layer))
