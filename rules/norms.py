@@ -117,10 +117,11 @@ def max_dim_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy(strategy.inputs, (strategy.output, strategy.output), name="keep shard")
 
 
-@rules.register(aten.linalg_vector_norm.default)
+@rules.register(aten.linalg_vector_norm.default, aten.linalg_norm.default)
 def vector_norm_rule(call: OpCall) -> Iterator[Strategy]:
-    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, per-head qk-norm):
-    a reduction over ``dim``; shards on the other dims stay."""
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, per-head qk-norm) and
+    ``linalg_norm`` (a vector norm over one dim, as DoRA's weight norm per output row, or a
+    matrix norm over two): a reduction over ``dim``; shards on the other dims stay."""
     reduced = _reduced_dims(call, call.arg(2, "dim", None))
     yield from _kept_shards(call, reduced, bool(call.arg(3, "keepdim", False)))
 

@@ -301,6 +301,8 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.max.dim: [s(X3, 1), s(X3, -1, True)],
     aten.min.dim: [s(X3, 0)],
     aten.linalg_vector_norm.default: [s(X3, 2, [2], True), s(X3, 2, [1]), s(X3, 1, [0, 2])],
+    # peft's DoRA: torch.linalg.norm(W, dim=1) per output row; a matrix norm over two dims
+    aten.linalg_norm.default: [s(X, None, [1]), s(X3, 2, [2], True), s(X3, 1, [0, 2])],
     aten.unbind.int: [s(randn(3, 4, 8), 0), s(randn(2, 8, 12), 1)],
     # Flux's q.unflatten(-1, (heads, -1)), and a split of the leading dim
     aten.unflatten.int: [s(randn(2, 3, 16), -1, [4, -1]), s(randn(2, 3, 24), 2, [-1, 4]),
