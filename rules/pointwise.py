@@ -15,8 +15,7 @@ from typing import Iterator
 import torch
 
 from autotp.layout import P, R, Layout, Shard
-from autotp.rules.registry import (OpCall, RuleSet, Strategy, TensorMeta, all_layouts,
-                                   shardable_dims)
+from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta, shardable_dims
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -175,23 +174,30 @@ CAST_LIKE = [aten.type_as.default, aten.to.other]
 
 @rules.register(*CAST_LIKE)
 def cast_like_rule(call: OpCall) -> Iterator[Strategy]:
-    """``x.type_as(other)``: ``x``'s layout passes through, ``other`` may hold any layout.
+    """``x.type_as(other)``: ``other`` gives its dtype only.
 
-    torchtitan's rotary embedding writes ``xq_out.type_as(xv)`` with ``xv`` of fewer heads:
-    reading ``other`` as an operand would tie q's layout to v's shape. A replicated ``x``
-    takes a replicated ``other`` (the strategy the registry adds), as a replicated output
-    from a sharded input would be read as a gather.
+    Where ``other`` broadcasts against ``x`` (mostly the tensor ``x`` was computed from, as
+    a norm's ``output.type_as(x)``), the elementwise strategies: its layout lines up with
+    ``x``'s. Where it does not (torchtitan's ``xq_out.type_as(xv)``, v of fewer heads), ``x``'s
+    shard passes through and ``other`` may be replicated or sharded along any dim. Only the
+    first case existed before: q's layout was then tied to v's shape. Offering every layout
+    of ``other`` in the first case too only widens the search (Gemma-2's beam then lost
+    Megatron's plan).
     """
     x, other = call.inputs[0], call.inputs[1]
-    others = all_layouts(other, call)
-    own: list[tuple[Layout, Layout]] = [(Shard(d, b), Shard(d, b))
-                                        for d, b in shardable_dims(x, call)]
-    if x.dtype.is_floating_point and call.out.dtype.is_floating_point \
-            and call.out.dtype.itemsize >= x.dtype.itemsize:
-        own.append((P, P))
-    for x_layout, out_layout in own:
+    if _broadcasts(other.shape, x.shape):
+        yield from broadcast_shards(call)
+        return
+    others: list[Layout] = [R] + [Shard(d, b) for d, b in shardable_dims(other, call)]
+    for d, b in shardable_dims(x, call):
         for other_layout in others:
-            yield Strategy((x_layout, other_layout), out_layout, name="cast")
+            yield Strategy((Shard(d, b), other_layout), Shard(d, b), name="cast")
+
+
+def _broadcasts(shape: tuple, to: tuple) -> bool:
+    if len(shape) > len(to):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(to)))
 
 
 @rules.register(*ADDITIVE)
