@@ -188,7 +188,8 @@ def cast_like_rule(call: OpCall) -> Iterator[Strategy]:
     if _broadcasts(other.shape, x.shape):
         yield from broadcast_shards(call)
         return
-    others: list[Layout] = [R] + [Shard(d, b) for d, b in shardable_dims(other, call)]
+    others: list[Layout] = [R]
+    others += [Shard(d, b) for d, b in shardable_dims(other, call)]
     for d, b in shardable_dims(x, call):
         for other_layout in others:
             yield Strategy((Shard(d, b), other_layout), Shard(d, b), name="cast")
