@@ -21,7 +21,17 @@ from typing import Any, Iterator
 
 import torch
 
-from autotp.layout import P, R, ROUTED, Blocks, Layout, Period, Shard
+from autotp.layout import (
+    P,
+    R,
+    ROUTED,
+    Blocks,
+    Layout,
+    Period,
+    Shard,
+    is_mixed,
+    local_segment_sizes,
+)
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
 from autotp.runtime.routing import local_offsets
 
@@ -192,19 +202,67 @@ def experts_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     node.args = (x, weight, local, *node.args[3:])
 
 
-@rules.register(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+CONV: list = [aten.conv1d.default, aten.conv2d.default, aten.conv3d.default]
+
+
+@rules.register(*CONV)
 def conv_rule(call: OpCall) -> Iterator[Strategy]:
     """A convolution is a product over input channels (and the kernel window) per output
     channel: output channels are its column (weight dim 0, output dim 1), input channels its
-    row (input dim 1 with weight dim 1 -> P). Grouped convolutions mix the two: replicated."""
+    row (input dim 1 with weight dim 1 -> P). Any partition of the channels is as exact as
+    an equal one, so the column and the row hold in blocks too (a 1x1 conv's output split
+    by a later ``chunk(2, 1)``: S(1)x2).
+
+    With ``groups = g``, channels c_in = g * i and c_out = g * o, the weight [c_out, i, ...]:
+    group j reads input channels [j*i, (j+1)*i) and writes output channels [j*o, (j+1)*o),
+    y[:, group j] = conv(x[:, group j], W[group j]). A shard of dim 1 that holds whole groups,
+    each rank the same groups of x, W and b, is exact: S(1), S(0), S(0) -> S(1), each rank
+    convolving its g/tp groups (blocks: each segment of whole groups, g/tp per rank of each).
+    Beside it, only the conv's linearity in x: (P, R) -> P."""
     x, weight = call.inputs[:2]
     has_bias = len(call.inputs) == 3
-    if call.arg(6, "groups", 1) != 1 or x.ndim != weight.ndim:
+    groups = call.arg(6, "groups", 1)
+    if x.ndim != weight.ndim or not isinstance(groups, int):
         return
-    if weight.shardable(0, call.tp):
-        bias = (Shard(0),) if has_bias else ()
-        yield Strategy((R, Shard(0)) + bias, Shard(1), name="column")
-    if not has_bias and x.shardable(1, call.tp) and weight.shardable(1, call.tp):
-        yield Strategy((Shard(1), Shard(1)), P, name="row")
+    if groups != 1:
+        yield from _group_strategies(call, groups)
+        return
+    for blocks in call.blocks:
+        if weight.shardable(0, call.tp, blocks):
+            bias = (Shard(0, blocks),) if has_bias else ()
+            yield Strategy((R, Shard(0, blocks)) + bias, Shard(1, blocks), name="column")
+        if not has_bias and x.shardable(1, call.tp, blocks) and \
+                weight.shardable(1, call.tp, blocks):
+            yield Strategy((Shard(1, blocks), Shard(1, blocks)), P, name="row")
     if not has_bias and x.floating:
         yield Strategy((P, R), P, name="linear")
+
+
+def _group_strategies(call: OpCall, groups: int) -> Iterator[Strategy]:
+    """Channels sharded as the g groups are: tp divides the groups of every segment."""
+    x = call.inputs[0]
+    has_bias = len(call.inputs) == 3
+    whole_groups = TensorMeta((groups,), x.dtype)
+    for blocks in call.blocks:
+        if whole_groups.shardable(0, call.tp, blocks):
+            bias = (Shard(0, blocks),) if has_bias else ()
+            yield Strategy((Shard(1, blocks), Shard(0, blocks)) + bias, Shard(1, blocks),
+                           name="groups")
+    if not has_bias and x.floating:
+        yield Strategy((P, R), P, name="linear")
+
+
+@rules.lowering(*CONV)
+def local_groups_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    """``groups`` counts the groups one rank convolves: g -> g/tp (blocks held whole: those
+    segments' groups whole)."""
+    layout = strategy.inputs[0]
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    if groups == 1 or not isinstance(layout, Shard) or layout.dim != 1:
+        return
+    local = sum(local_segment_sizes(groups, layout.blocks, ctx.tp)) \
+        if is_mixed(layout.blocks) else ctx.local_size_arg(groups, node)
+    if len(node.args) > 6:
+        node.args = (*node.args[:6], local, *node.args[7:])
+    else:
+        node.kwargs = {**node.kwargs, "groups": local}

@@ -21,6 +21,7 @@ import sympy
 import torch
 
 from autotp.layout import (
+    Blocks,
     P,
     R,
     R_STAR,
@@ -335,6 +336,41 @@ def expand_as_rule(call: OpCall) -> Iterator[Strategy]:
                 src.shardable(mine, call.tp, blocks):
             yield Strategy((Shard(mine, blocks), Shard(dim, blocks)), Shard(dim, blocks),
                            name="view")
+
+
+@rules.register(aten.repeat.default)
+def repeat_rule(call: OpCall) -> Iterator[Strategy]:
+    """``repeat(x, r)``: ``out[..., i, ...] = x[..., i % n, ...]``, with ``len(r) - x.ndim``
+    new leading dims. A dim repeated once keeps its shard, shifted past the new dims. A
+    sharded dim repeated ``k > 1`` times is ``cat([x] * k)``: each rank's slice of every copy,
+    which is the blocked shard with one block per copy (``S(d) -> S(d')xk``; b blocks ->
+    b*k); the local ``repeat`` with the same counts writes exactly that, so nothing is
+    localized. Linear: repeat(A1 + A2) = repeat(A1) + repeat(A2)."""
+    src, dst = call.inputs[0], call.out
+    lead = dst.ndim - src.ndim
+    yield Strategy((P,), P, name="linear")
+    for dim, blocks in shardable_dims(src, call):
+        times = sympy.cancel(_expr(dst.shape[dim + lead]) / _expr(src.shape[dim]))
+        if times == 1:
+            yield Strategy((Shard(dim, blocks),), Shard(dim + lead, blocks), name="view")
+            continue
+        repeated = _repeated_blocks(blocks, times)
+        if repeated is not None and dst.shardable(dim + lead, call.tp, repeated):
+            yield Strategy((Shard(dim, blocks),), Shard(dim + lead, repeated),
+                           name="repeat blocks")
+
+
+def _repeated_blocks(blocks: Blocks, times: Any) -> Optional[Blocks]:
+    """The segments of ``times`` copies of a dim in ``blocks``: the segments of each copy in
+    turn (a period's segments are the same length, only more of them); None for routed
+    rows or a count that is not a whole number."""
+    if not (isinstance(times, sympy.Integer) and times > 1):
+        return None
+    if isinstance(blocks, Period):
+        return blocks
+    if isinstance(blocks, (int, tuple)):
+        return blocks * int(times)
+    return None
 
 
 def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -> bool:

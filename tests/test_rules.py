@@ -714,3 +714,280 @@ def test_mean_over_a_sharded_dim_is_a_priced_partial_statistic() -> None:
         OpCall(aten.sum.dim_IntList, (x, [-1], True), {}, (x,), out, 2))
     partial = [st for st in sums if st.output == Partial()]
     assert partial and all(st.premium == 0 for st in partial)
+
+
+# ---- repeat: a dim repeated once keeps its shard, one repeated k times is k blocks ----------
+
+REPEATS = [
+    # [B, T, kv, 1, hs] -> [B, T, kv, n, hs] (Lumina-Next's GQA): the heads keep their shard
+    ((randn(2, 6, 4, 1, 4), [1, 1, 1, 3, 1]), [(Shard(2), Shard(2)), (Shard(4), Shard(4))]),
+    # two new leading dims: every shard moves past them
+    ((randn(8, 12), [2, 3, 1, 1]), [(Shard(0), Shard(2)), (Shard(1), Shard(3))]),
+    ((randn(2, 8, 4), [3, 1, 1, 2]), [(Shard(1), Shard(2)), (Shard(2), Shard(3, 2))]),
+    # a sharded dim repeated k times: one block per copy (b blocks -> b * k)
+    ((randn(4, 24), [2, 3]), [(Shard(0), Shard(0, 2)), (Shard(1), Shard(1, 3)),
+                              (Shard(1, 3), Shard(1, 9))]),
+]
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(("args", "expected"), REPEATS,
+                         ids=lambda v: str(v[1]) if isinstance(v, tuple) else "")
+def test_repeat_keeps_shards_and_blocks_repeated_dims(args: tuple, expected: list,
+                                                      tp: int) -> None:
+    checks = check_op(aten.repeat.default, _clone(args), tp=tp)
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, "\n".join(failing)
+    offered = {(c.strategy.inputs[0], c.strategy.output) for c in checks}
+    x = args[0]
+    for shard, out in expected:
+        if x.shape[shard.dim] % (tp * (shard.blocks if isinstance(shard.blocks, int) else 1)):
+            continue  # that dim does not split at this tp
+        assert (shard, out) in offered, sorted(map(str, offered))
+    repeats = args[1]
+    lead = len(repeats) - x.ndim
+    for shard, out in offered:  # never a plain shard of a dim repeated more than once
+        if isinstance(out, Shard) and out.blocks == 1 and isinstance(shard, Shard):
+            assert repeats[out.dim] == 1 and out.dim == shard.dim + lead
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("blocks", [(2, 1, 1), (2, -1, -1)], ids=str)
+def test_repeat_of_unequal_blocks_repeats_the_proportions(blocks: tuple, tp: int) -> None:
+    """A fused q|k|v (2:1:1, or k/v held whole) repeated twice: 2:1:1:2:1:1, exact."""
+    checks = check_op(aten.repeat.default, (randn(4, 32), [1, 2]), tp=tp, blocks=(1, blocks))
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, "\n".join(failing)
+    offered = {(c.strategy.inputs[0], c.strategy.output) for c in checks}
+    assert (Shard(1, blocks), Shard(1, blocks * 2)) in offered, sorted(map(str, offered))
+
+
+def test_repeat_of_a_period_keeps_the_period() -> None:
+    """[B*8, 16] in segments of 8 (heads after a symbolic batch) repeated twice along the
+    merged dim: twice as many segments of 8; each rank's local repeat is its shard of it."""
+    x, out = TensorMeta((S0 * 8, 16), torch.float32), TensorMeta((2 * S0 * 8, 16), torch.float32)
+    call = OpCall(aten.repeat.default, (x, [2, 1]), {}, (x,), out, 4, (1, Period(8)))
+    strategies = {(st.inputs[0], st.output) for st in Registry.default().strategies(call)}
+    assert (Shard(0, Period(8)), Shard(0, Period(8))) in strategies
+    from autotp.layout import shard_tensor
+
+    full = randn(3 * 8, 16)
+    for rank in range(4):
+        local = shard_tensor(full, Shard(0, Period(8)), rank, 4).repeat(2, 1)
+        assert torch.equal(local, shard_tensor(full.repeat(2, 1), Shard(0, Period(8)), rank, 4))
+
+
+class RepeatedKVAttention(torch.nn.Module):
+    """Grouped-query attention with k/v heads repeated to the query heads, either as
+    diffusers' Lumina-Next does (``k.unsqueeze(3).repeat(1, 1, 1, n, 1).flatten(2, 3)``) or
+    as transformers' ``repeat_kv`` (``expand`` of a new dim, then ``reshape``)."""
+
+    def __init__(self, expand: bool, heads: int = 8, kv_heads: int = 4, hs: int = 8) -> None:
+        super().__init__()
+        self.expand, self.heads, self.kv_heads, self.hs = expand, heads, kv_heads, hs
+        self.q = torch.nn.Linear(64, heads * hs)
+        self.k = torch.nn.Linear(64, kv_heads * hs)
+        self.v = torch.nn.Linear(64, kv_heads * hs)
+        self.o = torch.nn.Linear(heads * hs, 64)
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, kv, hs) -> (B, T, H, hs)
+        n = self.heads // self.kv_heads
+        if self.expand:
+            B, T = x.shape[:2]
+            return x[:, :, :, None].expand(B, T, self.kv_heads, n, self.hs).reshape(
+                B, T, self.heads, self.hs)
+        return x.unsqueeze(3).repeat(1, 1, 1, n, 1).flatten(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.hs)
+        k = self._repeat(self.k(x).view(B, T, self.kv_heads, self.hs))
+        v = self._repeat(self.v(x).view(B, T, self.kv_heads, self.hs))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["repeat", "expand"])
+def test_repeated_kv_heads_stay_sharded(expand: bool) -> None:
+    """Both GQA idioms at tp=2: Megatron's plan (the heads sharded through the repeat, one
+    all-reduce after the output projection; the input needs no gradient, so none backward),
+    outputs and every gradient equal to the unsharded module's."""
+    import copy
+
+    import autotp
+
+    torch.manual_seed(0)
+    model = RepeatedKVAttention(expand).double()
+    x = torch.randn(2, 6, 64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    want = reference(x)
+    want.square().sum().backward()
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    plan = sim.plan
+    assert not plan.fallbacks, plan.fallbacks
+    repeats = [c for c in plan.choices.values() if "repeat" in c.op or "expand" in c.op]
+    assert len(repeats) == 2 and all(c.output.startswith("S(") for c in repeats), repeats
+    assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "forward")], \
+        plan.collectives
+
+    def step(rank: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        out = rank(x)
+        out.square().sum().backward()
+        return out.detach(), autotp.full_state_dict(rank, grads=True)
+
+    # k's bias gets a gradient of 0 in exact arithmetic (softmax ignores a shift shared by
+    # every key): float64 keeps its rounding far below the other gradients
+    largest = max(p.grad.abs().max().item() for p in reference.parameters())
+    for out, grads in sim.run(step):
+        assert (out - want).abs().max().item() <= 1e-10 * want.abs().max().item()
+        for name, param in reference.named_parameters():
+            diff = (grads[name] - param.grad).abs().max().item()
+            scale = max(param.grad.abs().max().item(), 1e-3 * largest)
+            assert diff <= 1e-10 * scale, f"{name}: off by {diff:.1e}"
+
+
+# ---- grouped convolutions: whole groups per rank --------------------------------------------
+
+# [B, C, H, W] inputs: a depthwise conv (groups = channels, 8 of them), a grouped conv of 4
+# groups (4 -> 8 channels each), a depthwise conv with two output channels per group
+GROUPED_CONVS = [
+    (aten.conv2d.default, (randn(2, 8, 6, 6), randn(8, 1, 3, 3), randn(8), [1, 1], [1, 1],
+                           [1, 1], 8)),
+    (aten.conv2d.default, (randn(2, 16, 6, 6), randn(32, 4, 3, 3), None, [1, 1], [1, 1],
+                           [1, 1], 4)),
+    (aten.conv1d.default, (randn(2, 8, 10), randn(16, 1, 3), randn(16), [1], [1], [1], 8)),
+]
+
+
+@pytest.mark.parametrize("blocks", [(1, 2), (1, (2, -1, -1))], ids=str)
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize(("op", "args"), GROUPED_CONVS, ids=lambda v: str(v)[:40])
+def test_grouped_conv_shards_whole_groups(op: Any, args: tuple, tp: int,
+                                          blocks: tuple) -> None:
+    """y[:, group j] = conv(x[:, group j], W[group j]): S(1), S(0), S(0) -> S(1), each rank
+    its g/tp groups; blocked (GLUMBConv's chunk(2, 1) after the depthwise conv) where each
+    segment is whole groups, g/tp of each per rank."""
+    checks = check_op(op, _clone(args), tp=tp, blocks=blocks)
+    failing = [f"{c.strategy}: max_diff={c.max_diff:.3g}" for c in checks if not c.ok]
+    assert not failing, "\n".join(failing)
+    grouped = {str(c.strategy) for c in checks if c.strategy.name == "groups"}
+    bias = ", S(0)" if len(args) > 2 and args[2] is not None else ""
+    assert f"(S(1), S(0){bias}) -> S(1)  [groups]" in grouped, grouped
+    groups = args[6]
+    if blocks[1] == 2 and groups % (2 * tp) == 0:
+        assert f"(S(1)x2, S(0)x2{bias.replace('S(0)', 'S(0)x2')}) -> S(1)x2  [groups]" \
+            in grouped, grouped
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_conv_groups_tp_cannot_divide_are_not_sharded(tp: int) -> None:
+    """3 groups at tp 2 or 4: no rank can hold whole groups, so channels stay whole (the
+    conv's linearity in x, P -> P, still holds)."""
+    args = (randn(2, 6, 5, 5), randn(6, 2, 3, 3), randn(6), [1, 1], [1, 1], [1, 1], 3)
+    checks = check_op(aten.conv2d.default, _clone(args), tp=tp, blocks=(1, 2, 3))
+    assert all(c.ok for c in checks), [str(c.strategy) for c in checks if not c.ok]
+    assert not [str(c.strategy) for c in checks if _is_sharded(c.strategy)]
+
+
+def test_conv_column_and_row_hold_in_blocks() -> None:
+    """groups = 1: any partition of the output channels is a column, of the input channels a
+    row: a 1x1 conv to gate|up channels gives S(1)x2 for a later chunk(2, 1)."""
+    column = check_op(aten.conv2d.default, (randn(2, 4, 3, 3), randn(16, 4, 1, 1), randn(16)),
+                      tp=2, blocks=(1, 2))
+    assert all(c.ok for c in column)
+    assert "(R*, S(0)x2, S(0)x2) -> S(1)x2  [column]" in {str(c.strategy) for c in column}
+    row = check_op(aten.conv2d.default, (randn(2, 16, 3, 3), randn(4, 16, 1, 1)), tp=2,
+                   blocks=(1, 2))
+    assert all(c.ok for c in row)
+    assert "(S(1)x2, S(1)x2) -> P  [row]" in {str(c.strategy) for c in row}
+
+
+class _GLUConvMLP(torch.nn.Module):
+    """diffusers' GLUMBConv (Sana's MLP): 1x1 conv to 2n channels, depthwise 3x3 conv, a GLU
+    split of the channels, 1x1 conv back. ``groups`` of the middle conv: 2n is depthwise."""
+
+    def __init__(self, channels: int = 16, hidden: int = 16, groups: int = 32) -> None:
+        super().__init__()
+        self.conv_inverted = torch.nn.Conv2d(channels, 2 * hidden, 1)
+        self.conv_depth = torch.nn.Conv2d(2 * hidden, 2 * hidden, 3, padding=1, groups=groups)
+        self.conv_point = torch.nn.Conv2d(hidden, channels, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        y = self.conv_depth(torch.nn.functional.silu(self.conv_inverted(x)))  # (B, 2n, H, W)
+        y, gate = y.chunk(2, dim=1)
+        return self.conv_point(y * torch.nn.functional.silu(gate))
+
+
+class _GroupedConvMLP(torch.nn.Module):
+    """1x1 conv, a 3x3 conv of ``groups`` groups, 1x1 conv back: (B, C, H, W) in and out."""
+
+    def __init__(self, channels: int = 16, hidden: int = 24, groups: int = 4) -> None:
+        super().__init__()
+        self.up = torch.nn.Conv2d(channels, hidden, 1)
+        self.grouped = torch.nn.Conv2d(hidden, hidden, 3, padding=1, groups=groups)
+        self.down = torch.nn.Conv2d(hidden, channels, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.grouped(self.up(x))))
+
+
+def _simulated_against_unsharded(model: torch.nn.Module, tp: int) -> dict[str, str]:
+    """Output and every parameter's gradient of the simulated ranks against the unsharded
+    module (relative 1e-5, fp32), on inputs of another batch than the traced example's;
+    returns the plan's parameter layouts."""
+    import copy
+    import warnings
+
+    import autotp
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a replicated kernel is reported, not an error
+        sim = autotp.simulate(model, tp, example_args=(torch.randn(2, 16, 4, 4),),
+                              strict=False)
+    x = torch.randn(3, 16, 4, 4)
+    reference = copy.deepcopy(model)
+    want_out = reference(x)
+    want_out.square().sum().backward()
+
+    def step(rank: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        out = rank(x)
+        out.square().sum().backward()
+        return out.detach(), autotp.full_state_dict(rank, grads=True)
+
+    for out, grads in sim.run(step):
+        assert (out - want_out).abs().max().item() <= 1e-5 * want_out.abs().max().item()
+        for name, param in reference.named_parameters():
+            assert param.grad is not None
+            rel = ((grads[name] - param.grad).norm() / param.grad.norm()).item()
+            assert rel <= 1e-5, f"{name}: gradient off by {rel:.1e} (relative)"
+    return {name: p.layout for name, p in sim.plan.params.items()}
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_glu_conv_mlp_runs_sharded_and_exact(tp: int) -> None:
+    """Sana's MLP as Megatron's: the 1x1 conv column-parallel in gate|up blocks, the
+    depthwise conv on each rank's channels of both blocks, chunk(2, 1) into plain shards,
+    the last 1x1 conv row-parallel."""
+    torch.manual_seed(0)
+    layouts = _simulated_against_unsharded(_GLUConvMLP(), tp)
+    assert layouts == {"conv_inverted.weight": "S(0)x2", "conv_inverted.bias": "S(0)x2",
+                       "conv_depth.weight": "S(0)x2", "conv_depth.bias": "S(0)x2",
+                       "conv_point.weight": "S(1)"}, layouts
+
+
+def test_grouped_conv_mlp_runs_sharded_and_exact() -> None:
+    """4 groups at tp 2: two whole groups per rank, between a column- and a row-parallel
+    1x1 conv."""
+    torch.manual_seed(0)
+    layouts = _simulated_against_unsharded(_GroupedConvMLP(), 2)
+    assert layouts == {"up.weight": "S(0)", "up.bias": "S(0)", "grouped.weight": "S(0)",
+                       "grouped.bias": "S(0)", "down.weight": "S(1)"}, layouts
+
+
+def test_grouped_conv_tp_cannot_divide_stays_whole_and_exact() -> None:
+    """3 groups at tp 2: the grouped conv's kernel stays whole, and the module is exact."""
+    torch.manual_seed(0)
+    layouts = _simulated_against_unsharded(_GroupedConvMLP(groups=3), 2)
+    assert layouts["grouped.weight"] == "R" and layouts["grouped.bias"] == "R", layouts
