@@ -67,8 +67,8 @@ class Case:
     inputs: Callable[[], dict]
     hidden: int
     # stack name -> index -> (forward token counts, backward token counts): Megatron's
-    # all-reduces, one entry per all-reduce of B x tokens x h
-    megatron: Callable[[str, int], tuple[list[int], list[int]]]
+    # all-reduces, one entry per all-reduce of B x tokens x h (a per-token statistic: tokens / h)
+    megatron: Callable[[str, int], tuple[list[float], list[float]]]
     # a replicated matrix Megatron also holds whole (k/v heads fewer than tp): (name, shape, tp)
     whole_ok: Callable[[str, tuple, int], bool] = lambda name, shape, tp: False
     loss: Callable[[Any], torch.Tensor] = square_loss
@@ -273,9 +273,10 @@ def ltx_video():
                 "timestep": torch.tensor([3, 7]), "encoder_attention_mask": torch.ones(B, T_TXT),
                 "num_frames": 1, "height": 4, "width": 4, "return_dict": False}
     # self-attn (rotary), cross-attn (trained caption), MLP, as PixArt. Its q/k RMSNorm spans all
-    # heads (rms_norm_across_heads): with heads sharded, each needs B x T sums of squares
-    # all-reduced, which Megatron (per-head qk norm only) has no pattern for: not counted here
-    return build, inputs, lambda s, i: ([T_IMG] * 3, [T_IMG] * 3 + [T_TXT])
+    # heads (rms_norm_across_heads): with heads sharded, each of the four norms needs its
+    # B x T mean of squares all-reduced forward, and its gradient backward (1/h of a row)
+    stats = [T_IMG / 64] * 3 + [T_TXT / 64]
+    return build, inputs, lambda s, i: ([T_IMG] * 3 + stats, [T_IMG] * 3 + [T_TXT] + stats)
 
 
 def lumina_next():
@@ -298,8 +299,11 @@ def lumina_next():
     # self- and cross-attn outputs mix per head (tanh gate) before one shared to_out: one
     # all-reduce; then the MLP. Backward: the image's q/k/v (both attns), the caption's k/v
     # (its norm1_context weight trains), the MLP. Its q/k LayerNorm spans all heads
-    # (layer_norm_across_heads): B x T statistics all-reduced, no Megatron pattern (not counted)
-    return build, inputs, lambda s, i: ([T_IMG] * 2, [T_IMG, T_TXT, T_IMG])
+    # (layer_norm_across_heads): with heads sharded, each of the four norms all-reduces two
+    # B x T statistics each way, the mean and then the variance about it (the two-pass form:
+    # one all-reduce of sum(x) and sum(x^2) would cancel digits where the mean is large)
+    stats = [T_IMG / 64] * 6 + [T_TXT / 64] * 2
+    return build, inputs, lambda s, i: ([T_IMG] * 2 + stats, [T_IMG, T_TXT, T_IMG] + stats)
 
 
 def qwen_image():

@@ -21,6 +21,7 @@ import copy
 from typing import Any, Callable
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -478,3 +479,81 @@ def test_low_rank_down_projections_normalized_whole_are_no_fallback() -> None:
         assert plan.params[f"layers.{i}.kv_a.weight"].layout == "R"
         for name in ("q_b", "kv_b", "o"):
             assert plan.params[f"layers.{i}.{name}.weight"].layout.startswith("S")
+
+
+class AcrossHeadsNorm(nn.Module):
+    """LTX-Video's and Lumina-Next's q/k norm: one ``nn.RMSNorm`` / ``nn.LayerNorm`` over all
+    heads of the projection (``rms_norm_across_heads``), before the view into heads."""
+
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.q, self.v, self.o = (nn.Linear(64, 64) for _ in range(3))
+        # k's biases (its projection's, its norm's) shift every score of a row nearly alike:
+        # their gradients are of rounding size, no check of anything
+        self.k = nn.Linear(64, 64, bias=False)
+        self.norm_q = norm(64)
+        self.norm_k = norm(64, **({"bias": False} if norm is nn.LayerNorm else {}))
+        for param in (*self.norm_q.parameters(), *self.norm_k.parameters()):
+            nn.init.normal_(param, 1.0, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k = self.norm_q(self.q(x)), self.norm_k(self.k(x))
+        q, k, v = (t.view(b, n, 8, 8).transpose(1, 2) for t in (q, k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("norm", [nn.RMSNorm, nn.LayerNorm])
+def test_a_norm_across_heads_all_reduces_its_statistics(tp: int, norm: type) -> None:
+    """The fused norm needs q's features whole; written as means, each statistic is a
+    partial mean over the local heads, all-reduced as one number per token (RMSNorm: the
+    mean square; LayerNorm: the mean, then the variance). q and k stay column-parallel:
+    no gather, and the forward's one all-reduce of a row is o's."""
+    torch.manual_seed(0)
+    sim = check_exact(AcrossHeadsNorm(norm), (torch.randn(2, 16, 64),), tp)
+    plan = sim.plan
+    layouts = {name: p.layout for name, p in plan.params.items()}
+    assert layouts["q.weight"] == layouts["k.weight"] == layouts["norm_q.weight"] == "S(0)"
+    assert layouts["o.weight"] == "S(1)", plan.summary()
+    assert not plan.fallbacks, plan.fallbacks
+    forward = [c for c in plan.collectives if c.phase == "forward"]
+    assert {c.kind for c in forward} == {"all_reduce"}, plan.summary()
+    # o's sum is B x T x 64 floats, a statistic B x T
+    rows = [c for c in forward if sympy.sympify(c.bytes_expr).subs({"B": 1, "T": 1}) == 256]
+    statistics = len(forward) - len(rows)
+    assert len(rows) == 1 and statistics == (2 if norm is nn.RMSNorm else 4), plan.summary()
+
+
+class MaskOfItsOwnBatch(nn.Module):
+    """diffusers' cross-attention mask: ``prepare_attention_mask`` repeats it per head, then
+    ``view(batch, heads, -1, T)`` by the batch of the hidden states, a different input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.v, self.o = (nn.Linear(64, 64) for _ in range(3))
+        self.k = nn.Linear(64, 64, bias=False)  # a bias adds q.b to a whole row: no gradient
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        bias = (1 - mask[:, None, :]) * -10000.0  # [B, 1, Tc]
+        bias = bias.repeat_interleave(8, dim=0).view(b, 8, -1, context.shape[1])
+        q = self.q(x).view(b, n, 8, 8).transpose(1, 2)
+        k, v = (lin(context).view(b, -1, 8, 8).transpose(1, 2) for lin in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o(y.transpose(1, 2).reshape(b, n, 64))
+
+
+def test_inputs_of_one_batch_share_its_symbol() -> None:
+    """Traced with a batch per input, the mask's heads would be ``(8 * B') // B``: no rule
+    shards that, and the attention ran replicated. Inputs of the batch's size share one
+    batch symbol, so the mask's heads are 8 and shard with q's."""
+    torch.manual_seed(0)
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    sim = check_exact(MaskOfItsOwnBatch(), (torch.randn(2, 16, 64), torch.randn(2, 6, 64),
+                                            mask), 2)
+    assert not sim.plan.fallbacks, sim.plan.fallbacks
+    assert [c.kind for c in sim.plan.collectives if c.phase == "forward"] == ["all_reduce"]

@@ -22,7 +22,7 @@ import os
 import re
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import sympy
 import torch
@@ -136,13 +136,26 @@ def _batch_of_two(named: dict[str, Any]) -> dict[str, Any]:
         named)
 
 
-def _dynamic_shapes(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _dynamic_shapes(kwargs: dict[str, Any], one_batch: bool = True) -> dict[str, Any]:
     """Batch and sequence (dims 0 and 1) of every tensor input are symbolic; the spec has the
-    inputs' own structure (a dict holding no tensor is a dict of None, as export wants)."""
+    inputs' own structure (a dict holding no tensor is a dict of None, as export wants).
+
+    ``one_batch``: the inputs whose dim 0 has the batch's size (the commonest dim 0) share
+    one symbol. Left to itself, export gives each input its own batch unless the program
+    ties them, and a mask that is only reshaped by the batch of another input
+    (``mask.view(batch, -1, 1, T)``) gets heads of ``(heads * B') // B``, which no rule can
+    shard."""
+    dims0 = [v.shape[0] for v in pytree.tree_leaves(kwargs)
+             if isinstance(v, torch.Tensor) and v.dim()]
+    batch = max(set(dims0), key=dims0.count) if one_batch and dims0 else None
+    if batch == 1:
+        batch = None  # a batch of 1 is specialized (export's 0/1 rule): nothing to share
+    shared = Dim("batch")
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {d: Dim.AUTO for d in range(min(value.dim(), 2))} or None
+            return {d: shared if d == 0 and value.shape[0] == batch else Dim.AUTO
+                    for d in range(min(value.dim(), 2))} or None
         return None
 
     return {name: pytree.tree_map(spec, value) if isinstance(value, (dict, list, tuple))
@@ -210,20 +223,28 @@ def capture(
         named = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
 
+    # One batch symbol for all inputs; where the program treats them apart (an input of
+    # the batch's size that is not batched), each its own.
+    specs = [dynamic_shapes] if dynamic_shapes is not None else \
+        [_dynamic_shapes(named), _dynamic_shapes(named, one_batch=False)]
+
     def export(stacks: list[Stack]) -> fx.GraphModule:
-        try:
-            with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
-                    _ListIndexKept() if meta else contextlib.nullcontext(), \
-                    _named_forward(model, list(named), signature), truncated(model, stacks):
-                ep = torch.export.export(
-                    model, (), named, strict=False,
-                    dynamic_shapes=dynamic_shapes if dynamic_shapes is not None
-                    else _dynamic_shapes(named)
-                )
-        except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
-            raise
-        except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
-            raise TraceError(_trace_failure_message(model, exc)) from exc
+        for attempt, spec in enumerate(specs, 1):
+            try:
+                with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
+                        _ListIndexKept() if meta else contextlib.nullcontext(), \
+                        _named_forward(model, list(named), signature), truncated(model, stacks):
+                    ep = torch.export.export(model, (), named, strict=False,
+                                             dynamic_shapes=spec)
+                break
+            except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
+                raise
+            except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+                if attempt < len(specs):
+                    _log.info("tracing %s with a batch per input: %s: %s",
+                              type(model).__name__, type(exc).__name__, exc)
+                    continue
+                raise TraceError(_trace_failure_message(model, exc)) from exc
         gm = _normalized(ep, model, stacks)
         if _unruled_mutations(gm):
             # Writes through views or into inputs (a slice filled by ``copy_``):
@@ -256,6 +277,7 @@ def capture(
         split_biases(gm)
         sink_bias_adds(gm)
         decompose_cross_entropy(gm)
+        decompose_feature_norms(gm)
     gm.recompile()
     captured = Captured(gm=gm, example_kwargs=named, signature=signature,
                         traced_layers={s.path: (s.prefix, s.length) for s in stacks})
@@ -757,6 +779,82 @@ def decompose_cross_entropy(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+# The products whose output features a norm may normalize: a column-parallel plan shards them.
+_PRODUCTS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+
+
+def decompose_feature_norms(gm: fx.GraphModule) -> None:
+    """``rms_norm`` / ``layer_norm`` of a projection's whole output -> the same arithmetic in
+    means, products and ``rsqrt`` (exact: torch's own decomposition, upcast included).
+
+    A q/k norm over all heads at once (``nn.RMSNorm(heads * head_dim)`` after ``to_q``:
+    LTX-Video, Lumina-Next, Wan) reads the features a column-parallel q projection shards.
+    The fused op needs them whole (a gather of q per layer); written out, each statistic is
+    a partial sum over the local features, all-reduced as one number per token, then divided
+    by the width. Sums, not means: the premium the rules put on a mean over sharded features
+    keeps a residual stream's norm from sharding the stream along h, and these norms read a
+    projection's own output. Only a norm that is the projection's sole reader (its bias add
+    aside) and normalizes the last dim alone is rewritten: a residual stream's norm keeps
+    the fused kernel.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target not in (aten.rms_norm.default, aten.layer_norm.default):
+            continue
+        x, shape = node.args[:2]
+        if not (isinstance(x, fx.Node) and len(shape) == 1 and len(x.users) == 1
+                and _projected(x)):
+            continue
+        xv = x.meta["val"]
+        rms = node.target == aten.rms_norm.default
+        weight = node_arg(node, 2, "weight")
+        bias = None if rms else node_arg(node, 3, "bias")
+        eps = node_arg(node, 3, "eps") if rms else node_arg(node, 4, "eps", 1e-5)
+        upcast = xv.dtype in (torch.float16, torch.bfloat16)
+        if eps is None:  # rms_norm's default: its computation dtype's epsilon
+            eps = torch.finfo(torch.float32 if upcast else xv.dtype).eps
+        call = functools.partial(_emit, graph, node)
+        with graph.inserting_before(node):
+            xf = call(aten._to_copy.default, x) if upcast else x
+            if upcast:
+                xf.kwargs = {"dtype": torch.float32}
+                xf.meta["val"] = xv.float()
+            centred = xf if rms else call(aten.sub.Tensor, xf, _feature_mean(call, xf))
+            square = call(aten.mul.Tensor, centred, centred)
+            rstd = call(aten.rsqrt.default,
+                        call(aten.add.Scalar, _feature_mean(call, square), eps))
+            out = call(aten.mul.Tensor, centred, rstd)
+            if weight is not None:
+                out = call(aten.mul.Tensor, out, weight)
+            if bias is not None:
+                out = call(aten.add.Tensor, out, bias)
+            if upcast:
+                out = call(aten._to_copy.default, out)
+                out.kwargs = {"dtype": xv.dtype}
+                out.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _feature_mean(call: Callable[..., fx.Node], t: fx.Node) -> fx.Node:
+    """sum(t, -1, keepdim) / width."""
+    total = call(aten.sum.dim_IntList, t, [-1], True)
+    return call(aten.div.Scalar, total, t.meta["val"].shape[-1])
+
+
+def _projected(x: fx.Node) -> bool:
+    """``x`` is a product's output, or that plus a bias parameter the product alone reads."""
+    if x.target == aten.add.Tensor:
+        product, bias = x.args[:2]
+        if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
+                and bias.op == "get_attr" and len(product.users) == 1):
+            return False
+        x = product
+    return x.target in _PRODUCTS
 
 
 def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:
