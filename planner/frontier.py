@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -43,6 +43,7 @@ Entry = tuple[Any, frozenset]
 Key = frozenset
 States = dict  # Key -> (cost, entries)
 Transition = Callable[[Any, dict, float], Any]  # (pnode, entries, cost) -> [(choice, (c, e))]
+Owed = Callable[[int, str, Entry], float]  # (step, value, entry) -> its least cost still due
 
 
 @dataclass
@@ -67,8 +68,10 @@ class _Solved:
 class FrontierSolver:
     def __init__(self, pnodes: list[Any], by_name: dict[str, Any], last_use: dict[str, int],
                  leaf_candidates: dict[str, list], memory_cost: Callable[[Any, Any], float],
-                 transition: Transition, max_states: int, reuse_layers: bool = True):
+                 transition: Transition, max_states: int, reuse_layers: bool = True,
+                 owed: Optional[Owed] = None):
         self.pnodes = pnodes
+        self.owed = owed
         self.by_name = by_name
         self.last_use = last_use
         self.leaf_candidates = leaf_candidates
@@ -120,10 +123,21 @@ class FrontierSolver:
         if len(new_states) > self.max_states:
             self.cut = True
             # a stable sort: ties keep their deterministic insertion order
-            kept = sorted(new_states.items(), key=lambda kv: kv[1][0])[: self.max_states]
-            new_states = dict(kept)
+            kept = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.ahead(i, kv[1][1]))
+            new_states = dict(kept[: self.max_states])
         self.history[i] = record
         return new_states
+
+    def ahead(self, i: int, entries: dict) -> float:
+        """A lower bound on what the state's values still cost to redistribute: for each
+        value, the most that one of its later readers must pay at least (the cheapest layout
+        that reader accepts). The beam ranks states by their cost plus this, so a state
+        that saved a collective only by leaving a value in a layout a later reader cannot
+        take (a residual stream reduce-scattered along h, a norm ahead) does not crowd
+        out the states that paid for it already (the A* bound: it never overestimates)."""
+        if self.owed is None:
+            return 0.0
+        return sum(self.owed(i, name, entry) for name, entry in entries.items())
 
     # ---- the whole graph ---------------------------------------------------------------
 

@@ -98,6 +98,9 @@ class PlanOptions:
     # gathers of layer-invariant values (adaLN modulation) joined into one collective before
     # the first layer (planner/invariant.py, autotp.runtime.batching)
     batch_gathers: bool = True
+    # the beam ranks states by their cost plus a lower bound on what they still owe
+    # (FrontierSolver.ahead); the second search (solve._search_further) turns it on
+    lookahead: bool = False
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:

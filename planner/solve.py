@@ -27,9 +27,10 @@ insertion order (a stable sort), so plans are deterministic. Repeated layers are
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import fields, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -120,17 +121,24 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
                     plan_with: Any) -> Plan:
     """A plan that pays a last-resort redistribution or leaves a matrix replicated that tp
     could shard is planned again, with a 4x wider beam and, unless the options say
-    otherwise, partial statistics. The second plan is kept when it does neither more often
-    and one of them less, and moves no more large collectives per layer and direction than
-    Megatron's bound (4, counting sequence parallelism's pairs) or the first plan (a
-    collective of less than an eighth of the layer's largest, a norm's statistic, is not
-    counted), and no more bytes per layer and direction than the first plan or two of the
-    first plan's largest collectives of the layer (Megatron's two all-reduces).
+    otherwise, partial statistics; where that plan still falls short, the wider beam ranked
+    by what states still owe (``FrontierSolver.ahead``) is tried too. The second plan is
+    kept when it does neither more often and one of them less, and moves no more large
+    collectives per layer and direction than Megatron's bound (4, counting sequence
+    parallelism's pairs) or the first plan (a collective of less than an eighth of the
+    layer's largest, a norm's statistic, is not counted), and no more bytes per layer and
+    direction than the first plan or two of the first plan's largest collectives of the
+    layer (Megatron's two all-reduces).
 
     The wider beam: rotary embeddings make many plans of equal cost, and 64 states can fill
     with them while the plan that pays more early (a replicated k/v meeting sharded query
     heads, the all-reduce of a MoE block's input ahead of its router) to save more later is
     dropped; stacked experts left sliced where tp divides them count as a shortfall too.
+    Ranked by cost plus what they owe, states that saved a collective by leaving a value in
+    a layout its later readers cannot take (a residual stream reduce-scattered along h, a
+    norm ahead) no longer crowd out those that paid already (Qwen-Image's and Sana's
+    modulation gathers). Either ranking can lose a plan the other keeps (LTX-Video at tp 2
+    ranked so needed 1024 states), so the ranked search is the third try, not the second.
     Partial statistics: Megatron's plan keeps every norm's dim whole; OLMo2's q/k norms over
     all heads then force o_proj and down_proj whole, while a partial statistic all-reduces
     only a [.., 1] statistic per norm. Their premium keeps the plan from trading Megatron's
@@ -155,6 +163,11 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
                     partial_statistics=options.partial_statistics is not False)
     alt = plan_with(wider)
     after = shortfalls(alt)
+    if after != (0, 0):
+        ranked = plan_with(replace(wider, lookahead=True))
+        owes = shortfalls(ranked)
+        if _fewer(owes, after) or (owes == after and ranked.cost < alt.cost):
+            alt, after = ranked, owes
     if after == before or any(a > b for a, b in zip(after, before)):
         return plan
     # "large" against the first plan's largest collective of the layer: a plan whose own
@@ -174,6 +187,11 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
         if sum(values) > limit:
             return plan
     return alt
+
+
+def _fewer(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Shortfalls ``a`` are fewer than ``b``: none more, and not the same."""
+    return a != b and all(x <= y for x, y in zip(a, b))
 
 
 def record_bytes(record: Any, cost_model: CostModel) -> float:
@@ -246,8 +264,55 @@ def solve(
     solver = FrontierSolver(pnodes, by_name, last_use, candidates,
                             leaf_memory_cost(tp, cost_model, pnodes), transition,
                             options.max_states,
-                            reuse_layers=options.reuse_layers)
+                            reuse_layers=options.reuse_layers,
+                            owed=_owed(pnodes, by_name, tp, cost_model, options)
+                            if options.lookahead else None)
     return solver.run()
+
+
+def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: CostModel,
+          options: PlanOptions) -> Callable[[int, str, Entry], float]:
+    """(step i, value, its entry) -> the most one of the value's readers after step i must
+    pay at least to read it: the cheapest of the layouts that reader's strategies take,
+    from the value's layout or one it has already materialized (0 where it takes one)."""
+    readers: dict[str, list[tuple[int, frozenset]]] = {}
+    for i, pn in enumerate(pnodes):
+        for k, name in enumerate(pn.inputs):
+            if pn.kind == "op":
+                takes = frozenset(s.inputs[k] for s in pn.strategies if len(s.inputs) > k)
+            elif pn.kind == "output" and options.gather_outputs:
+                takes = frozenset([R])
+            else:
+                continue
+            if takes:
+                readers.setdefault(name, []).append((i, takes))
+    memo: dict[tuple, float] = {}
+
+    def move(name: str, have: Any, want: Any) -> float:
+        src = by_name[name]
+        step = transition(have, want, requires_grad=src.requires_grad,
+                          sequence_parallel=src.sequence_step(have, want, options))
+        if step is None:
+            return math.inf
+        # joined with others (planner/invariant.py, the gradient bucket): no latency of its own
+        joined = cost_model.latency if src.invariant or src.is_param else 0.0
+        cost = sum(cost_model.collective_time(kind, src.nbytes, tp) - joined
+                   for kind in (step.forward, step.backward) if kind is not None)
+        return cost + (cost_model.last_resort if step.last_resort else 0.0)
+
+    def owed(i: int, name: str, entry: Entry) -> float:
+        have, materialized = entry
+        later = [takes for j, takes in readers.get(name, ()) if j > i]
+        if not later or isinstance(have, tuple):
+            return 0.0
+        key = (name, have, materialized, len(later))
+        if key not in memo:
+            least = [0.0 if have in takes or takes & materialized else
+                     min(move(name, have, want) for want in takes) for takes in later]
+            memo[key] = max(least)
+        return memo[key]
+
+    return owed
 
 
 def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dict[str, PNode],

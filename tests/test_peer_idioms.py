@@ -481,6 +481,35 @@ def test_low_rank_down_projections_normalized_whole_are_no_fallback() -> None:
             assert plan.params[f"layers.{i}.{name}.weight"].layout.startswith("S")
 
 
+def test_the_beam_ranks_states_by_what_they_still_owe() -> None:
+    """A state that saved a collective by leaving a value in a layout its later readers
+    cannot take owes at least the cheapest redistribution to one they can. Ranked by cost
+    alone, a beam of 8 states keeps only such states through MLA's layers and ends paying
+    last-resort gathers; ranked by cost plus what each state still owes (a lower bound), it
+    finds the plan of a 64-state beam."""
+    from autotp.capture.trace import capture
+    from autotp.planner.cost import CostModel
+    from autotp.planner.problem import PlanOptions, block_counts, build_problem
+    from autotp.planner.solve import solve
+    from autotp.rules.registry import Registry
+
+    torch.manual_seed(0)
+    captured = capture(LowRankLayers(), (torch.randn(2, 16, 256),))
+    cost_model = CostModel()
+
+    def cost(states: int, lookahead: bool) -> float:
+        options = PlanOptions(strict=False, max_states=states, lookahead=lookahead,
+                              reuse_layers=False)
+        problem = build_problem(captured, 2, block_counts(captured.gm), Registry.default(),
+                                cost_model, options)
+        return solve(problem, 2, cost_model, options)[1]
+
+    wide = cost(64, lookahead=False)
+    assert wide < cost_model.last_resort
+    assert cost(8, lookahead=True) <= wide * (1 + 1e-6)
+    assert cost(8, lookahead=False) >= cost_model.last_resort  # the bound is what keeps it
+
+
 class AcrossHeadsNorm(nn.Module):
     """LTX-Video's and Lumina-Next's q/k norm: one ``nn.RMSNorm`` / ``nn.LayerNorm`` over all
     heads of the projection (``rms_norm_across_heads``), before the view into heads."""

@@ -795,9 +795,13 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
     a partial sum over the local features, all-reduced as one number per token, then divided
     by the width. Sums, not means: the premium the rules put on a mean over sharded features
     keeps a residual stream's norm from sharding the stream along h, and these norms read a
-    projection's own output. Only a norm that is the projection's sole reader (its bias add
-    aside) and normalizes the last dim alone is rewritten: a residual stream's norm keeps
-    the fused kernel.
+    projection's own output.
+
+    Only a norm that is the projection's sole reader (its bias add aside), normalizes the
+    last dim alone and is at least half as wide as the projection's input is rewritten: a
+    residual stream's norm keeps the fused kernel, and so does a low-rank down-projection
+    normalized whole (MLA's q_a / kv_a latents), kept whole by design as Megatron-Core keeps
+    it rather than sharded at the price of gathering its normalized output.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -841,20 +845,24 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
 
 
 def _feature_mean(call: Callable[..., fx.Node], t: fx.Node) -> fx.Node:
-    """sum(t, -1, keepdim) / width."""
+    """sum(t, -1, keepdim) / width: a mean the rules shard as a partial sum."""
     total = call(aten.sum.dim_IntList, t, [-1], True)
     return call(aten.div.Scalar, total, t.meta["val"].shape[-1])
 
 
 def _projected(x: fx.Node) -> bool:
-    """``x`` is a product's output, or that plus a bias parameter the product alone reads."""
+    """``x`` is a product's output (or that plus a bias parameter the product alone reads)
+    at least half as wide as the product's input."""
     if x.target == aten.add.Tensor:
         product, bias = x.args[:2]
         if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
                 and bias.op == "get_attr" and len(product.users) == 1):
             return False
         x = product
-    return x.target in _PRODUCTS
+    if x.target not in _PRODUCTS or not isinstance(x.args[0], fx.Node):
+        return False
+    width, reads = x.meta["val"].shape[-1], x.args[0].meta["val"].shape[-1]
+    return isinstance(width, int) and isinstance(reads, int) and 2 * width >= reads
 
 
 def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:
