@@ -134,7 +134,8 @@ class FrontierSolver:
         that reader accepts). The beam ranks states by their cost plus this, so a state
         that saved a collective only by leaving a value in a layout a later reader cannot
         take (a residual stream reduce-scattered along h, a norm ahead) does not crowd
-        out the states that paid for it already (the A* bound: it never overestimates)."""
+        out the states that paid for it already (as A*'s bound, it never overestimates:
+        each value pays at least its dearest reader's cheapest redistribution)."""
         if self.owed is None:
             return 0.0
         return sum(self.owed(i, name, entry) for name, entry in entries.items())

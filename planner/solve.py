@@ -290,6 +290,9 @@ def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: C
 
     def move(name: str, have: Any, want: Any) -> float:
         src = by_name[name]
+        if not src.requires_grad and isinstance(have, Replicate) and \
+                isinstance(want, Replicate):
+            return 0.0  # as _read_inputs: no gradient to sum
         step = transition(have, want, requires_grad=src.requires_grad,
                           sequence_parallel=src.sequence_step(have, want, options))
         if step is None:
