@@ -148,8 +148,10 @@ def _dynamic_shapes(kwargs: dict[str, Any], one_batch: bool = True) -> dict[str,
     dims0 = [v.shape[0] for v in pytree.tree_leaves(kwargs)
              if isinstance(v, torch.Tensor) and v.dim()]
     batch = max(set(dims0), key=dims0.count) if one_batch and dims0 else None
-    if batch == 1:
-        batch = None  # a batch of 1 is specialized (export's 0/1 rule): nothing to share
+    if batch == 1 or dims0.count(batch) < 2:
+        # a batch of 1 is specialized (export's 0/1 rule), and one input shares with no
+        # other: a named dim only costs export its constraint solving
+        batch = None
     shared = Dim("batch")
 
     def spec(value: Any) -> Any:
