@@ -95,6 +95,8 @@ def plan_graph(
             # every op on a MoE block's rows may run on routed rows (S(0)@experts) too: as
             # many more plans of equal cost, which crowd a 64-state beam
             first = replace(options, max_states=4 * options.max_states)
+        if tp == 1:  # every layout is whole on the one rank: no plan falls short of another
+            return plan_with(first)
         return _search_further(plan_with(first), gm, first, cost_model, plan_with)
 
     if default_rules:  # a registry of the caller's is code the cache key cannot see
