@@ -4,6 +4,7 @@ The DOT is checked structurally (and with Graphviz's ``dot`` when it is installe
 without a browser (self-contained, escaped, the embedded JSON round-trips to
 ``report.to_dict``) and, when Chromium is installed, in a real headless browser (its JS ran,
 and it renders to a PNG). Both tools are optional: their tests skip cleanly without them.
+A tiny Qwen3-MoE (4 experts) planned at tp 2 and 4 checks the page's mixture-of-experts rows.
 """
 
 from __future__ import annotations
@@ -16,15 +17,24 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import pytest
+import torch
 
 import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.features.render import CHECK_OPS, dot_quote, execution_order, to_dot, to_html
+from autotp.features.render import (
+    CHECK_OPS,
+    dot_quote,
+    execution_order,
+    experts_per_rank,
+    to_dot,
+    to_html,
+)
 from autotp.features.report import fold_layers, group_names, human_bytes, to_dict, to_table
 from models import BUILDERS
 
@@ -39,6 +49,23 @@ def llama_plan() -> Plan:
 @pytest.fixture(scope="module")
 def gpt2_plan() -> Plan:
     return autotp.plan(BUILDERS["gpt2"](), 4)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def moe_plan(request: pytest.FixtureRequest) -> Plan:
+    """A tiny Qwen3-MoE: 2 layers, each with one block of 4 experts (gate_up_proj and
+    down_proj stacked)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autotp.plan(model, request.param, example_kwargs={"input_ids": ids})
 
 
 def _plan(request: pytest.FixtureRequest, name: str) -> Plan:
@@ -333,7 +360,120 @@ def test_cli_writes_html(tmp_path: Path) -> None:
     assert "layers 0-1 ×2, identical" in page
 
 
-# ---- HTML in a headless browser -------------------------------------------------------------
+# ---- HTML: mixture of experts ---------------------------------------------------------------
+
+
+def experts_sections(page: str) -> list[tuple[str, str]]:
+    """(data-layers, inner HTML) of each experts section, in page order."""
+    return re.findall(r'<section class="experts" data-layers="([^"]*)">(.*?)</section>', page,
+                      flags=re.S)
+
+
+def experts_rows(page: str) -> dict[str, str]:
+    """data-block -> the row's HTML, one per MoE block shown."""
+    rows = re.findall(r'<tr class="experts-row" data-block="([^"]*)"[^>]*>(.*?)</tr>', page,
+                      flags=re.S)
+    assert len({block for block, _ in rows}) == len(rows), "a block shown twice"
+    return {html.unescape(block): row for block, row in rows}
+
+
+def test_html_groups_the_stacked_experts_of_each_moe_block(moe_plan: Plan) -> None:
+    tp = moe_plan.tp
+    per_rank = 4 // tp
+    assert sorted(moe_plan.experts) == [f"model.layers.{i}.mlp.experts.{w}"
+                                        for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
+    assert all(v == [4, "whole"] for v in moe_plan.experts.values()), moe_plan.experts
+    page = to_html(moe_plan, COST)
+    # identical layers fold: one section, one row naming the block of both layers
+    assert [layers for layers, _ in experts_sections(page)] == ["0-1"]
+    rows = experts_rows(page)
+    assert list(rows) == ["model.layers.{0-1}.mlp.experts"]
+    row = rows["model.layers.{0-1}.mlp.experts"]
+    assert '<td class="mono block">mlp.experts' in row
+    assert f'<span class="edim">{per_rank} of 4 per rank, whole</span>' in row
+    assert row.index(">gate_up_proj<") < row.index(">down_proj<")  # the plan's order
+    assert row.count(">S(0)·experts</span>") == 2  # dim 0, the experts, is what is split
+    assert f"[4 experts]×64×64 → [{per_rank} experts]×64×64" in row
+    assert f"[4 experts]×64×32 → [{per_rank} experts]×64×32" in row
+    assert "1 MoE block</span></summary>" in page
+    # the summary line, at the top: before the cards and every section
+    line = re.search(r'<p class="moe experts-summary">(.*?)</p>', page)
+    assert line is not None and line.start() < page.index('<div class="cards">')
+    assert html.escape(moe_plan.experts_summary()) in line.group(1)
+    assert f"whole, {per_rank} of 4 per rank (4 stacked weights)" in line.group(1)
+    # routed values: a dashed badge in the dataflow, and a legend entry
+    routed = sum(1 for n, v in moe_plan.values.items()
+                 if "@experts" in v and moe_plan.node_layers.get(n) == 0)
+    assert routed and f"{routed} values of rows routed to the experts" in page
+    assert '<span class="badge lay-sharded routed">S(0)@experts</span>' in page
+    assert '<span class="badge lay-tuple routed">(S(0)@experts, S(0)@experts)</span>' in page
+    # the rest of the page is unchanged by the experts
+    assert embedded_json(page) == to_dict(moe_plan, COST)
+    assert page.count('class="param-row"') == expected_param_rows(moe_plan)
+    assert page == to_html(moe_plan, COST), "not deterministic"
+
+
+def test_html_experts_of_layers_that_differ(moe_plan: Plan) -> None:
+    plan = split_layers(moe_plan)
+    page = to_html(plan, COST)
+    assert [layers for layers, _ in experts_sections(page)] == ["0", "1"]
+    rows = experts_rows(page)
+    assert list(rows) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for row in rows.values():
+        assert f"{4 // plan.tp} of 4 per rank, whole" in row
+        assert ">gate_up_proj<" in row and ">down_proj<" in row
+
+
+def test_html_experts_sliced_replicated_and_mixed(moe_plan: Plan) -> None:
+    """How a rank holds a block's experts, in words, for each kind ``plan.experts`` names."""
+    tp = moe_plan.tp
+
+    def held(kinds: dict[str, str]) -> str:
+        params = dict(moe_plan.params)
+        for name in moe_plan.experts:
+            how = kinds[name.rsplit(".", 1)[1]]
+            p = params[name]
+            layout = {"whole": "S(0)", "sliced": "S(2)", "replicated": "R"}[how]
+            local = p.global_shape if how == "replicated" else \
+                p.global_shape[:2] + (p.global_shape[2] // tp,) if how == "sliced" else \
+                p.local_shape
+            params[name] = dataclasses.replace(p, layout=layout, local_shape=local)
+        plan = dataclasses.replace(
+            moe_plan, params=params,
+            experts={k: [4, kinds[k.rsplit(".", 1)[1]]] for k in moe_plan.experts})
+        page = to_html(plan, COST)
+        assert html.escape(plan.experts_summary()) in page
+        (row,) = experts_rows(page).values()
+        cell = re.search(r'<span class="edim">(.*?)</span>', row)
+        assert cell is not None
+        return cell.group(1)
+
+    sliced = held({"gate_up_proj": "sliced", "down_proj": "sliced"})
+    assert sliced == f"sliced: every rank holds a 1/{tp} slice of every expert"
+    assert held({"gate_up_proj": "replicated", "down_proj": "replicated"}) == \
+        "replicated: every rank holds all 4 experts"
+    assert held({"gate_up_proj": "whole", "down_proj": "sliced"}) == (
+        f"gate_up_proj: {4 // tp} of 4 per rank, whole; down_proj: sliced: every rank holds "
+        f"a 1/{tp} slice of every expert")
+
+
+def test_experts_per_rank_in_words() -> None:
+    assert experts_per_rank(128, "whole", 8) == "16 of 128 per rank, whole"
+    assert experts_per_rank(128, "whole", 4, ep=2) == "16 of 128 per rank, whole (tp 4 × ep 2)"
+    assert experts_per_rank(128, "sliced", 8) == \
+        "sliced: every rank holds a 1/8 slice of every expert"
+    assert experts_per_rank(128, "replicated", 8) == "replicated: every rank holds all 128 experts"
+
+
+def test_html_of_a_dense_model_has_no_experts(request: pytest.FixtureRequest) -> None:
+    for model in ("llama", "gpt2"):
+        plan = _plan(request, model)
+        assert not plan.experts
+        page = to_html(plan, COST)
+        assert not experts_sections(page) and not experts_rows(page)
+        for text in ("experts-summary", "mixture of experts", "MoE block", "@experts",
+                     " routed"):
+            assert text not in page, (model, text)
 
 
 def chromium() -> Optional[str]:

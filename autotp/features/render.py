@@ -21,6 +21,11 @@ What this module guarantees:
   ``report.to_dict(plan, cost_model)`` is embedded as JSON in
   ``<script type="application/json" id="autotp-plan">`` and ``json.loads`` of that element's
   text gives it back unchanged. Only the stdlib is used.
+- HTML, mixture of experts: a plan with stacked expert weights (``plan.experts``) gets a
+  summary line under the title (``plan.experts_summary()``) and, in each section, one row per
+  MoE block (the module path the stacked weights share) saying how many experts each
+  rank holds; a plan without them shows neither. Values of rows routed to the experts
+  (``S(0)@experts``) carry a dashed badge.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from autotp.layout import ROUTED
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
 from autotp.features.report import (
@@ -38,6 +44,7 @@ from autotp.features.report import (
     Group,
     fold_layers,
     grad_sync_params,
+    group_names,
     human_bytes,
     layer_ranges,
     relative_name,
@@ -522,9 +529,10 @@ def esc(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
-def badge(layout: Optional[str]) -> str:
+def badge(layout: Optional[str], text: Optional[str] = None) -> str:
     cls = layout_class(layout)
-    return f'<span class="badge lay-{cls}">{esc(layout or "–")}</span>'
+    routed = " routed" if is_routed(layout) else ""
+    return f'<span class="badge lay-{cls}{routed}">{esc(text or layout or "–")}</span>'
 
 
 def json_for_script(data: Any) -> str:
@@ -589,6 +597,13 @@ border-radius:2px;transform:rotate(45deg)}
 .inputs{color:var(--muted);font-size:12px}
 .tag{background:#f1f5f9;border-radius:4px;padding:0 5px;font-size:12px;color:#334155}
 .muted{color:var(--muted)}
+.badge.routed{border-style:dashed}
+.moe{background:#f0fdfa;border:1px solid #99f6e4;border-radius:8px;padding:6px 12px;
+margin:0 0 10px;color:#134e4a}
+.moe .k{font-weight:600}
+table.experts td.block{font-weight:600}table.experts td.block .muted{font-weight:400}
+table.experts .weight{display:flex;gap:8px;align-items:baseline;flex-wrap:wrap;padding:1px 0}
+.edim{color:#0f766e;font-weight:600}
 """
 
 JS = """
@@ -656,9 +671,12 @@ def _html_summary(view: View, cost_model: CostModel) -> str:
     return '<div class="cards">' + "".join(cards) + "</div>"
 
 
-def _html_legend() -> str:
+def _html_legend(routed: bool = False) -> str:
     items = [f'<span>{badge(short if cls != "sharded" else "S(d)")} {esc(text)}</span>'
              for cls, short, text in LEGEND if cls != "none"]
+    if routed:
+        items.append(f"<span>{badge(f'S(0)@{ROUTED}')} rows routed to the experts each rank "
+                     "holds (bounds known at run time)</span>")
     items.append('<span><span class="coll">⇄ collective</span> a redistribution of the value '
                  'above it</span>')
     return '<div class="legend">' + "".join(items) + "</div>"
@@ -671,7 +689,8 @@ def _html_header(view: View, cost_model: CostModel) -> str:
         f'<p class="meta">{plan.layers} layers · bytes at B={cost_model.batch}, '
         f'T={cost_model.seq} · link {cost_model.bandwidth / 1e9:g} GB/s per rank, '
         f'{cost_model.latency * 1e6:g} µs latency per collective</p>'
-        + _html_summary(view, cost_model) + _html_legend()
+        + _experts_line(plan) + _html_summary(view, cost_model)
+        + _html_legend(bool(plan.experts))
         + '<div class="tools"><input id="param-filter" type="search" '
           'placeholder="filter parameters by name…" aria-label="filter parameters">'
           '<button id="expand-all" type="button">expand all</button>'
@@ -700,6 +719,124 @@ def _param_rows(plan: Plan, names: list[str], layer: Optional[int]) -> str:
     head = ("<tr><th>parameter</th><th>global shape</th><th>layout</th><th>local shape</th>"
             "<th>notes</th></tr>")
     return f'<table class="params">{head}{"".join(rows)}</table>'
+
+
+# ---- HTML: mixture of experts --------------------------------------------------------------
+
+
+def is_routed(layout: Optional[str]) -> bool:
+    """``"S(0)@experts"`` (or a tuple holding one): rows routed to the experts."""
+    return bool(layout) and f"@{ROUTED}" in str(layout)
+
+
+def experts_per_rank(count: int, how: str, tp: int, ep: int = 1) -> str:
+    """``16 of 128 per rank, whole``; ``sliced: every rank holds a 1/8 slice of every
+    expert``; ``replicated: every rank holds all 128 experts``. Whole experts are split over
+    the tp ranks and, with expert parallelism, over ``ep`` data-parallel ranks too."""
+    if how == "whole":
+        over = f" (tp {tp} × ep {ep})" if ep > 1 else ""
+        return f"{count // (tp * ep)} of {count} per rank, whole{over}"
+    if how == "sliced":
+        return f"sliced: every rank holds a 1/{tp} slice of every expert"
+    return f"replicated: every rank holds all {count} experts"
+
+
+def expert_shape_text(shape: Iterable[int]) -> str:
+    """``(4, 64, 32)`` -> ``[4 experts]×64×32``: the experts dim (dim 0) marked."""
+    dims = [str(s) for s in shape]
+    if not dims:
+        return "scalar"
+    return "×".join([f"[{dims[0]} experts]", *dims[1:]])
+
+
+def expert_layout_text(layout: str, how: str) -> str:
+    """``S(0)`` of experts held whole -> ``S(0)·experts`` (dim 0, the experts, is split);
+    a layout that splits inside every expert, or none, is shown as it is."""
+    return f"{layout}·experts" if how == "whole" else layout
+
+
+def experts_of_params(plan: Plan) -> dict[str, tuple[int, str]]:
+    """``plan.experts`` keyed by plan.params keys (a tied alias names its parameter):
+    stacked weight -> (experts, "whole" | "sliced" | "replicated")."""
+    keys = _param_keys(plan)
+    out: dict[str, tuple[int, str]] = {}
+    for name, (count, how) in plan.experts.items():
+        key = keys.get(name, name)
+        if key in plan.params:
+            out.setdefault(key, (int(count), str(how)))
+    return out
+
+
+def expert_blocks(plan: Plan, layer: Optional[int]) -> dict[str, list[str]]:
+    """The stacked expert weights of ``layer`` (None: outside the layers) by the module
+    path they share: ``model.layers.0.mlp.experts`` -> its stacked weights (plan.params
+    keys, in the plan's order)."""
+    blocks: dict[str, list[str]] = {}
+    for key in experts_of_params(plan):
+        if plan.params[key].layer == layer:
+            blocks.setdefault(key.rpartition(".")[0] or key, []).append(key)
+    return blocks
+
+
+def _experts_line(plan: Plan) -> str:
+    if not plan.experts:
+        return ""
+    return (f'<p class="moe experts-summary"><span class="k">mixture of experts:</span> '
+            f"{esc(plan.experts_summary())}</p>")
+
+
+def _expert_weight(plan: Plan, key: str, block: str) -> str:
+    p = plan.params[key]
+    how = experts_of_params(plan)[key][1]
+    return (f'<div class="weight"><span class="mono">{esc(key[len(block) + 1:] or key)}</span>'
+            f" {badge(p.layout, expert_layout_text(p.layout, how))}"
+            f' <span class="mono">{esc(expert_shape_text(p.global_shape))} → '
+            f"{esc(expert_shape_text(p.local_shape))}</span></div>")
+
+
+def _block_held(plan: Plan, keys: list[str], block: str) -> str:
+    """How a rank holds the experts of one block: one phrase, or one per stacked weight."""
+    experts = experts_of_params(plan)
+    ep = int(getattr(plan, "ep", 1) or 1)
+    held = {key: experts_per_rank(*experts[key], plan.tp, ep) for key in keys}
+    if len(set(held.values())) == 1:
+        return next(iter(held.values()))
+    return "; ".join(f"{key[len(block) + 1:]}: {text}" for key, text in held.items())
+
+
+def _experts_section(view: View, layers: Optional[list[int]]) -> str:
+    """One row per MoE block of the section's first layer (``layers``: the group's
+    layers; None: outside the layers), named for every layer of the group it stands for."""
+    plan = view.plan
+    rep = layers[0] if layers else None
+    blocks = expert_blocks(plan, rep)
+    if not blocks:
+        return ""
+    paths: dict[str, list[str]] = {}
+    scope: list[Optional[int]] = list(layers) if layers else [None]
+    for layer in scope:
+        for block in expert_blocks(plan, layer):
+            paths.setdefault(relative_name(block, layer), []).append(block)
+    rows = []
+    for block, keys in blocks.items():
+        folded = group_names(paths.get(relative_name(block, rep), [block]))
+        weights = "".join(_expert_weight(plan, key, block) for key in keys)
+        rows.append(
+            f'<tr class="experts-row" data-block="{esc(folded)}" title="{esc(folded)}">'
+            f'<td class="mono block">{esc(relative_name(block, rep))}'
+            f'<div class="muted">{esc(folded)}</div></td>'
+            f'<td class="experts-held"><span class="edim">{esc(_block_held(plan, keys, block))}'
+            f"</span></td><td>{weights}</td></tr>")
+    head = ("<tr><th>MoE block</th><th>experts per rank</th>"
+            "<th>stacked weights: layout, global shape → local shape</th></tr>")
+    routed = sum(1 for name in view.by_layer.get(rep, []) if is_routed(view.nodes[name].layout))
+    note = (f'<p class="muted">{routed} value{"s" if routed != 1 else ""} of rows routed to '
+            f"the experts ({esc(f'S(0)@{ROUTED}')}, dashed in the dataflow)</p>"
+            if routed else "")
+    where = f"layer {rep}" if rep is not None else "outside the layers"
+    return (f'<section class="experts" data-layers="{esc(layer_ranges(layers or []))}">'
+            f"<h3>experts of {esc(where)}</h3>"
+            f'<table class="experts">{head}{"".join(rows)}</table>{note}</section>')
 
 
 def _collective_rows(rows: list[dict[str, Any]]) -> str:
@@ -787,12 +924,15 @@ def _group_section(view: View, group: Group) -> str:
     rows = [c for c in view.data["collectives"] if c["layer"] == rep]
     count = len(group.layers)
     title = group_title(group) + (f" ×{count}, identical" if count > 1 else "")
+    blocks = expert_blocks(view.plan, rep)
+    moe = f", {len(blocks)} MoE block{'s' if len(blocks) != 1 else ''}" if blocks else ""
     return (
         f'<details class="group" open data-layers="{esc(layer_ranges(group.layers))}">'
         f"<summary>{esc(title)}: {esc(collectives_phrase(group.collectives))}"
-        f' <span class="sub">· {len(names)} parameters per layer</span></summary>'
+        f' <span class="sub">· {len(names)} parameters per layer{esc(moe)}</span></summary>'
         f"<h3>parameters of layer {rep}</h3>{_param_rows(view.plan, names, rep)}"
-        f"<h3>collectives of layer {rep}</h3>{_collective_rows(rows)}"
+        + _experts_section(view, group.layers)
+        + f"<h3>collectives of layer {rep}</h3>{_collective_rows(rows)}"
         + _flow_section(view, view.by_layer.get(rep, []), rep, f"layer {rep}", True)
         + "</details>")
 
@@ -808,7 +948,8 @@ def _outside_section(view: View) -> str:
         f"<summary>outside the layers: {esc(collectives_phrase(records))}"
         f' <span class="sub">· {len(names)} parameters</span></summary>'
         f"<h3>parameters</h3>{_param_rows(plan, names, None)}"
-        f"<h3>collectives</h3>{_collective_rows(rows)}"
+        + _experts_section(view, None)
+        + f"<h3>collectives</h3>{_collective_rows(rows)}"
         + _flow_section(view, nodes, None, "the code outside the layers", False)
         + "</details>")
 
