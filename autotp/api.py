@@ -43,6 +43,12 @@ def _check_tp(tp: Any) -> int:
     return tp
 
 
+def _check_ep(ep: Any) -> int:
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"ep must be a positive int, got {ep!r}")
+    return ep
+
+
 def _model_name(model: nn.Module) -> str:
     return type(model).__name__
 
@@ -58,11 +64,13 @@ def prepare(
     registry: Optional[Registry] = None,
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
+    ep: int = 1,
 ) -> tuple[Captured, Plan]:
     tp = _check_tp(tp)
+    ep = _check_ep(ep)
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
-                          gather_outputs=bool(gather_outputs))
+                          gather_outputs=bool(gather_outputs), expert_parallel=ep)
     plan = plan_graph(captured, tp, registry=registry, cost_model=cost_model,
                       options=options, model_name=_model_name(model))
     return captured, plan
@@ -78,11 +86,13 @@ def plan(
     cost_model: Optional[CostModel] = None,
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
+    ep: int = 1,
 ) -> Plan:
-    """The tensor-parallel plan of ``model`` at degree ``tp``; needs no process group."""
+    """The tensor-parallel plan of ``model`` at degree ``tp`` (with ``ep``: experts also split
+    over ep data-parallel ranks); needs no process group."""
     return prepare(model, tp, example_args=example_args, example_kwargs=example_kwargs,
                    strict=strict, cost_model=cost_model, sequence_parallel=sequence_parallel,
-                   gather_outputs=gather_outputs)[1]
+                   gather_outputs=gather_outputs, ep=ep)[1]
 
 
 class ShardedModule(nn.Module):
@@ -98,9 +108,12 @@ class ShardedModule(nn.Module):
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
-                 seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None):
+                 seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None,
+                 ep_comm: Optional[Communicator] = None):
         super().__init__()
         self.program = program
+        # expert parallelism: the ranks the experts are split over besides the tp group
+        self.ep_comm = ep_comm
         # sequence parallelism: saved gathered inputs are kept as shards (autotp.runtime.regather)
         self._keeper = keeper
         # torch.compile of the program: the compute between collectives is compiled, the
@@ -177,6 +190,12 @@ class ShardedModule(nn.Module):
         mine = torch.tensor([int(digest, 16), self.seed % 2**62, self.seed >> 62],
                             dtype=torch.int64, device=self._device())
         rows = self.comm.all_gather(mine.unsqueeze(0), 0).tolist()
+        if self.ep_comm is not None:
+            others = self.ep_comm.all_gather(mine[:1].unsqueeze(0), 0).tolist()
+            if len({d for (d,) in others}) > 1:
+                raise ConfigError(
+                    "the expert-parallel ranks hold different plans: call autotp.parallelize "
+                    "with the same model, tp, ep and example inputs on every rank")
         seeds = [lo + (hi << 62) for _, lo, hi in rows]
         digests = [f"{d:015x}" for d, _, _ in rows]
         if len(set(seeds)) > 1:
@@ -242,6 +261,44 @@ class ShardedModule(nn.Module):
                 call[name] = example
         return call
 
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """Plan parameter name -> this rank's share of the experts (``plan.expert_params``).
+
+        With expert parallelism (``ep`` > 1) each ep rank holds different experts, and their
+        gradients already sum every ep rank's tokens (the dispatch's backward brings them):
+        keep them out of the data-parallel gradient average (``fully_shard(...,
+        ignored_params=set(sharded.expert_parameters().values()))``, DDP's
+        ``_set_params_and_buffers_to_ignore_for_model``) and call
+        ``finish_expert_gradients`` after backward instead."""
+        params = self.local_parameters()
+        return {target: params[target] for target in self.plan.expert_params}
+
+    def finish_expert_gradients(self, data_parallel: Optional[int] = None,
+                                group: Any = None) -> None:
+        """Make the experts' gradients those of the data-parallel mean loss, as the dense
+        parameters' average over ``data_parallel`` ranks (default: ep) makes theirs: sum
+        over ``group`` (the ranks holding the same experts with other tokens, when the
+        data-parallel ranks outnumber ep; collective), then divide by ``data_parallel``.
+        Without expert parallelism it does nothing: the experts are then replicated over the
+        data-parallel ranks, averaged with the other parameters."""
+        ep = self.plan.ep
+        if ep == 1:
+            return
+        data_parallel = ep if data_parallel is None else data_parallel
+        if data_parallel % ep:
+            raise ConfigError(f"data_parallel={data_parallel} is not a multiple of ep={ep}: "
+                              "the expert-parallel ranks are data-parallel ranks")
+        if data_parallel > ep and group is None:
+            raise ConfigError(
+                f"data_parallel={data_parallel} > ep={ep}: pass group=, the ranks holding the "
+                f"same experts ({data_parallel // ep} of them), to sum their gradients")
+        for param in self.expert_parameters().values():
+            if param.grad is None:
+                continue
+            if group is not None:
+                dist.all_reduce(param.grad, group=_process_group(group))
+            param.grad.div_(data_parallel)
+
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """Plan parameter name -> this rank's piece (the program's parameter)."""
         out = {}
@@ -298,8 +355,8 @@ def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            registry: Optional[Registry] = None, check_plan: bool = True,
            seed: Optional[int] = None, grad_sync: str = "bucket",
            compile: Any = False, weights: Optional[Weights] = None,
-           device: Optional[torch.device] = None, keep_gathered: bool = False
-           ) -> ShardedModule:
+           device: Optional[torch.device] = None, keep_gathered: bool = False,
+           ep_comm: Optional[Communicator] = None) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(compile, (bool, dict)):
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
@@ -307,10 +364,10 @@ def _build(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
-                              keeper=keeper)
+                              keeper=keeper, ep_comm=ep_comm)
     split_layers(program)
     return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile,
-                         keeper=keeper)
+                         keeper=keeper, ep_comm=ep_comm)
 
 
 def default_device() -> torch.device:
@@ -365,6 +422,8 @@ def parallelize(
     checkpoint: Any = None,
     init: bool = False,
     device: Any = None,
+    ep: Optional[int] = None,
+    ep_group: Any = None,
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
 
@@ -401,6 +460,14 @@ def parallelize(
     projections when tp exceeds the k/v heads) in one all-reduce after backward, into
     ``.grad``; "per_use" all-reduces them inside autograd, for ``torch.autograd.grad`` and
     for DDP/FSDP wrapped around the sharded module.
+
+    ``ep``, ``ep_group``: expert parallelism. A mixture-of-experts model's experts are also
+    split over ``ep`` data-parallel ranks (``ep_group``, e.g. ``mesh["dp"]``; each rank
+    with its own tokens): every rank holds e / (tp * ep) experts whole, and the rows routed
+    to an expert move to the rank that owns it and back by all-to-alls. Without groups, the
+    world's tp * ep ranks are split into tp groups of consecutive ranks. The experts'
+    gradients sum every ep rank's tokens: see ``ShardedModule.expert_parameters`` and
+    ``finish_expert_gradients``.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
@@ -411,6 +478,7 @@ def parallelize(
             "single-process run)"
         )
     group = _process_group(group)
+    group, ep_group = _expert_groups(tp, ep, group, _process_group(ep_group))
     world = dist.get_world_size(group)
     tp = world if tp is None else _check_tp(tp)
     if tp != world:
@@ -418,13 +486,15 @@ def parallelize(
             f"tp={tp} but the process group has {world} ranks: pass group= a tensor-parallel "
             f"group of {tp} ranks (e.g. from a DeviceMesh), or tp={world}"
         )
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, sequence_parallel=sequence_parallel,
-                                 gather_outputs=gather_outputs)
+                                 gather_outputs=gather_outputs, ep=ep)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
     comm = ProcessGroupComm(group, timeout=timeout)
+    ep_comm = ProcessGroupComm(ep_group, timeout=timeout) if ep > 1 else None
     meta = has_meta_parameters(model)
     if device is None and meta:
         device = default_device()
@@ -439,13 +509,52 @@ def parallelize(
         sharded = _build(captured, the_plan, comm.rank, comm, check_plan=check_plan,
                          grad_sync=grad_sync, compile=compile, weights=weights,
                          device=device if meta else None, seed=seed,
-                         keep_gathered=keep_gathered)
+                         keep_gathered=keep_gathered, ep_comm=ep_comm)
     finally:
         weights.close()
     sharded.source = ModelInfo.of(model)
     sharded.strict = strict
     sharded.placed_on = device if meta else None
     return sharded
+
+
+def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: Any
+                   ) -> tuple[Any, Any]:
+    """The tp group and the ep group (None without expert parallelism). Given ``ep`` and no
+    groups, the world's tp * ep ranks form tp groups of consecutive ranks and ep groups of
+    the ranks at the same place in each (collective: every rank creates every group)."""
+    if ep is not None:
+        ep = _check_ep(ep)
+    if ep_group is not None:
+        size = dist.get_world_size(ep_group)
+        if ep is not None and ep != size:
+            raise ConfigError(f"ep={ep} but ep_group has {size} ranks: pass ep={size}, or an "
+                              f"ep_group of {ep} ranks")
+        if group is None and tp not in (None, dist.get_world_size()):
+            raise ConfigError("with ep_group=, pass group= too: the tensor-parallel ranks")
+        return group, ep_group
+    if ep is None or ep == 1:
+        return group, None
+    if group is not None:
+        raise ConfigError(f"ep={ep} with a tp group= needs ep_group=, the ranks the experts "
+                          "are split over (e.g. mesh['dp'] of a (dp, tp) DeviceMesh)")
+    world = dist.get_world_size()
+    tp = world // ep if tp is None else _check_tp(tp)
+    if tp * ep != world:
+        raise ConfigError(f"tp={tp} x ep={ep} = {tp * ep} ranks, but the world has {world}: "
+                          f"pass tp and ep whose product is {world}, or group= and ep_group=")
+    rank = dist.get_rank()
+    mine: Any = None
+    mine_ep: Any = None
+    for first in range(0, world, tp):  # every rank creates every group, in the same order
+        made = dist.new_group(list(range(first, first + tp)))
+        if first <= rank < first + tp:
+            mine = made
+    for offset in range(tp):
+        made = dist.new_group(list(range(offset, world, tp)))
+        if rank % tp == offset:
+            mine_ep = made
+    return mine, mine_ep
 
 
 def _process_group(group: Any) -> Optional[dist.ProcessGroup]:
@@ -479,6 +588,8 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
         layout = plan.param_layout(target)
         if isinstance(layout, Shard):
             tensor = gather(sharded.comm, tensor.contiguous(), layout)
+        if sharded.ep_comm is not None and target in plan.expert_params:
+            tensor = sharded.ep_comm.all_gather(tensor.contiguous(), 0)
         for name in plan.params[target].names:
             out[name] = tensor.detach().clone()
     for name in sharded._unused:  # parameters the forward never reads (replicated)
@@ -501,7 +612,9 @@ def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Simulation:
-    """Every rank of a tp group as a thread of this process, with in-memory collectives."""
+    """Every rank of a tp group (with expert parallelism, of ep tp groups: rank
+    ``e * tp + r`` is tp rank r of ep rank e) as a thread of this process, with in-memory
+    collectives."""
 
     plan: Plan
     ranks: list[ShardedModule]
@@ -509,15 +622,17 @@ class Simulation:
 
     @property
     def tp(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) // self.plan.ep
 
     def run(self, fn: Callable[[ShardedModule], Any]) -> list[Any]:
         """Call ``fn(module)`` on every rank concurrently; returns the results in rank order."""
-        results: list[Any] = [None] * self.tp
-        errors: list[Optional[BaseException]] = [None] * self.tp
-        comm = self.ranks[0].comm
-        if isinstance(comm, ThreadComm):
-            comm.hub.barrier.reset()  # a failed earlier run may have broken it
+        world = len(self.ranks)
+        results: list[Any] = [None] * world
+        errors: list[Optional[BaseException]] = [None] * world
+        for rank_module in self.ranks:
+            for comm in (rank_module.comm, rank_module.ep_comm):
+                if isinstance(comm, ThreadComm):
+                    comm.hub.barrier.reset()  # a failed earlier run may have broken it
 
         def target(rank: int) -> None:
             try:
@@ -529,12 +644,12 @@ class Simulation:
                     results[rank] = fn(self.ranks[rank])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 errors[rank] = exc
-                comm = self.ranks[rank].comm
-                if isinstance(comm, ThreadComm):
-                    comm.abort()
+                for comm in (self.ranks[rank].comm, self.ranks[rank].ep_comm):
+                    if isinstance(comm, ThreadComm):
+                        comm.abort()
 
         threads = [threading.Thread(target=target, args=(r,), name=f"autotp-rank{r}")
-                   for r in range(self.tp)]
+                   for r in range(world)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -566,23 +681,30 @@ def simulate(
     compile: Any = False,
     registry: Optional[Registry] = None,
     check_plan: bool = True,
+    ep: int = 1,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives. ``registry``: the rules (default
     ``Registry.default()``), e.g. one without some op's rule to exercise the fallback.
     ``check_plan``: prove first that every parameter's gradient arrives whole in its own
-    layout (``autotp.planner.gradflow``), as ``parallelize`` does."""
+    layout (``autotp.planner.gradflow``), as ``parallelize`` does. ``ep``: expert
+    parallelism over ep simulated data-parallel ranks too (tp * ep threads)."""
+    ep = _check_ep(ep)
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, registry=registry,
                                  sequence_parallel=sequence_parallel,
-                                 gather_outputs=gather_outputs)
+                                 gather_outputs=gather_outputs, ep=ep)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
-    hub = ThreadHub(tp, timeout)
-    ranks = [_build(captured, the_plan, comm.rank, comm, registry=registry,
-                    grad_sync=grad_sync, compile=compile, keep_gathered=keep_gathered)
-             for comm in hub.comms()]
+    ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)]
+    ranks = []
+    for e in range(ep):
+        for comm in ThreadHub(tp, timeout).comms():
+            ranks.append(_build(captured, the_plan, comm.rank, comm, registry=registry,
+                                grad_sync=grad_sync, compile=compile,
+                                keep_gathered=keep_gathered,
+                                ep_comm=ThreadComm(ep_hubs[comm.rank], e) if ep > 1 else None))
     for rank in ranks:
         rank.source = ModelInfo.of(model)
         rank.strict = strict

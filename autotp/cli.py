@@ -55,13 +55,17 @@ def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
     from autotp.planner.solve import PlanOptions
 
     return PlanOptions(sequence_parallel=args.sequence_parallel,
-                       gather_outputs=not getattr(args, "sharded_outputs", False), **kwargs)
+                       gather_outputs=not getattr(args, "sharded_outputs", False),
+                       expert_parallel=getattr(args, "ep", 1), **kwargs)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="hf:<model_type>, a directory with config.json, or "
                                       "file.py:factory / package.module:factory")
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism: experts also split over this many "
+                             "data-parallel ranks (default 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config field (repeatable)")
     parser.add_argument("--batch", type=int, default=8, help="batch size B for byte counts")
@@ -83,6 +87,8 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
     progress = Progress(not args.quiet)
     if isinstance(args.tp, bool) or args.tp < 1:
         raise ConfigError(f"--tp must be a positive int, got {args.tp}")
+    if getattr(args, "ep", 1) < 1:
+        raise ConfigError(f"--ep must be a positive int, got {args.ep}")
     with progress.step(f"building {args.model}" + (" on the meta device" if meta else "")):
         loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
     with progress.step("tracing with torch.export"):

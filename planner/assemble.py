@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
+from autotp.errors import PlanError
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.cost import CostModel, parse_size, readable
 from autotp.planner.invariant import stages
@@ -28,6 +29,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
     plan.cost = total
     plan.sequence_parallel = options.sequence_parallel
+    plan.ep = options.expert_parallel
     plan.dims = {str(k): v for k, v in dims.items()}
     values: dict[str, Any] = {}
     # the op that made each partial sum: a value that is still P after linear ops (a cast,
@@ -166,6 +168,10 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                     node="batched: " + ", ".join(name for name, _ in joined),
                     source=None, src=src_text, dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
+    plan.expert_params = expert_params(pnodes, plan.choices)
+    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
+        for target in set(plan.experts) & set(plan.expert_params):
+            plan.experts[target][1] = "whole"
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:
             target = pn.node.target
@@ -177,9 +183,18 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 grad_sync.add(target)
                 synced_bytes[target] = whole_numel(global_shape, layout) * \
                     params[target].element_size()
+            degree = tp
+            if plan.ep > 1 and target in plan.expert_params:
+                # split along the experts tp * ep ways; at tp 1 the plan's own layout of the
+                # weight is whole on the one tp rank (every layout is), so it is set here
+                if tp > 1 and layout != Shard(0):
+                    raise PlanError(f"{target}: experts read whole by their grouped products "
+                                    f"but stored as {layout}; ep needs them split along the "
+                                    "experts")
+                layout, degree = Shard(0), tp * plan.ep
             plan.params[target] = ParamPlan(
                 layout=str(layout), global_shape=global_shape,
-                local_shape=local_shape(global_shape, layout, tp),
+                local_shape=local_shape(global_shape, layout, degree),
                 names=tuple(captured.aliases.get(target, [target])),
                 grad_sync=target in grad_sync,
                 layer=_first_use_layer(pn.node),
@@ -213,6 +228,29 @@ def expert_stacks(pnodes: list[PNode], values: dict[str, Any]) -> dict[str, list
         how = "whole" if layout == Shard(0) else \
             "replicated" if isinstance(layout, Replicate) else "sliced"
         out[str(weight.target)] = [int(weight.meta["val"].shape[0]), how]
+    return out
+
+
+def expert_params(pnodes: list[PNode], choices: dict[str, Choice]) -> list[str]:
+    """The parameters split along the experts with the rows routed to them: the stacked
+    weights of grouped products that hold experts whole, and per-expert tables read at the
+    routed rows' expert ids (gpt-oss's biases)."""
+    out: list[str] = []
+    for pn in pnodes:
+        choice = choices.get(pn.node.name)
+        if choice is None:
+            continue
+        if choice.strategy.endswith("[experts]"):
+            arg = pn.node.args[1]
+        elif choice.strategy.endswith("[expert rows]"):
+            arg = pn.node.args[0]
+        else:
+            continue
+        while isinstance(arg, fx.Node) and arg.op == "call_function" and \
+                len(arg.all_input_nodes) == 1:
+            arg = arg.all_input_nodes[0]  # a transpose, a cast
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target) not in out:
+            out.append(str(arg.target))
     return out
 
 

@@ -92,6 +92,10 @@ class Plan:
     last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
     # stacked expert weights -> [experts, "whole" | "sliced" | "replicated"]
     experts: dict[str, list] = field(default_factory=dict)
+    # expert parallelism: the ep data-parallel ranks the experts are also split over, and the
+    # parameters split along the experts tp * ep ways (stacked weights, per-expert tables)
+    ep: int = 1
+    expert_params: list[str] = field(default_factory=list)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -147,7 +151,8 @@ class Plan:
         kinds = Counter((count, how) for count, how in self.experts.values())
         parts = []
         for (count, how), n in sorted(kinds.items()):
-            text = f"whole, {count // self.tp} of {count} per rank" if how == "whole" else \
+            text = f"whole, {count // (self.tp * self.ep)} of {count} per rank" if \
+                how == "whole" else \
                 f"{how}, {count} per rank"
             parts.append(f"{text} ({n} stacked weight{'s' if n != 1 else ''})")
         return "; ".join(parts)
@@ -185,6 +190,8 @@ class Plan:
         plan.states = dict(data.get("states", {}))
         plan.last_resorts = int(data.get("last_resorts", 0))
         plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}
+        plan.ep = int(data.get("ep", 1))
+        plan.expert_params = list(data.get("expert_params", []))
         return plan
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.trace import (Captured, make_call, node_arg, sequence_symbols, size_expr,
-                            tensor_inputs)
-from autotp.errors import NoRuleError, where
+                            origin_of, tensor_inputs)
+from autotp.errors import NoRuleError, PlanError, where
 from autotp.layout import (
     R,
     R_STAR,
@@ -101,6 +101,9 @@ class PlanOptions:
     # the beam ranks states by their cost plus a lower bound on what they still owe
     # (FrontierSolver.ahead); the second search (solve._search_further) turns it on
     lookahead: bool = False
+    # expert parallelism over this many data-parallel ranks (autotp.runtime.routing): every
+    # grouped product holds its experts whole, tp * ep ways
+    expert_parallel: int = 1
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:
@@ -309,13 +312,16 @@ def build_problem(
                 if memo_key is None:
                     call = make_call(node, tp, blocks, split)
                     rows = _routed_rows(node, routed_rows)
-                    call = replace(call, routed=rows, experts=routed_rows.get(rows))
+                    call = replace(call, routed=rows, experts=routed_rows.get(rows),
+                                   ep=options.expert_parallel)
                     memo_key = _call_key(call)
                     if memo_key not in strategy_memo:  # repeated layers repeat their calls
                         strategy_memo[memo_key] = registry.strategies(call)
                     if shared is not None:
                         call_memo[shared] = memo_key
                 pn.strategies = strategy_memo[memo_key]
+                if options.expert_parallel > 1 and is_grouped(node):
+                    pn.strategies = _experts_whole(node, pn.strategies, tp, options)
                 forced = dict(options.force).get(node.name)
                 if forced is not None:
                     pn.strategies = [pn.strategies[forced]]
@@ -492,10 +498,26 @@ def _routed_rows(node: fx.Node, rows: dict) -> Any:
     return None
 
 
+def _experts_whole(node: fx.Node, strategies: list[Strategy], tp: int,
+                   options: PlanOptions) -> list[Strategy]:
+    """With expert parallelism a grouped product holds its experts whole: the only layout
+    in which the rows routed to an expert can move to the rank that owns it."""
+    kept = [s for s in strategies if s.name == "experts"]
+    if not kept:
+        ep = options.expert_parallel
+        weight = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        experts = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
+        fits = "" if experts is None else f" it has {experts} experts; at tp={tp}, ep in " \
+            f"{[d for d in range(1, experts + 1) if experts % (d * tp) == 0]} divide them"
+        raise PlanError(f"ep={ep} needs the experts of {node.name} whole on each of tp * ep = "
+                        f"{tp * ep} ranks, rows sorted by expert ({origin_of(node)}):{fits}")
+    return kept
+
+
 def _call_key(call: Any) -> Any:
     try:
         return (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.inputs,
-                call.output, repr(call.routed))
+                call.output, repr(call.routed), call.ep)
     except TypeError:  # unhashable argument: no memo
         return object()
 

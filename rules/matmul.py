@@ -181,9 +181,10 @@ def grouped_mm_rule(call: OpCall) -> Iterator[Strategy]:
             yield strategy
     experts = call.inputs[1].static(0)
     if call.routed is not None and call.inputs[0].shape[0] == call.routed and \
-            experts is not None and experts % call.tp == 0:
-        # experts whole, e/tp per rank: each rank multiplies the rows routed to its own
-        # experts (S(0)@experts: contiguous, since the rows are sorted by expert)
+            experts is not None and experts % (call.tp * call.ep) == 0:
+        # experts whole, e/tp per rank (e/(tp*ep) with expert parallelism): each rank
+        # multiplies the rows routed to its own experts (S(0)@experts: contiguous, since the
+        # rows are sorted by expert)
         rows = Shard(0, ROUTED)
         yield Strategy((rows, Shard(0), R), rows, name="experts")
     if call.inputs[0].floating and call.inputs[1].floating:
@@ -197,8 +198,7 @@ def experts_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
         return
     x, weight, offs = node.args[:3]
     with ctx.graph.inserting_before(node):
-        local = ctx.graph.call_function(local_offsets,
-                                        (offs, ctx.routes[node.name], ctx.rank, ctx.tp))
+        local = ctx.graph.call_function(local_offsets, (ctx.routes[node.name],))
     node.args = (x, weight, local, *node.args[3:])
 
 

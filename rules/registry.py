@@ -154,6 +154,10 @@ class OpCall:
     # reads or writes such rows: their strategies are also offered on routed rows
     routed: Optional[Size] = None
     experts: Optional[int] = None  # how many experts those rows are sorted by
+    # expert parallelism across ep data-parallel ranks (autotp.runtime.routing): the routed
+    # rows are dispatched to the ranks that own their experts, so experts are split tp * ep
+    # ways and a routed row cannot read replicated data by its position (see _routed_variants)
+    ep: int = 1
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         if index < len(self.args):
@@ -308,11 +312,24 @@ class Registry:
                     any(isinstance(x, Partial) for x in layouts) or \
                     any(x != Shard(0) or m is None or m.shape[0] != rows for x, m in shards):
                 continue
+            if call.ep > 1 and _reads_by_position(strategy.inputs, wide.inputs):
+                continue
             output_layout = tuple(swap(o) for o in strategy.output) \
                 if isinstance(strategy.output, tuple) else swap(strategy.output)
             out.append(Strategy(tuple(swap(x) for x in strategy.inputs), output_layout,
                                 name=f"{strategy.name or 'rows'} (routed)"))
         return out
+
+
+def _reads_by_position(layouts: tuple, metas: tuple) -> bool:
+    """Whether routed integers (token positions, ``perm // k``) index a replicated tensor
+    (``x[token_of_row]``). With expert parallelism the routed rows are dispatched to the
+    ranks that own their experts, where such a position names a row of another rank's
+    tokens: the rows must be gathered before they are dispatched."""
+    index = any(isinstance(x, Shard) and m is not None and not m.floating
+                for x, m in zip(layouts, metas))
+    return index and any(isinstance(x, Replicate) and m is not None and m.ndim
+                         for x, m in zip(layouts, metas))
 
 
 def _as_list(output: Any) -> list[Any]:

@@ -637,7 +637,7 @@ def index_rule(call: OpCall) -> Iterator[Strategy]:
             # rows it holds and writes zeros elsewhere, so the ranks' outputs sum to x[idx]
             yield Strategy((Shard(0, ROUTED), R), P, name="routed lookup")
         if call.experts is not None and src.static(0) == call.experts and \
-                call.experts % call.tp == 0 and index.ndim == 1 and \
+                call.experts % (call.tp * call.ep) == 0 and index.ndim == 1 and \
                 index.shape[0] == call.routed and not index.floating:
             # a per-expert table (gpt-oss's expert biases) read at the routed rows' expert
             # ids: each rank's rows name only its own experts, the table's rows it holds
@@ -654,7 +654,7 @@ def routed_lookup_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
     elif strategy.inputs == (Shard(0), Shard(0, ROUTED)):
         x, (index,) = node.args[:2]
         node.target = expert_rows
-        node.args = (x, index, ctx.rank)
+        node.args = (x, index, ctx.routes[node.name])
 
 
 @rules.register(aten.index_put.default, aten.index_put_.default)

@@ -31,6 +31,7 @@ SLOW: dict[str, float] = {
     "tests/test_checkpoint.py::test_resume_upward_fills_each_ranks_slices": 59,
     "tests/test_checkpoint.py::test_save_pretrained_loads_bitwise_in_transformers[gpt2]": 12,
     "tests/test_checkpoint.py::test_save_pretrained_loads_bitwise_in_transformers[qwen3_moe]": 17,
+    "tests/test_checkpoint.py::test_save_pretrained_writes_experts_as_the_checkpoint_stored_them": 47,  # noqa: E501
     "tests/test_cli.py::test_plan_json_matches_the_reviewed_golden_plan_and_is_deterministic": 28,
     "tests/test_cli.py::test_python_m_and_console_script_agree": 11,
     "tests/test_composition.py::test_fsdp2_per_layer_on_a_2d_mesh": 40,
@@ -43,6 +44,7 @@ SLOW: dict[str, float] = {
     "tests/test_estimate.py::test_float32_inside_a_bfloat16_model_counts_four_bytes": 17,
     "tests/test_experts.py::test_experts_whole_exact[2-learned-2]": 9,
     "tests/test_experts.py::test_generate_with_experts_whole": 92,
+    "tests/test_experts.py::test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model": 47,  # noqa: E501
     "tests/test_families.py::test_gloo_mixtral_matches_the_unsharded_model": 16,
     "tests/test_fusion.py::test_compiled_program_matches_the_unsharded_model[sp]": 35,
     "tests/test_fusion.py::test_compiled_program_matches_the_unsharded_model[tp]": 22,

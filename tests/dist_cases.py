@@ -144,7 +144,15 @@ def fsdp_case(rank: int, world_size: int, steps: int = 3) -> dict[bool, dict[str
             for checkpointing in (False, True)}
 
 
-def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any]:
+def fsdp_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """``fsdp_case`` with a mixture-of-experts model whose experts are split over dp x tp
+    (expert parallelism over "dp"): FSDP2 ignores the experts, ``finish_expert_gradients``
+    scales their gradients as FSDP2 averages the others."""
+    return _fsdp_run(world_size, False, steps, experts=True)
+
+
+def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = False
+              ) -> dict[str, Any]:
     import copy
 
     import torch.distributed as dist
@@ -156,24 +164,32 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
-    model = mqa_llama()
+    if experts:
+        from test_experts import _qwen3_moe
+
+        model = _qwen3_moe().train()
+    else:
+        model = mqa_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 96, (4, 12), generator=torch.Generator().manual_seed(3))
     mine = ids.chunk(2)[mesh["dp"].get_local_rank()]
     sharded = autotp.parallelize(model, group=mesh["tp"],
+                                 ep_group=mesh["dp"] if experts else None,
                                  example_kwargs={"input_ids": mine, "labels": mine})
+    ignored = set(sharded.expert_parameters().values()) if experts else set()
     layers = sharded.model.layers
     for i, layer in enumerate(layers):
         if checkpointing:
             layers[i] = layer = checkpoint_wrapper(layer)
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(sharded, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"], ignored_params=ignored)
+    fully_shard(sharded, mesh=mesh["dp"], ignored_params=ignored)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     losses, ref_losses, grad_diff = [], [], 0.0
     for step in range(steps):
         loss = sharded(input_ids=mine, labels=mine).loss
         loss.backward()
+        sharded.finish_expert_gradients()
         ref_loss = reference(input_ids=ids, labels=ids).loss
         ref_loss.backward()
         if step == 0:  # FSDP2 averaged the dp ranks' gradients: the whole batch's
@@ -196,6 +212,8 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int) -> dict[str, Any
         "param_diff": max(float((full[k] - want[k]).abs().max()) for k in want),
         "names": sorted(full) == sorted(want),
         "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
+        "experts_held": sorted({int(p.shape[0]) for p in ignored}),
+        "expert_moves": len(sharded.ep_comm.log.events) if sharded.ep_comm else 0,
     }
 
 
@@ -431,3 +449,4 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
         opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "read": read, "held": held,
             "meta": any(p.is_meta for p in params)}
+

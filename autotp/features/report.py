@@ -226,7 +226,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
         bwd = sum(1 for c in group.collectives if c.phase == "backward")
         meets &= fwd <= bound["forward"] and bwd <= bound["backward"]
         groups.append({"layers": group.layers, "forward": fwd, "backward": bwd})
-    return {
+    out = {
         "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
         "batch": batch, "seq": seq, "bandwidth_GBps": cost_model.bandwidth / 1e9,
         "latency_us": cost_model.latency * 1e6,
@@ -242,6 +242,10 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             "fallbacks": list(plan.fallbacks),
         },
     }
+    if plan.experts:  # stacked weight -> [experts, how held]; ep: also split over ep ranks
+        out["experts"] = {"ep": plan.ep, "stacks": {k: list(v) for k, v in plan.experts.items()},
+                          "split": list(plan.expert_params)}
+    return out
 
 
 def to_json(plan: Plan, cost_model: CostModel) -> str:
@@ -251,8 +255,9 @@ def to_json(plan: Plan, cost_model: CostModel) -> str:
 def to_table(plan: Plan, cost_model: CostModel) -> str:
     data = to_dict(plan, cost_model)
     batch, seq = cost_model.batch, cost_model.seq
-    lines = [f"autotp plan: {plan.model}, tp={plan.tp}, {plan.layers} layers; bytes at B={batch} "
-             f"T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
+    ep = f", ep={plan.ep}" if plan.ep > 1 else ""
+    lines = [f"autotp plan: {plan.model}, tp={plan.tp}{ep}, {plan.layers} layers; bytes at "
+             f"B={batch} T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
              f"{cost_model.latency * 1e6:g} us"]
 
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
@@ -291,6 +296,12 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     b = s["megatron_bound"]
     lines.append(f"per layer (forward, backward): {per_layer}; Megatron bound "
                  f"({b['forward']}, {b['backward']}): {verdict}")
+    if plan.experts:
+        lines.append(f"experts: {plan.experts_summary()}")
+    if plan.ep > 1:
+        lines.append(f"  split over tp x ep = {plan.tp * plan.ep} ranks; per MoE block, over the "
+                     f"ep ranks: the row counts, the rows dispatched and combined by "
+                     f"all-to-all (and back in backward)")
     if any(x.startswith("S") for x in plan.outputs):
         lines.append(f"outputs returned sharded (not gathered): {', '.join(plan.outputs)}")
     lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "

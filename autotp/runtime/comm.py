@@ -1,4 +1,4 @@
-"""Communicators: the three collectives autotp needs, over a process group or over threads.
+"""Communicators: the collectives autotp needs, over a process group or over threads.
 
 ``ProcessGroupComm`` uses torch.distributed (NCCL for CUDA tensors, gloo for CPU tensors).
 ``ThreadComm`` runs every rank as a thread of one process and exchanges tensors in memory;
@@ -24,7 +24,7 @@ from autotp.errors import AutotpError, ConfigError
 
 @dataclass(frozen=True)
 class CollectiveEvent:
-    kind: str  # all_reduce | all_gather | reduce_scatter
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
     phase: str  # forward | backward
     layer: Optional[int]
     nbytes: int
@@ -66,6 +66,12 @@ class Communicator:
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/world_size slice of ``dim``."""
+        raise NotImplementedError
+
+    def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
+                   ) -> torch.Tensor:
+        """Rows ``tensor[sum(send[:d]) : sum(send[:d + 1])]`` go to rank d; the result holds
+        the ``recv[s]`` rows from each rank s, in rank order (expert dispatch)."""
         raise NotImplementedError
 
 
@@ -159,6 +165,16 @@ class ProcessGroupComm(Communicator):
         return out.movedim(0, dim).contiguous()
 
 
+    def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
+                   ) -> torch.Tensor:
+        self._check_device(tensor)
+        out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+        self._wait(dist.all_to_all_single(out, tensor.contiguous(), recv, send,
+                                          group=self.group, async_op=True),
+                   "all_to_all", self._uses_nccl(out))
+        return out
+
+
 # newer torch names these *_single (the *_into_tensor / *_tensor forms are deprecated
 # there); older releases (2.11 included) have only the latter.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -216,6 +232,17 @@ class ThreadComm(Communicator):
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         total = self.all_reduce(tensor)
         return total.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+
+    def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
+                   ) -> torch.Tensor:
+        def mine(parts: list) -> torch.Tensor:
+            return torch.cat([rows.split(splits)[self.rank] for rows, splits in parts])
+
+        out = self._exchange((tensor, list(send)), mine)
+        if out.shape[0] != sum(recv):
+            raise RuntimeError(f"simulated rank {self.rank}: {out.shape[0]} rows arrived, "
+                               f"{sum(recv)} expected")
+        return out
 
     def abort(self) -> None:
         self.hub.barrier.abort()

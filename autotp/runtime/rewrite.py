@@ -114,9 +114,11 @@ def _set(root: nn.Module, target: str, value: Any) -> None:
 
 
 def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
-                     weights: Weights) -> nn.Module:
+                     weights: Weights, ep_rank: int = 0) -> nn.Module:
     """A fresh root module holding this rank's piece of every attribute the graph reads,
-    as ``weights`` provides it (slices of real tensors, of checkpoint files, or of inits)."""
+    as ``weights`` provides it (slices of real tensors, of checkpoint files, or of inits).
+    With expert parallelism the experts are split tp * ep ways, this rank's share being
+    number ``ep_rank * tp + rank``."""
     root = nn.Module()
     source = captured.gm
     for node in graph.nodes:
@@ -125,7 +127,9 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
             if isinstance(value, nn.Parameter):
                 layout = plan.param_layout(node.target)
                 names = captured.aliases.get(node.target, [node.target])
-                local = weights.parameter(node.target, names, layout, rank, plan.tp, value)
+                share, shares = (ep_rank * plan.tp + rank, plan.tp * plan.ep) \
+                    if node.target in plan.expert_params else (rank, plan.tp)
+                local = weights.parameter(node.target, names, layout, share, shares, value)
                 expected = plan.params[node.target].local_shape
                 if tuple(local.shape) != tuple(expected):
                     raise PlanError(f"{node.target}: local piece {list(local.shape)}, the plan "
@@ -366,18 +370,21 @@ def erase_input_guards(graph: fx.Graph) -> None:
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
-            device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None
-            ) -> tuple[fx.GraphModule, GradBucket]:
+            device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None,
+            ep_comm: Optional[Communicator] = None) -> tuple[fx.GraphModule, GradBucket]:
     """This rank's program. ``keeper``: with sequence parallelism, where the sequence
-    all-gathers record their outputs so that backward re-gathers what it saved of them."""
+    all-gathers record their outputs so that backward re-gathers what it saved of them.
+    ``ep_comm``: with expert parallelism (``plan.ep`` > 1), the group of ranks the experts
+    are split over besides the tp group, whose tokens differ."""
     registry = registry or Registry.default()
     weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
     drop_input_guards(graph, plan)
-    root = shard_parameters(captured, plan, graph, rank, weights)
+    root = shard_parameters(captured, plan, graph, rank, weights,
+                            ep_comm.rank if ep_comm is not None else 0)
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
-    routes = route_rows(graph, plan, comm, root)
+    routes = route_rows(graph, plan, comm, root, ep_comm)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     join_ahead(graph, plan, comm, root)
     if keeper is not None:
