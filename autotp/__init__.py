@@ -10,6 +10,8 @@
 from autotp.api import (
     ShardedModule,
     Simulation,
+    expert_parameters,
+    finish_expert_gradients,
     full_state_dict,
     parallelize,
     plan,
@@ -45,6 +47,8 @@ __all__ = [
     "TraceError",
     "empty_weights",
     "estimate",
+    "expert_parameters",
+    "finish_expert_gradients",
     "from_pretrained",
     "full_state_dict",
     "load_checkpoint",

@@ -262,42 +262,13 @@ class ShardedModule(nn.Module):
         return call
 
     def expert_parameters(self) -> dict[str, nn.Parameter]:
-        """Plan parameter name -> this rank's share of the experts (``plan.expert_params``).
-
-        With expert parallelism (``ep`` > 1) each ep rank holds different experts, and their
-        gradients already sum every ep rank's tokens (the dispatch's backward brings them):
-        keep them out of the data-parallel gradient average (``fully_shard(...,
-        ignored_params=set(sharded.expert_parameters().values()))``, DDP's
-        ``_set_params_and_buffers_to_ignore_for_model``) and call
-        ``finish_expert_gradients`` after backward instead."""
-        params = self.local_parameters()
-        return {target: params[target] for target in self.plan.expert_params}
+        """Plan parameter name -> this rank's share of the experts: ``expert_parameters``."""
+        return expert_parameters(self)
 
     def finish_expert_gradients(self, data_parallel: Optional[int] = None,
                                 group: Any = None) -> None:
-        """Make the experts' gradients those of the data-parallel mean loss, as the dense
-        parameters' average over ``data_parallel`` ranks (default: ep) makes theirs: sum
-        over ``group`` (the ranks holding the same experts with other tokens, when the
-        data-parallel ranks outnumber ep; collective), then divide by ``data_parallel``.
-        Without expert parallelism it does nothing: the experts are then replicated over the
-        data-parallel ranks, averaged with the other parameters."""
-        ep = self.plan.ep
-        if ep == 1:
-            return
-        data_parallel = ep if data_parallel is None else data_parallel
-        if data_parallel % ep:
-            raise ConfigError(f"data_parallel={data_parallel} is not a multiple of ep={ep}: "
-                              "the expert-parallel ranks are data-parallel ranks")
-        if data_parallel > ep and group is None:
-            raise ConfigError(
-                f"data_parallel={data_parallel} > ep={ep}: pass group=, the ranks holding the "
-                f"same experts ({data_parallel // ep} of them), to sum their gradients")
-        for param in self.expert_parameters().values():
-            if param.grad is None:
-                continue
-            if group is not None:
-                dist.all_reduce(param.grad, group=_process_group(group))
-            param.grad.div_(data_parallel)
+        """See ``autotp.finish_expert_gradients``."""
+        finish_expert_gradients(self, data_parallel, group)
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """Plan parameter name -> this rank's piece (the program's parameter)."""
@@ -557,6 +528,52 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
     return mine, mine_ep
 
 
+def expert_parameters(module: ShardedModule) -> dict[str, nn.Parameter]:
+    """Plan parameter name -> this rank's share of the experts (``plan.expert_params``).
+
+    With expert parallelism (``ep`` > 1) each ep rank holds different experts, and their
+    gradients already sum every ep rank's tokens (the dispatch's backward brings them):
+    keep them out of the data-parallel gradient average (``fully_shard(...,
+    ignored_params=set(expert_parameters(module).values()))``) and call
+    ``finish_expert_gradients`` after backward instead."""
+    if not isinstance(module, ShardedModule):
+        raise ConfigError(f"expert_parameters takes the module autotp.parallelize returned, "
+                          f"got {type(module).__name__}")
+    params = module.local_parameters()
+    return {target: params[target] for target in module.plan.expert_params}
+
+
+def finish_expert_gradients(module: ShardedModule, data_parallel: Optional[int] = None,
+                            group: Any = None) -> None:
+    """Make the experts' gradients of ``module`` (a ``ShardedModule``) those of the
+    data-parallel mean loss, as the dense parameters' average over
+    ``data_parallel`` ranks (default: ep) makes theirs: sum over ``group`` (the ranks
+    holding the same experts with other tokens, when the data-parallel ranks outnumber ep;
+    collective), then divide by ``data_parallel``. Without expert parallelism it does
+    nothing: the experts are then replicated over the data-parallel ranks, averaged with the
+    other parameters."""
+    if not isinstance(module, ShardedModule):
+        raise ConfigError(f"finish_expert_gradients takes the module autotp.parallelize "
+                          f"returned, got {type(module).__name__}")
+    ep = module.plan.ep
+    if ep == 1:
+        return
+    data_parallel = ep if data_parallel is None else data_parallel
+    if data_parallel % ep:
+        raise ConfigError(f"data_parallel={data_parallel} is not a multiple of ep={ep}: "
+                          "the expert-parallel ranks are data-parallel ranks")
+    if data_parallel > ep and group is None:
+        raise ConfigError(
+            f"data_parallel={data_parallel} > ep={ep}: pass group=, the ranks holding the "
+            f"same experts ({data_parallel // ep} of them), to sum their gradients")
+    for param in expert_parameters(module).values():
+        if param.grad is None:
+            continue
+        if group is not None:
+            dist.all_reduce(param.grad, group=_process_group(group))
+        param.grad.div_(data_parallel)
+
+
 def _process_group(group: Any) -> Optional[dist.ProcessGroup]:
     """A process group, or the group of a 1-D DeviceMesh (``mesh["tp"]``)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -715,6 +732,8 @@ __all__: Sequence[str] = [
     "AutotpError",
     "ShardedModule",
     "Simulation",
+    "expert_parameters",
+    "finish_expert_gradients",
     "full_state_dict",
     "parallelize",
     "plan",
