@@ -260,6 +260,36 @@ def test_published_moe_shape_on_meta() -> None:
         assert plan.count("forward", layer) == 2, plan.summary()
 
 
+class _LoopOverHitExperts(torch.nn.Module):
+    """A mixture of experts as older transformers wrote it: a Python loop over the experts
+    some token picked (``nonzero``), each run on its tokens (``torch.where``)."""
+
+    def __init__(self, experts: int = 4, width: int = 16):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width)
+                                           for _ in range(experts))
+        self.head = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.flatten(0, 1)
+        weights, chosen = torch.topk(self.router(rows).softmax(-1), 2)
+        out = torch.zeros_like(rows)
+        mask = torch.nn.functional.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
+        for hit in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            choice, token = torch.where(mask[hit[0]])
+            picked = self.experts[hit[0]](rows[token]) * weights[token, choice, None]
+            out.index_add_(0, token, picked)
+        return self.head(out.view_as(x))
+
+
+def test_a_loop_over_the_experts_hit_is_refused_with_its_line() -> None:
+    """Routing the capture cannot see (a loop whose trip count is the experts some token
+    picked) is refused before any rank runs, naming the loop's source line."""
+    with pytest.raises(autotp.TraceError, match=r"test_experts.py:\d+: +for hit in"):
+        autotp.plan(_LoopOverHitExperts(), 2, example_args=(torch.randn(2, 8, 16),))
+
+
 # ---- the pieces ------------------------------------------------------------------------------
 
 
