@@ -528,34 +528,53 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
     return mine, mine_ep
 
 
-def expert_parameters(module: ShardedModule) -> dict[str, nn.Parameter]:
-    """Plan parameter name -> this rank's share of the experts (``plan.expert_params``).
+def expert_parameters(module: Any) -> dict[str, nn.Parameter]:
+    """Plan parameter name -> this rank's share of the experts (``plan.expert_params``), of a
+    ``ShardedModule`` or of a pipeline stage (``autotp.pipeline_stages``), its layers wrapped
+    (activation checkpointing) or not.
 
     With expert parallelism (``ep`` > 1) each ep rank holds different experts, and their
     gradients already sum every ep rank's tokens (the dispatch's backward brings them):
     keep them out of the data-parallel gradient average (``fully_shard(...,
     ignored_params=set(expert_parameters(module).values()))``) and call
     ``finish_expert_gradients`` after backward instead."""
-    if not isinstance(module, ShardedModule):
-        raise ConfigError(f"expert_parameters takes the module autotp.parallelize returned, "
-                          f"got {type(module).__name__}")
-    params = module.local_parameters()
-    return {target: params[target] for target in module.plan.expert_params}
+    if isinstance(module, ShardedModule):
+        params = module.local_parameters()
+        return {target: params[target] for target in module.plan.expert_params}
+    plan = getattr(module, "_autotp_plan", None)
+    if plan is None:
+        raise ConfigError(f"expert_parameters takes the module autotp.parallelize returned or "
+                          f"a stage of autotp.pipeline_stages, got {type(module).__name__}")
+    wanted = set(plan.expert_params)
+    out = {}
+    for name, param in module.submod.named_parameters():
+        plain = name.replace("_checkpoint_wrapped_module.", "")
+        if plain in wanted:
+            out[plain] = param
+    return out
 
 
-def finish_expert_gradients(module: ShardedModule, data_parallel: Optional[int] = None,
+def finish_expert_gradients(module: Any, data_parallel: Optional[int] = None,
                             group: Any = None) -> None:
-    """Make the experts' gradients of ``module`` (a ``ShardedModule``) those of the
-    data-parallel mean loss, as the dense parameters' average over
+    """Make the experts' gradients of ``module`` (a ``ShardedModule``, a pipeline stage or a
+    list of stages) those of the data-parallel mean loss, as the dense parameters' average
+    over
     ``data_parallel`` ranks (default: ep) makes theirs: sum over ``group`` (the ranks
     holding the same experts with other tokens, when the data-parallel ranks outnumber ep;
     collective), then divide by ``data_parallel``. Without expert parallelism it does
     nothing: the experts are then replicated over the data-parallel ranks, averaged with the
     other parameters."""
-    if not isinstance(module, ShardedModule):
+    if isinstance(module, (list, tuple)):
+        for stage in module:
+            finish_expert_gradients(stage, data_parallel, group)
+        return
+    plan = module.plan if isinstance(module, ShardedModule) else \
+        getattr(module, "_autotp_plan", None)
+    if plan is None:
         raise ConfigError(f"finish_expert_gradients takes the module autotp.parallelize "
-                          f"returned, got {type(module).__name__}")
-    ep = module.plan.ep
+                          f"returned or stages of autotp.pipeline_stages, got "
+                          f"{type(module).__name__}")
+    ep = plan.ep
     if ep == 1:
         return
     data_parallel = ep if data_parallel is None else data_parallel

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --check
     torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --tp 2 --stages-per-rank 2
+    torchrun --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --ep 2 --check
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_3d.py --pp 4 --dp 1 --tp 8 --layers 32
 
@@ -12,6 +13,10 @@ is split, the whole stage only); optionally each layer is wrapped in activation
 checkpointing first. torch's own schedules run the stages. Each dp rank trains on its slice
 of the global batch, cut into microbatches. ``--check`` also trains the unsharded model on the
 whole batch on every rank and prints the largest difference of the losses.
+
+``--moe`` trains a mixture-of-experts model (Qwen3-MoE) instead of LLaMA, and ``--ep`` (equal
+to ``--dp``) splits its experts over the dp ranks too, as examples/train_2d.py does: FSDP2
+leaves the experts alone and ``autotp.finish_expert_gradients`` scales their gradients.
 
 Keep tp within a node (its all-reduces are on the critical path of every layer); pp and dp
 may cross nodes: the mesh's last dim is the one whose ranks are adjacent.
@@ -69,6 +74,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16, help="global batch (split over dp)")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--moe", action="store_true", help="Qwen3-MoE (8 experts) for LLaMA")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism over the dp ranks (implies --moe): 1 or --dp")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
@@ -84,15 +92,22 @@ def main() -> None:
     if args.batch % (args.dp * args.microbatches):
         raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x "
                          f"--microbatches {args.microbatches}")
+    if args.ep not in (1, args.dp):
+        raise SystemExit(f"--ep {args.ep}: 1, or the dp size {args.dp}")
     mesh = init_device_mesh(device.type, (args.pp, args.dp, args.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=args.layers, hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 16 * 16, num_attention_heads=8,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=args.seq)
-    model = transformers.LlamaForCausalLM(config).to(device)
+    shape = dict(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                 intermediate_size=args.hidden * 8 // 3 // 16 * 16, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, max_position_embeddings=args.seq)
+    if args.moe or args.ep > 1:
+        config = transformers.Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=args.hidden // 2)
+        model = transformers.Qwen3MoeForCausalLM(config).to(device)
+    else:
+        config = transformers.LlamaConfig(**shape)
+        model = transformers.LlamaForCausalLM(config).to(device)
     reference = copy.deepcopy(model) if args.check else None
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(1)).to(device)
@@ -115,9 +130,12 @@ def main() -> None:
     stages = autotp.pipeline_stages(model, mesh, stages_per_rank=args.stages_per_rank,
                                     split_points=args.split_points,
                                     placement="v" if v_shaped else "loop",
-                                    example_kwargs={"input_ids": microbatch})
+                                    example_kwargs={"input_ids": microbatch},
+                                    ep_group=mesh["dp"] if args.ep > 1 else None)
     del model
     for stage in stages:
+        # with expert parallelism each dp rank holds other experts: FSDP2 must not average them
+        experts = set(autotp.expert_parameters(stage).values()) if args.ep > 1 else set()
         layers = autotp.features.pipeline.stage_layers(stage)
         if args.checkpointing:
             wrap = {id(layer) for layer in layers}
@@ -126,8 +144,8 @@ def main() -> None:
             layers = autotp.features.pipeline.stage_layers(stage)
         if name not in SPLIT_BACKWARD:  # torch's split backward needs FSDP2 on the stage only
             for layer in layers:
-                fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(stage.submod, mesh=mesh["dp"])
+                fully_shard(layer, mesh=mesh["dp"], ignored_params=experts)
+        fully_shard(stage.submod, mesh=mesh["dp"], ignored_params=experts)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     schedule = schedule_class(stages[0] if single else stages,
                               n_microbatches=args.microbatches, loss_fn=loss_fn)
@@ -139,6 +157,7 @@ def main() -> None:
         losses: list[torch.Tensor] = []
         kwargs = {"target": my_labels, "losses": losses} if last else {}
         schedule.step(*((mine,) if first else ()), **kwargs)
+        autotp.finish_expert_gradients(stages)
         opt.step()
         opt.zero_grad()
         # the loss is on the last pp rank (every tp rank of it); the mean over dp
@@ -155,10 +174,11 @@ def main() -> None:
             line += f" (unsharded {float(ref_loss.detach()):.5f})"
         if dist.get_rank() == 0:
             print(line, flush=True)
-    local = sum(p.to_local().numel() for s in stages for p in s.submod.parameters())
+    local = sum(getattr(p, "to_local", p.detach)().numel()
+                for s in stages for p in s.submod.parameters())
     if dist.get_rank() == 0:
         total = sum(p.numel() for p in reference.parameters()) if reference else None
-        print(f"pp={args.pp} x dp={args.dp} x tp={args.tp}, {name}, "
+        print(f"pp={args.pp} x dp={args.dp} x tp={args.tp}, ep={args.ep}, {name}, "
               f"{args.stages_per_rank} stage(s) per rank, activation checkpointing "
               f"{'on' if args.checkpointing else 'off'}; local parameters on rank 0: {local}"
               + (f" of {total}" if total else ""))

@@ -277,7 +277,7 @@ def _pipeline_step(schedule: Any, stages: list[Any], ids: torch.Tensor,
 
 
 def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: int,
-                     tp: int) -> dict[str, float]:
+                     tp: int, ep_rank: int = 0, ep: int = 1) -> dict[str, float]:
     """The largest difference of the stages' gradients (gathered over dp where FSDP2 shards
     them) to this tp rank's slices of the unsharded gradients, each relative to the
     unsharded gradient's largest |value|: over the parameters that several stages read
@@ -295,7 +295,9 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             layout = plan.param_layout(name)
             expected = want[name]
-            if isinstance(layout, Shard):
+            if name in plan.expert_params and ep > 1:  # experts split tp * ep ways
+                expected = shard_tensor(expected, layout, ep_rank * tp + tp_rank, tp * ep)
+            elif isinstance(layout, Shard):
                 expected = shard_tensor(expected, layout, tp_rank, tp)
             kind = "tied" if name in tied else "untied"
             worst[kind] = max(worst.get(kind, 0.0), float((grad - expected).abs().max()) /
@@ -400,6 +402,50 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 3) -> dict[str, An
         opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "fsdp": all(isinstance(p, DTensor) for p in params)}
+
+
+def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """pp2 x dp2 (tp 1), mesh dims ("pp", "dp", "tp"), Qwen3-MoE with its 4 experts split over
+    the dp ranks too (ep 2: 2 per rank): Schedule1F1B, 2 microbatches, FSDP2 over "dp" on
+    every layer and stage with the experts ignored, ``finish_expert_gradients``, AdamW. The
+    dp-mean loss and each rank's gradients (the experts': its share) of every step against
+    the unsharded model on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import Schedule1F1B
+
+    import autotp
+    from test_experts import _qwen3_moe
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    original = _qwen3_moe()
+    ids, labels = _token_batch()
+    mine, my_labels = ids.chunk(2)[dp_rank], labels.chunk(2)[dp_rank]
+    ref_losses, ref_grads = _reference_training(original, ids, labels, steps)
+    stages = autotp.pipeline_stages(original, mesh, example_kwargs={"input_ids": mine[:2]},
+                                    ep_group=mesh["dp"])
+    held = {}
+    for stage in stages:
+        experts = autotp.expert_parameters(stage)
+        held.update({name: int(p.shape[0]) for name, p in experts.items()})
+        for layer in autotp.features.pipeline.stage_layers(stage):
+            fully_shard(layer, mesh=mesh["dp"], ignored_params=set(experts.values()))
+        fully_shard(stage.submod, mesh=mesh["dp"], ignored_params=set(experts.values()))
+    opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-2)
+    schedule = Schedule1F1B(stages[0], n_microbatches=2, loss_fn=_next_token_loss)
+    losses, grad_diffs = [], []
+    for step in range(steps):
+        total = _pipeline_step(schedule, stages, mine, my_labels)
+        autotp.finish_expert_gradients(stages)
+        torch.distributed.all_reduce(total)  # one pp rank has it, on each dp rank
+        losses.append(float(total) / 2)
+        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step], 0, 1, dp_rank, 2))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
+            "experts_held": held}
 
 
 def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: int = 2

@@ -229,6 +229,25 @@ def test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model() -> None:
         assert r["expert_moves"] > 0, (rank, r)
 
 
+def test_gloo_expert_parallel_in_pipeline_stages() -> None:
+    """Four gloo processes, pp 2 x dp 2 with the experts split over dp (ep 2), FSDP2 over dp
+    with the experts ignored, Schedule1F1B: every gradient (dense: FSDP2's mean; experts:
+    each rank's share, scaled by ``finish_expert_gradients``) against the unsharded model's
+    on the whole batch, relative to its largest, within 1e-5 on the first step and 3e-3 on
+    the second (AdamW magnifies rounding where a gradient is near zero, as in
+    tests/test_pipeline.py; a gradient not scaled is off by 1/2), and the losses within
+    1e-5. A layer of a mixture of experts returns sizes (B x T) that the next stage
+    computes again from its own tensors."""
+    from dist_cases import pipeline_expert_case
+
+    for rank, got in enumerate(run_processes(pipeline_expert_case, 4, timeout=300)):
+        assert got["experts_held"] and set(got["experts_held"].values()) == {2}, (rank, got)
+        for loss, want in zip(got["losses"], got["reference"], strict=True):
+            assert abs(loss - want) < 1e-5, (rank, got)
+        first, second = got["grad_diffs"]
+        assert first["untied"] < 1e-5 and second["untied"] < 3e-3, (rank, got["grad_diffs"])
+
+
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
     """ep=3 for 4 experts: an error naming the ep that do divide them, before any rank
     runs."""

@@ -296,6 +296,11 @@ def _stage_module(gm: fx.GraphModule, k: int, inputs: list[fx.Node], mine: list[
             return env[x]
         if x.op == "placeholder":  # a non-tensor input: the example's value
             env[x] = example.get(str(x.target))
+        elif isinstance(x.meta.get("val"), torch.SymInt) and \
+                any(stage.get(a, k) < k for a in x.all_input_nodes):
+            # a size an earlier stage's layer returned (B * T of the tokens a mixture of
+            # experts routes): computed again from the sizes this stage holds
+            env[x] = _rebuild_size(graph, x, env)
         elif x in stage:
             raise AssertionError(f"stage {k} reads {x.name} of stage {stage[x]}, not carried")
         elif _is_size(x) and x.target is torch.ops.aten.sym_size.int and \
@@ -334,6 +339,49 @@ def _reread_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any
                 return read
     raise ConfigError(f"a stage needs the size {expr} ({node.name}) and holds no tensor of "
                       "that size: pass split_points that keep its reader with its source")
+
+
+def _rebuild_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """A size expression (``s0 * s1``) over the size symbols, from the dims of tensors this
+    stage holds that have those sizes."""
+    import sympy
+
+    expr = node.meta["val"].node.expr
+    reads: dict[Any, Any] = {}
+    for symbol in expr.free_symbols:
+        for source, copy in list(env.items()):
+            val = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if not isinstance(val, torch.Tensor) or not isinstance(copy, fx.Node):
+                continue
+            dim = next((d for d, size in enumerate(val.shape) if isinstance(size, torch.SymInt)
+                        and size.node.expr == symbol), None)
+            if dim is not None:
+                reads[symbol] = graph.call_function(torch.ops.aten.sym_size.int, (copy, dim))
+                break
+        else:
+            raise ConfigError(f"a stage needs the size {expr} ({node.name}) and holds no "
+                              f"tensor of size {symbol}: pass split_points that keep its "
+                              "reader with its source")
+
+    def build(e: Any) -> Any:
+        if e.is_Symbol:
+            return reads[e]
+        if e.is_Integer:
+            return int(e)
+        if isinstance(e, (sympy.Mul, sympy.Add)):
+            op = operator.mul if isinstance(e, sympy.Mul) else operator.add
+            out = build(e.args[0])
+            for arg in e.args[1:]:
+                out = graph.call_function(op, (out, build(arg)))
+            return out
+        raise ConfigError(f"a stage needs the size {expr} ({node.name}), which autotp cannot "
+                          "compute again from its own tensors: pass split_points that keep "
+                          "its reader with its source")
+
+    out = build(expr)
+    if isinstance(out, fx.Node):
+        out.meta = dict(node.meta)
+    return out
 
 
 def _keep(gm: fx.GraphModule, node: fx.Node, attrs: dict[str, Any]) -> None:
