@@ -169,9 +169,6 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                     source=None, src=src_text, dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
     plan.expert_params = expert_params(pnodes, plan.choices)
-    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
-        for target in set(plan.experts) & set(plan.expert_params):
-            plan.experts[target][1] = "whole"
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:
             target = pn.node.target
@@ -200,6 +197,9 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 layer=_first_use_layer(pn.node),
                 dtype=str(params[target].dtype).removeprefix("torch."))
     plan.experts = expert_stacks(pnodes, values)
+    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
+        for target in set(plan.experts) & set(plan.expert_params):
+            plan.experts[target][1] = "whole"
     if grad_sync:
         plan.collectives.append(CollectiveRecord(
             kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,

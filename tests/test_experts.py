@@ -187,6 +187,7 @@ def test_expert_parallel_over_data_parallel_ranks(tp: int, ep: int, routing_kind
     assert f"tp={tp}, ep={ep}," in text and f"split over tp x ep = {tp * ep} ranks" in text
     assert to_dict(sim.plan, CostModel())["experts"]["ep"] == ep
     assert sorted(sim.plan.expert_params) == sorted(sim.plan.experts)
+    assert all(how == "whole" for _, how in sim.plan.experts.values()), sim.plan.experts
     for target in sim.plan.expert_params:
         assert sim.plan.params[target].local_shape[0] == share
         for module in sim.ranks:
@@ -246,6 +247,19 @@ def test_gloo_expert_parallel_in_pipeline_stages() -> None:
             assert abs(loss - want) < 1e-5, (rank, got)
         first, second = got["grad_diffs"]
         assert first["untied"] < 1e-5 and second["untied"] < 3e-3, (rank, got["grad_diffs"])
+
+
+def test_expert_parallel_with_grouped_routing_and_a_shared_expert() -> None:
+    """DeepSeek-V3's block (coverage.py's model: MLA, grouped top-k routing, a shared expert
+    beside the routed ones) at tp 2 x ep 2: exact as above; the shared expert stays a dense
+    MLP, tensor parallel and not dispatched."""
+    from family_cases import build
+
+    model, _ = build("DeepSeek-V3 (MLA, MoE)")
+    sim, _, _ = _data_parallel_step(model, 2, 2)
+    assert sim.plan.expert_params and all(how == "whole"
+                                          for _, how in sim.plan.experts.values())
+    assert not any("shared" in target for target in sim.plan.expert_params)
 
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
