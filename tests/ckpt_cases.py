@@ -368,6 +368,62 @@ def upward_case(rank: int, world_size: int, source: str, load: str | None, save:
     return out
 
 
+def _train_data_parallel(sharded: Any, optimizer: torch.optim.Optimizer,
+                         steps: list[torch.Tensor]) -> list[float]:
+    """``_train`` with the experts split over ep data-parallel ranks: each ep rank on its
+    share of every batch, the dense gradients averaged over the ep ranks, the experts'
+    finished by ``finish_expert_gradients``; the losses are the ep ranks' mean."""
+    ep = sharded.plan.ep
+    experts = {id(p) for p in sharded.expert_parameters().values()}
+    losses = []
+    for ids in steps:
+        part = ids.chunk(ep)[sharded.ep_comm.rank if ep > 1 else 0]
+        optimizer.zero_grad(set_to_none=True)
+        loss = sharded(input_ids=part, labels=part).loss
+        loss.backward()
+        if ep > 1:
+            for param in sharded.parameters():
+                if id(param) not in experts:
+                    param.grad = sharded.ep_comm.all_reduce(param.grad) / ep
+            sharded.finish_expert_gradients()
+            loss = sharded.ep_comm.all_reduce(loss.detach()) / ep
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def expert_resume_case(rank: int, world_size: int, source: str,
+                       stages: list[tuple[int, int, str | None, int, str | None]], weights: str,
+                       more: int = 0) -> list[float]:
+    """Per stage (tp, ep, load, steps, save): from_pretrained at tp x ep (the experts split
+    over both), AdamW's state loaded from ``load`` when given, ``steps`` batches trained
+    data-parallel over the ep ranks (after those of the checkpoint), save_checkpoint to
+    ``save`` when given; then ``more`` batches without a break. The losses; rank 0 writes
+    the weights, whole, to the safetensors file ``weights``."""
+    import autotp
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    losses: list[float] = []
+    for tp, ep, load, steps, save in stages:
+        ids = batch()[:2 // ep]
+        sharded = autotp.from_pretrained(source, tp=tp, ep=ep, training=True,
+                                         example_kwargs={"input_ids": ids, "labels": ids})
+        optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
+        start = 0
+        if load is not None:
+            autotp.load_checkpoint(sharded, load, optimizer=optimizer)
+            start = int(next(iter(optimizer.state.values()))["step"])
+        losses += _train_data_parallel(sharded, optimizer, batches(steps, start))
+        if save is not None:
+            autotp.save_checkpoint(sharded, save, optimizer=optimizer)
+    losses += _train_data_parallel(sharded, optimizer, batches(more, start + steps))
+    whole = autotp.full_state_dict(sharded)
+    if rank == 0:
+        save_file({n: t.clone() for n, t in whole.items()}, weights)
+    return losses
+
+
 # ---- memory ---------------------------------------------------------------------------
 
 

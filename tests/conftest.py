@@ -28,6 +28,7 @@ SLOW: dict[str, float] = {
     "tests/test_checkpoint.py::test_loading_reads_slices_not_the_whole_model": 22,
     "tests/test_checkpoint.py::test_resume_at_another_tp_follows_uninterrupted_training[llama]": 46,
     "tests/test_checkpoint.py::test_resume_at_another_tp_follows_uninterrupted_training[phi3_gqa]": 39,  # noqa: E501
+    "tests/test_checkpoint.py::test_resume_moves_experts_between_ep_and_tp": 50,
     "tests/test_checkpoint.py::test_resume_upward_fills_each_ranks_slices": 59,
     "tests/test_checkpoint.py::test_save_pretrained_loads_bitwise_in_transformers[gpt2]": 12,
     "tests/test_checkpoint.py::test_save_pretrained_loads_bitwise_in_transformers[qwen3_moe]": 17,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,8 +67,8 @@ def test_from_pretrained_passes_options_through(saved: dict[str, str]) -> None:
 @pytest.mark.parametrize("name", ["gpt2", "qwen3_moe"])
 def test_save_pretrained_loads_bitwise_in_transformers(saved: dict[str, str],
                                                        tmp_path: Path, name: str) -> None:
-    """Written in the model's own layout (Qwen3-MoE's experts stacked, as the model holds
-    them), which transformers loads as it is."""
+    """Written in the layout of the checkpoint it was loaded from (Qwen3-MoE's experts one
+    tensor per expert and part, as transformers wrote them), which transformers loads."""
     run_processes(cc.save_case, 2, saved[name], str(tmp_path), timeout=240)
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 3
@@ -77,6 +78,61 @@ def test_save_pretrained_loads_bitwise_in_transformers(saved: dict[str, str],
     assert original.keys() == again.keys()
     for key, value in original.items():
         assert torch.equal(value, again[key]), key
+
+
+def expert_save_case(rank: int, world_size: int, source: str, target: str, ep: int
+                     ) -> dict[str, Any]:
+    """from_pretrained at tp = world_size / ep with the experts split over ep ranks too, then
+    save_pretrained as loaded, stacked, and per expert under transformers' own keys (a module
+    with no record of its checkpoint's); the experts each rank holds."""
+    import autotp
+
+    torch.set_num_threads(1)
+    sharded = autotp.from_pretrained(source, tp=world_size // ep, ep=ep)
+    held = {t: tuple(p.shape) for t, p in sharded.expert_parameters().items()}
+    autotp.save_pretrained(sharded, f"{target}/loaded", max_shard_size="30KB")
+    autotp.save_pretrained(sharded, f"{target}/model", layout="model")
+    sharded.checkpoint_experts = {}
+    autotp.save_pretrained(sharded, f"{target}/derived", layout="checkpoint")
+    return held
+
+
+def _stored(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in Path(directory).glob("*.safetensors") for k, v in load_file(f).items()}
+
+
+def test_save_pretrained_writes_experts_as_the_checkpoint_stored_them(saved: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """Qwen3-MoE loaded with its 4 experts split over 2 expert-parallel ranks (tp 1, ep 2:
+    2 whole experts each) from transformers' files, one tensor per expert and part, and
+    saved (gathered over the ep ranks, one writer): by default the source's keys, each tensor
+    bitwise equal (gate and up split out of gate|up, each expert out of the stack); with
+    layout="model" the stacked tensors the model holds; with layout="checkpoint" and no
+    record of the source's keys, transformers' own per-expert keys again. transformers
+    loads each to the source's weights."""
+    source = saved["qwen3_moe"]
+    held = run_processes(expert_save_case, 2, source, str(tmp_path), 2, timeout=240)
+    for rank_held in held:
+        assert rank_held and all(shape[0] == 2 for shape in rank_held.values()), rank_held
+    original = _stored(source)
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert expert in original and "model.layers.1.mlp.experts.gate_up_proj" not in original
+    tf = cc._tf()
+    weights = tf.AutoModelForCausalLM.from_pretrained(source).state_dict()
+    for kind in ("loaded", "model", "derived"):
+        stored = _stored(tmp_path / kind)
+        if kind == "model":
+            assert stored.keys() == weights.keys()
+        else:
+            assert stored.keys() == original.keys(), (kind, stored.keys() ^ original.keys())
+            for key, value in original.items():
+                assert torch.equal(stored[key], value), (kind, key)
+        again = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / kind)).state_dict()
+        assert again.keys() == weights.keys()
+        for key, value in weights.items():
+            assert torch.equal(value, again[key]), (kind, key)
 
 
 RESUMES = {  # tp of each stage, AdamW steps per stage
@@ -131,6 +187,28 @@ def test_resume_at_another_tp_follows_uninterrupted_training(saved: dict[str, st
     diffs["losses"] = max(abs(x - y) for x, y in zip(got, losses))
     diffs["last checkpoint"] = _max_diff(whole, final)
     assert diffs["last checkpoint"] <= STATE_RTOL, diffs
+
+
+def test_resume_moves_experts_between_ep_and_tp(saved: dict[str, str],
+                                                tmp_path: Path) -> None:
+    """Qwen3-MoE trained 2 AdamW steps at tp 1 x ep 2 (2 of the 4 experts per rank, each
+    rank on half of every batch, data-parallel) and saved, then resumed at tp 2 x ep 1 for a
+    step and saved, resumed at tp 1 x ep 2 for a step: the losses and the final weights are
+    those of the same 4 steps at tp 1 x ep 2 without a break (an expert loaded into another
+    rank's share, or its AdamW moments, is off by O(1)). (The unsharded model trained on the
+    whole batches is not the reference here: one embedding element's gradient cancels to
+    ~1e-8 in the second step, and AdamW turns its rounding into a 1e-3 step.)"""
+    from safetensors.torch import load_file
+
+    source = saved["qwen3_moe"]
+    a, b, straight, resumed = (str(tmp_path / x) for x in ("a", "b", "straight", "resumed"))
+    losses = run_processes(cc.expert_resume_case, 2, source, [(1, 2, None, 2, a)], straight,
+                           2, timeout=240)[0]
+    got = run_processes(cc.expert_resume_case, 2, source, [(2, 1, a, 1, b), (1, 2, b, 1, None)],
+                        resumed, timeout=240)[0]
+    assert max(abs(x - y) for x, y in zip(got, losses[2:])) <= ATOL, (got, losses)
+    weights = _max_diff(load_file(resumed), load_file(straight))
+    assert weights <= STATE_RTOL, weights
 
 
 def test_resume_upward_fills_each_ranks_slices(saved: dict[str, str],

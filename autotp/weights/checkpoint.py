@@ -3,7 +3,9 @@
     from_pretrained    a transformers directory -> this rank's module; the model is built on
                        meta and each rank reads only its slices (autotp.weights.materialize)
     save_pretrained    transformers' layout (config.json, safetensors shards, index), gathered
-                       one tensor at a time and written by rank 0
+                       one tensor at a time and written by rank 0; a mixture of experts' weights
+                       per expert as the source checkpoint stored them, or stacked as the
+                       model holds them
     save_checkpoint    torch.distributed.checkpoint: every rank writes its own shards (as
     load_checkpoint    DTensors over the tensor-parallel group) with the optimizer state;
                        loading at another tp is DCP's resharding
@@ -17,8 +19,9 @@ import copy
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,7 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
-from autotp.weights.materialize import empty_weights
+from autotp.weights.materialize import Stacked, empty_weights, expert_keys, stacked_experts
 from autotp.weights.tensorfile import (Spec, TensorFiles, file_names, parse_size, plan_files,
                                write_file, write_index)
 
@@ -91,8 +94,11 @@ def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = 
         # the defaults generate() uses (eos, sampling settings), as transformers loads them
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.train(training)
-    return parallelize(model, tp, group=group, checkpoint=directory, device=device,
-                       **parallelize_options)
+    sharded = parallelize(model, tp, group=group, checkpoint=directory, device=device,
+                          **parallelize_options)
+    # what save_pretrained writes back per expert by default (layout=None)
+    sharded.checkpoint_experts = _checkpoint_experts(model, directory)
+    return sharded
 
 
 def _resolve_dtype(dtype: Any, config: Any, files: TensorFiles) -> torch.dtype:
@@ -114,6 +120,83 @@ def _resolve_dtype(dtype: Any, config: Any, files: TensorFiles) -> torch.dtype:
 
 
 # ---- saving in transformers' layout -------------------------------------------------
+
+LAYOUTS = ("model", "checkpoint")
+
+
+@dataclass
+class PerExpert:
+    """A stacked expert weight written one tensor per expert and part: ``keys[g][e]`` is the
+    key of part g (gate, up) of expert e, the slice ``sizes[g]`` long along dim ``concat``
+    of the stacked tensor (None: a single part, the whole expert); experts along dim 0."""
+
+    keys: list[list[str]]
+    concat: Optional[int]
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, stack: Stacked, shape: tuple[int, ...]) -> "PerExpert":
+        """Parts of equal size (transformers' reverse of its Concatenate: a Chunk)."""
+        if stack.concat is None:
+            return cls(stack.groups, None, [])
+        parts, extent = len(stack.groups), shape[stack.concat]
+        if extent % parts:
+            raise ConfigError(f"the {extent} rows of dim {stack.concat} of the experts stacked "
+                              f"from {stack.groups[0][0]!r}, ... do not split into {parts} parts")
+        return cls(stack.groups, stack.concat, [extent // parts] * parts)
+
+    def pieces(self) -> Iterator[tuple[str, int, int]]:
+        """(key, part, expert), expert by expert."""
+        for e in range(len(self.keys[0])):
+            for g, group in enumerate(self.keys):
+                yield group[e], g, e
+
+    def shape(self, stacked: tuple[int, ...], part: int) -> tuple[int, ...]:
+        shape = list(stacked[1:])
+        if self.concat is not None:
+            shape[self.concat - 1] = self.sizes[part]
+        return tuple(shape)
+
+    def piece(self, stacked: torch.Tensor, part: int, expert: int) -> torch.Tensor:
+        if self.concat is None:
+            return stacked[expert]
+        return stacked[expert].narrow(self.concat - 1, sum(self.sizes[:part]),
+                                      self.sizes[part])
+
+
+def _checkpoint_experts(model: nn.Module, directory: Path) -> dict[str, PerExpert]:
+    """The model's stacked expert weights that the checkpoint in ``directory`` stores per
+    expert, under its keys and in its parts' sizes."""
+    files = TensorFiles(directory)
+    try:
+        return {name: PerExpert(stack.groups, stack.concat,
+                                [files.entry(group[0]).shape[stack.concat - 1]
+                                 for group in stack.groups]
+                                if stack.concat is not None else [])
+                for name, stack in stacked_experts(model, files.names()).items()}
+    finally:
+        files.close()
+
+
+def _per_expert(sharded: ShardedModule, layout: Optional[str],
+                shapes: dict[str, tuple[int, ...]]) -> dict[str, PerExpert]:
+    """The stacked tensors ``layout`` writes per expert (see save_pretrained)."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {list(LAYOUTS)} or None (the layout of the "
+                          f"checkpoint the module was loaded from), got {layout!r}")
+    loaded = getattr(sharded, "checkpoint_experts", None) or {}
+    if layout == "model":
+        return {}
+    if loaded:
+        return dict(loaded)
+    source = sharded.source
+    if layout is None or source is None or source.config is None or \
+            not hasattr(source.model_class, "_from_config"):
+        return {}
+    with empty_weights():  # transformers' conversion mapping is read off a model
+        model = source.model_class._from_config(copy.deepcopy(source.config))
+    return {name: PerExpert.of(stack, shapes[name])
+            for name, stack in expert_keys(model).items() if name in shapes}
 
 
 def _check_sharded(sharded: Any, what: str) -> ShardedModule:
@@ -155,39 +238,85 @@ def _ordered(sharded: ShardedModule, tensors: dict[str, Any]) -> list[str]:
     return first + [k for k in tensors if k not in known]
 
 
-def _global(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> torch.Tensor:
-    if isinstance(layout, Shard):
-        return gather(sharded.comm, local.detach().contiguous(), layout)
-    return local.detach()
+def _global(sharded: ShardedModule, local: torch.Tensor, layout: Layout,
+            over_ep: bool = False) -> torch.Tensor:
+    """The whole tensor (collective): gathered over tp, and for experts split over ep
+    data-parallel ranks too (``over_ep``), over them."""
+    whole = gather(sharded.comm, local.detach().contiguous(), layout) \
+        if isinstance(layout, Shard) else local.detach()
+    if over_ep and sharded.ep_comm is not None:
+        whole = sharded.ep_comm.all_gather(whole.contiguous(), 0)
+    return whole
+
+
+def _split_over_ep(sharded: ShardedModule) -> set[str]:
+    """The names of the tensors whose experts are split over the ep ranks as well."""
+    if sharded.ep_comm is None:
+        return set()
+    plan = sharded.plan
+    return {name for target in plan.expert_params for name in plan.params[target].names}
 
 
 def save_pretrained(sharded: ShardedModule, path: str | Path, *,
-                    max_shard_size: int | str = "5GB") -> None:
+                    max_shard_size: int | str = "5GB", layout: Optional[str] = None) -> None:
     """Write the unsharded model in transformers' layout (collective: call on every rank).
 
     Tensors are gathered one at a time, and rank 0 streams each into its file as it arrives:
     no rank ever holds more than one full tensor. Tied weights are written once, under the
     first name (transformers re-ties them on load). ``transformers`` and
     ``autotp.from_pretrained`` at any tp load the result.
+
+    ``layout`` is how a mixture of experts' weights, which the model holds stacked (one
+    tensor per layer: gate|up [experts, 2 * inner, hidden], down), are written:
+
+        "model"        stacked, as the model holds them
+        "checkpoint"   one tensor per expert and part (experts.3.gate_proj.weight, ...), as
+                       transformers' checkpoints store them: under the keys of the checkpoint
+                       ``from_pretrained`` read, else of transformers' conversion mapping
+        None           the layout of the checkpoint ``from_pretrained`` read (a load and a
+                       save reproduce its keys and tensors); "model" for a module built
+                       otherwise
+
+    Every other tensor is written as the model holds it, whatever the layout.
     """
     sharded = _check_sharded(sharded, "save_pretrained")
     max_bytes = parse_size(max_shard_size)
     directory = Path(path)
-    rank = sharded.comm.rank
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
+    # one writer: tp rank 0 of ep rank 0 (the other ranks run the same collectives)
+    rank = sharded.comm.rank + (sharded.ep_comm.rank if sharded.ep_comm is not None else 0)
     tensors = _tensors(sharded)
     order = _ordered(sharded, tensors)
     plan = sharded.plan
-    specs = [Spec(name, tensors[name][0].dtype,
-                  tuple(_global_shape(tensors[name][0], tensors[name][1], plan.tp)))
-             for name in order]
+    over_ep = _split_over_ep(sharded)
+    shapes = {name: tuple(_global_shape(local, where, plan.tp))
+              for name, (local, where) in tensors.items()}
+    for name in over_ep & set(shapes):
+        shapes[name] = (shapes[name][0] * plan.ep,) + shapes[name][1:]
+    experts = _per_expert(sharded, layout, shapes)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    specs: list[Spec] = []
+    pieces: dict[str, tuple[str, int, int]] = {}  # per-expert key -> (stacked name, part, expert)
+    for name in order:
+        if name not in experts:
+            specs.append(Spec(name, tensors[name][0].dtype, shapes[name]))
+            continue
+        for key, part, expert in experts[name].pieces():
+            specs.append(Spec(key, tensors[name][0].dtype, experts[name].shape(shapes[name], part)))
+            pieces[key] = (name, part, expert)
     groups = plan_files(specs, max_bytes)
     names = file_names(len(groups))
+    held: dict[str, torch.Tensor] = {}  # the stacked tensor whose experts are being written
 
     def produce(spec: Spec) -> Optional[torch.Tensor]:
-        local, layout = tensors[spec.name]
-        return _global(sharded, local, layout)
+        if spec.name not in pieces:
+            held.clear()
+            return _global(sharded, *tensors[spec.name], spec.name in over_ep)
+        name, part, expert = pieces[spec.name]
+        if name not in held:
+            held.clear()
+            held[name] = _global(sharded, *tensors[name], name in over_ep)
+        return experts[name].piece(held[name], part, expert)
 
     for file_name, group in zip(names, groups):
         if rank == 0:
@@ -195,6 +324,7 @@ def save_pretrained(sharded: ShardedModule, path: str | Path, *,
         else:
             for spec in group:  # the same collectives, in the same order
                 produce(spec)
+    held.clear()
     if rank == 0:
         if len(groups) > 1:
             write_index(directory, names, groups)
@@ -217,21 +347,72 @@ def _save_config(sharded: ShardedModule, directory: Path, specs: list[Spec]) -> 
 def _barrier(sharded: ShardedModule) -> None:
     device = next((p.device for p in sharded.parameters()), torch.device("cpu"))
     sharded.comm.all_reduce(torch.zeros(1, device=device))
+    if sharded.ep_comm is not None:
+        sharded.ep_comm.all_reduce(torch.zeros(1, device=device))
 
 
 # ---- resumable checkpoints (torch.distributed.checkpoint) ---------------------------
 
 
 def _mesh(sharded: ShardedModule) -> Any:
+    """The DeviceMesh the DCP state dict lives on: the tp group, or with expert parallelism
+    the (ep, tp) grid of global ranks (collective)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    comm = sharded.comm
-    if not isinstance(comm, ProcessGroupComm):
+    comm, ep_comm = sharded.comm, sharded.ep_comm
+    if not isinstance(comm, ProcessGroupComm) or \
+            not isinstance(ep_comm, (ProcessGroupComm, type(None))):
         raise ConfigError("save_checkpoint/load_checkpoint need a process group (autotp."
                           "parallelize), not a simulation")
     group = comm.group if comm.group is not None else dist.group.WORLD
     device = next((p.device.type for p in sharded.parameters()), "cpu")
-    return DeviceMesh.from_group(group, device)
+    if ep_comm is None:
+        return DeviceMesh.from_group(group, device)
+    ep_group = ep_comm.group if ep_comm.group is not None else dist.group.WORLD
+    return DeviceMesh.from_group([ep_group, group], device, mesh=_grid(sharded),
+                                 mesh_dim_names=("ep", "tp"))
+
+
+def _grid(sharded: ShardedModule) -> torch.Tensor:
+    """The global ranks as an [ep, tp] grid, the same on every rank (collective): row e is
+    the tp group of the ep group's rank e, in tp rank order."""
+    comm, ep_comm = sharded.comm, sharded.ep_comm
+    assert ep_comm is not None
+    device = next((p.device for p in sharded.parameters()), torch.device("cpu"))
+    me = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
+    row = comm.all_gather(me, 0)
+    # each row with its rank's tp rank: the ep group must join ranks of the same tp rank
+    rows = ep_comm.all_gather(torch.cat([row, row.new_tensor([comm.rank])]).unsqueeze(0), 0)
+    grid = rows[:, :-1].contiguous()
+    agreed = comm.all_gather(grid.reshape(1, -1), 0)
+    if bool((rows[:, -1] != comm.rank).any()) or bool((agreed != agreed[:1]).any()):
+        raise ConfigError(
+            "save_checkpoint/load_checkpoint with ep > 1 need the tp and ep groups to form a "
+            "grid: each ep group the ranks of one tp rank in every tp group (as "
+            "autotp.parallelize(tp=, ep=) makes them, or mesh['tp'] and mesh['dp'] of a "
+            "DeviceMesh)")
+    return grid.cpu()
+
+
+def _dcp_group(sharded: ShardedModule, mesh: Any) -> Optional[dist.ProcessGroup]:
+    """The ranks that save or load the checkpoint together: the tp group, or with expert
+    parallelism every rank of the (ep, tp) grid (the world, or a group of its ranks made
+    once)."""
+    if sharded.ep_comm is None:
+        return _group(sharded)
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if len(ranks) == dist.get_world_size():
+        return None
+    made = getattr(sharded, "_checkpoint_group", None)
+    if made is None or made[0] != ranks:
+        made = (ranks, dist.new_group(ranks, use_local_synchronization=True))
+        sharded._checkpoint_group = made
+    return made[1]
+
+
+def _writer(sharded: ShardedModule) -> bool:
+    """Whether this rank writes the description (one rank of the tp x ep ranks)."""
+    return sharded.comm.rank == 0 and (sharded.ep_comm is None or sharded.ep_comm.rank == 0)
 
 
 def _dcp_form(global_shape: list[int], saved: Layout, current: Layout, tp: int
@@ -272,9 +453,13 @@ def _gathered(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> to
 
 def _describe(sharded: ShardedModule) -> dict[str, Any]:
     plan = sharded.plan
+    over_ep = _split_over_ep(sharded)
     params = {}
     for name, (local, layout) in _tensors(sharded).items():
-        params[name] = {"global_shape": _global_shape(local, layout, plan.tp),
+        shape = _global_shape(local, layout, plan.tp)
+        if name in over_ep:
+            shape[0] *= plan.ep
+        params[name] = {"global_shape": shape,
                         "dtype": str(local.dtype).replace("torch.", ""), "layout": str(layout)}
     return params
 
@@ -303,25 +488,32 @@ class _Entry:
         self.target.copy_(shard_tensor(full, self.layout, rank, tp))
 
 
-def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
+def _state_dict(sharded: ShardedModule, mesh: Any, saved_layouts: dict[str, Layout],
                 opt_state: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[_Entry]]:
-    """The DCP state dict (``model.<name>``, ``optim.<name>.<key>``) over the tp mesh."""
-    from torch.distributed.tensor import DTensor
+    """The DCP state dict (``model.<name>``, ``optim.<name>.<key>``) over the tp mesh, or
+    with expert parallelism the (ep, tp) mesh: the experts sharded over both, every other
+    tensor replicated over ep as over the tp mesh."""
+    from torch.distributed.tensor import DTensor, Replicate as DReplicate
 
-    mesh = _mesh(sharded)
     tp = sharded.plan.tp
     tensors = _tensors(sharded)
+    over_ep = _split_over_ep(sharded)
     state: dict[str, Any] = {}
     entries: list[_Entry] = []
 
     def add(key: str, name: str, local: torch.Tensor) -> None:
         layout = tensors[name][1]
+        if name in over_ep:
+            state[key] = _expert_dtensor(name, local, layout, saved_layouts.get(name, layout),
+                                         mesh)
+            return
         shape, placement, local_shape = _dcp_form(_global_shape(local, layout, tp),
                                                   saved_layouts.get(name, layout), layout, tp)
         if placement.is_shard():
             # a view of the local piece: DCP loads into it in place
+            placements = [placement] if mesh.ndim == 1 else [DReplicate(), placement]
             state[key] = DTensor.from_local(local.detach().reshape(local_shape), mesh,
-                                            [placement], run_check=False,
+                                            placements, run_check=False,
                                             shape=torch.Size(shape), stride=_strides(shape))
         elif local.numel() == math.prod(shape):  # a plain tensor is DCP's replicated value
             state[key] = local.detach().reshape(shape)  # loaded in place, like the shards
@@ -344,6 +536,31 @@ def _state_dict(sharded: ShardedModule, saved_layouts: dict[str, Layout],
             else:  # step counts and other scalars: replicated plain tensors
                 state[f"optim.{name}.{key}"] = value
     return state, entries
+
+
+def _expert_dtensor(name: str, local: torch.Tensor, layout: Layout, saved: Layout,
+                    mesh: Any) -> Any:
+    """An expert tensor split into ep * tp shares along the experts (dim 0), share e * tp + r
+    on the rank of ep rank e and tp rank r: Shard(0) over both dims of the (ep, tp) mesh
+    (DTensor splits along the mesh dims in order: ep's shares, then tp's within each). A dim
+    blocked when saved is stored split as _dcp_form splits it."""
+    from torch.distributed.tensor import DTensor, Shard as DShard
+
+    if layout != Shard(0):
+        raise ConfigError(f"{name!r} is split over the ep ranks but laid out {layout} over "
+                          "tp, not S(0): save_checkpoint/load_checkpoint need the experts "
+                          "split along dim 0 only")
+    shape = [local.shape[0] * mesh.size(), *local.shape[1:]]
+    local_shape = list(local.shape)
+    if isinstance(saved, Shard) and saved.blocks != 1 and not _unequal(saved):
+        if saved.dim == 0 or not isinstance(saved.blocks, int):
+            raise ConfigError(f"{name!r} was saved laid out {saved}, which cannot be read "
+                              "split over ep ranks: load the checkpoint with ep=1, and "
+                              "save_checkpoint again")
+        for dims in (shape, local_shape):
+            dims[saved.dim:saved.dim + 1] = [saved.blocks, dims[saved.dim] // saved.blocks]
+    return DTensor.from_local(local.detach().reshape(local_shape), mesh, [DShard(0)] * 2,
+                              run_check=False, shape=torch.Size(shape), stride=_strides(shape))
 
 
 def _strides(shape: list[int]) -> tuple[int, ...]:
@@ -373,7 +590,9 @@ def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Save parameters (and ``optimizer``'s state) with torch.distributed.checkpoint: every
     rank writes its own shards, in parallel, as safetensors files; rank 0 adds a JSON
-    description. Collective: call on every rank. ``load_checkpoint`` reads it at any tp."""
+    description. Collective: call on every rank. ``load_checkpoint`` reads it at any tp, and
+    with expert parallelism at any tp and ep (a model's experts split over the ep ranks are
+    stored as the whole stacked tensors, each rank writing its own experts)."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -382,9 +601,11 @@ def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
     described = _describe(sharded)
     opt_state, groups = _optimizer_state(sharded, optimizer) if optimizer is not None \
         else ({}, [])
-    state, _ = _state_dict(sharded, {}, opt_state)
+    mesh = _mesh(sharded)
+    state, _ = _state_dict(sharded, mesh, {}, opt_state)
     meta = {
         "schema": SCHEMA, "model": sharded.plan.model, "tp": sharded.plan.tp,
+        "ep": sharded.plan.ep,
         "fingerprint": _fingerprint(described), "params": described,
         "optimizer": None if optimizer is None else {
             "class": type(optimizer).__name__,
@@ -394,15 +615,15 @@ def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
                       for name, values in opt_state.items()},
         },
     }
-    if sharded.comm.rank == 0:
+    if _writer(sharded):
         directory.mkdir(parents=True, exist_ok=True)
         for old in directory.glob("*.safetensors"):  # a checkpoint saved here at another tp
             old.unlink()
     _barrier(sharded)
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory),
                                                             save_distributed=True),
-             process_group=_group(sharded))
-    if sharded.comm.rank == 0:
+             process_group=_dcp_group(sharded, mesh))
+    if _writer(sharded):
         (directory / META_NAME).write_text(json.dumps(meta, indent=1, sort_keys=True))
     _barrier(sharded)
 
@@ -427,7 +648,7 @@ def _jsonable(value: Any) -> Any:
 def load_checkpoint(sharded: ShardedModule, path: str | Path, *,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Load a ``save_checkpoint`` directory into ``sharded`` (and ``optimizer``), whatever the
-    tp it was saved at. Collective: call on every rank. The optimizer must be built over
+    tp and ep it was saved at. Collective: call on every rank. The optimizer must be built over
     ``sharded.parameters()`` (a fresh one is fine: its state is created)."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -458,9 +679,10 @@ def load_checkpoint(sharded: ShardedModule, path: str | Path, *,
             raise ConfigError(f"{directory} was saved without optimizer state")
         opt_state = _empty_optimizer_state(sharded, saved["optimizer"]["state"])
     saved_layouts = {n: parse_layout(v["layout"]) for n, v in saved["params"].items()}
-    state, entries = _state_dict(sharded, saved_layouts, opt_state)
+    mesh = _mesh(sharded)
+    state, entries = _state_dict(sharded, mesh, saved_layouts, opt_state)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)),
-             process_group=_group(sharded))
+             process_group=_dcp_group(sharded, mesh))
     with torch.no_grad():
         for entry in entries:
             entry.copy_back(sharded.comm.rank, sharded.plan.tp)

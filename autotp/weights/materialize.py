@@ -445,6 +445,52 @@ def _stacking(converter: Any) -> Any:
     return False
 
 
+def stacked_experts(model: nn.Module, keys: Sequence[str]) -> dict[str, Stacked]:
+    """The model's stacked expert weights that a checkpoint with ``keys`` stores per expert,
+    as ``CheckpointWeights`` reads them: model name -> the keys of its experts."""
+    stacked: dict[str, Stacked] = {}
+    _match_keys(model, list(keys), set(model.state_dict().keys()), stacked)
+    return stacked
+
+
+def expert_keys(model: nn.Module) -> dict[str, Stacked]:
+    """The per-expert keys that transformers' checkpoints store each stacked expert weight of
+    ``model`` under (its conversion mapping reversed, as its own save_pretrained writes
+    them); only those that ``CheckpointWeights`` reads back into the same tensor."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (PrefixChange, WeightConverter,
+                                                     WeightRenaming, apply_renamings)
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+        renamings = [t.reverse_transform() for t in transforms[::-1]
+                     if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)]
+    except Exception:  # noqa: BLE001 - not a transformers model, or another transformers
+        return {}
+    state = model.state_dict()
+    out: dict[str, Stacked] = {}
+    for converter in transforms:
+        if not isinstance(converter, WeightConverter) or len(converter.target_patterns) != 1 \
+                or not all("*" in p for p in converter.source_patterns):
+            continue
+        recipe = _stacking(converter)
+        target = converter.target_patterns[0]
+        suffix = target if target.startswith(".") else "." + target
+        for name, tensor in state.items() if recipe is not False else ():
+            if name in out or tensor.dim() == 0 or not (name == target or name.endswith(suffix)):
+                continue
+            head = name[:len(name) - len(target)]
+            stack = Stacked([[apply_renamings(head + p.replace("*", str(e)), renamings)
+                              for e in range(tensor.shape[0])]
+                             for p in converter.source_patterns], recipe)
+            try:
+                read = stacked_experts(model, [k for group in stack.groups for k in group])
+            except ConfigError:
+                continue
+            if read.get(name) == stack:
+                out[name] = stack
+    return out
+
+
 def _prefix_renamed(prefix: str, keys: list[str], state: set[str]) -> dict[str, str]:
     out = {}
     for key in keys:
