@@ -144,15 +144,15 @@ def fsdp_case(rank: int, world_size: int, steps: int = 3) -> dict[bool, dict[str
             for checkpointing in (False, True)}
 
 
-def fsdp_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
-    """``fsdp_case`` with a mixture-of-experts model whose experts are split over dp x tp
-    (expert parallelism over "dp"): FSDP2 ignores the experts, ``finish_expert_gradients``
-    scales their gradients as FSDP2 averages the others."""
-    return _fsdp_run(world_size, False, steps, experts=True)
+def fsdp_expert_case(rank: int, world_size: int, dp: int, steps: int = 2) -> dict[str, Any]:
+    """``fsdp_case`` on a (dp, world / dp) mesh with a mixture-of-experts model whose experts
+    are split over dp x tp (expert parallelism over "dp"): FSDP2 ignores the experts,
+    ``finish_expert_gradients`` scales their gradients as FSDP2 averages the others."""
+    return _fsdp_run(world_size, False, steps, experts=True, dp=dp)
 
 
-def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = False
-              ) -> dict[str, Any]:
+def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = False,
+              dp: int = 2) -> dict[str, Any]:
     import copy
 
     import torch.distributed as dist
@@ -163,7 +163,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     import autotp
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
     if experts:
         from test_experts import _qwen3_moe
 
@@ -172,7 +172,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
         model = mqa_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 96, (4, 12), generator=torch.Generator().manual_seed(3))
-    mine = ids.chunk(2)[mesh["dp"].get_local_rank()]
+    mine = ids.chunk(dp)[mesh["dp"].get_local_rank()]
     sharded = autotp.parallelize(model, group=mesh["tp"],
                                  ep_group=mesh["dp"] if experts else None,
                                  example_kwargs={"input_ids": mine, "labels": mine})
@@ -201,7 +201,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
             optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=mesh["dp"].get_group())
-        losses.append(float(mean) / 2)
+        losses.append(float(mean) / dp)
         ref_losses.append(float(ref_loss.detach()))
     full = autotp.full_state_dict(sharded)
     want = dict(reference.named_parameters())

@@ -214,16 +214,18 @@ def test_expert_parallel_with_per_expert_tables() -> None:
     assert all(sim.plan.params[t].local_shape[0] == 1 for t in biases)
 
 
-def test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model() -> None:
-    """Four gloo processes, a (dp 2, tp 2) DeviceMesh, experts split over dp x tp (one of
-    4 per rank), FSDP2 per layer and at the root over "dp" with the experts ignored: the
+@pytest.mark.parametrize("dp", [2, 4])
+def test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model(dp: int) -> None:
+    """Four gloo processes, a (dp 2, tp 2) or (dp 4, tp 1) DeviceMesh, experts split over
+    dp x tp (one of 4 per rank: ep 2 or 4), FSDP2 per layer and at the root over "dp" with
+    the experts ignored: the
     first step's gradients (dense: FSDP2's mean over dp; experts: summed by the dispatch's
     backward, scaled by ``finish_expert_gradients``) within 1e-5 of the unsharded model's
     on the whole batch, and over 2 AdamW steps the dp-mean loss within 1e-5 and every
     parameter within 1e-4; the rows moved by real all-to-alls."""
     from dist_cases import fsdp_expert_case
 
-    for rank, r in enumerate(run_processes(fsdp_expert_case, 4, timeout=300)):
+    for rank, r in enumerate(run_processes(fsdp_expert_case, 4, dp, timeout=300)):
         assert r["grad_diff"] < 1e-5 and r["loss_diff"] < 1e-5, (rank, r)
         assert r["param_diff"] < 1e-4 and r["names"], (rank, r)
         assert r["experts_held"] == [1], (rank, r)
