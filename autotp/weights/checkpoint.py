@@ -195,8 +195,14 @@ def _per_expert(sharded: ShardedModule, layout: Optional[str],
         return {}
     with empty_weights():  # transformers' conversion mapping is read off a model
         model = source.model_class._from_config(copy.deepcopy(source.config))
-    return {name: PerExpert.of(stack, shapes[name])
-            for name, stack in expert_keys(model).items() if name in shapes}
+    out = {name: PerExpert.of(stack, shapes[name])
+           for name, stack in expert_keys(model).items() if name in shapes}
+    if layout == "checkpoint" and sharded.plan.experts and not out:
+        raise ConfigError(
+            f"layout='checkpoint': the installed transformers names no per-expert tensors for "
+            f"{source.model_class.__name__}'s stacked experts "
+            f"({', '.join(sorted(sharded.plan.experts)[:2])}, ...); save with layout='model'")
+    return out
 
 
 def _check_sharded(sharded: Any, what: str) -> ShardedModule:

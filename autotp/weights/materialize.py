@@ -453,6 +453,14 @@ def stacked_experts(model: nn.Module, keys: Sequence[str]) -> dict[str, Stacked]
     return stacked
 
 
+def _renamed(key: str, renamings: list[Any]) -> str:
+    """``key`` through each of transformers' renamings in turn (``rename_source_key``, which
+    every tested transformers has; the helper that loops over them came later)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
+
+
 def expert_keys(model: nn.Module) -> dict[str, Stacked]:
     """The per-expert keys that transformers' checkpoints store each stacked expert weight of
     ``model`` under (its conversion mapping reversed, as its own save_pretrained writes
@@ -460,7 +468,7 @@ def expert_keys(model: nn.Module) -> dict[str, Stacked]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (PrefixChange, WeightConverter,
-                                                     WeightRenaming, apply_renamings)
+                                                     WeightRenaming)
         transforms = get_model_conversion_mapping(model, add_legacy=False)
         renamings = [t.reverse_transform() for t in transforms[::-1]
                      if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)]
@@ -479,7 +487,7 @@ def expert_keys(model: nn.Module) -> dict[str, Stacked]:
             if name in out or tensor.dim() == 0 or not (name == target or name.endswith(suffix)):
                 continue
             head = name[:len(name) - len(target)]
-            stack = Stacked([[apply_renamings(head + p.replace("*", str(e)), renamings)
+            stack = Stacked([[_renamed(head + p.replace("*", str(e)), renamings)
                               for e in range(tensor.shape[0])]
                              for p in converter.source_patterns], recipe)
             try:
