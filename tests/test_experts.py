@@ -186,6 +186,8 @@ def test_expert_parallel_over_data_parallel_ranks(tp: int, ep: int, routing_kind
     text = to_table(sim.plan, CostModel())
     assert f"tp={tp}, ep={ep}," in text and f"split over tp x ep = {tp * ep} ranks" in text
     assert to_dict(sim.plan, CostModel())["experts"]["ep"] == ep
+    with pytest.raises(autotp.ConfigError, match="generation with expert parallelism"):
+        sim.ranks[0].generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=1)
     assert sorted(sim.plan.expert_params) == sorted(sim.plan.experts)
     assert all(how == "whole" for _, how in sim.plan.experts.values()), sim.plan.experts
     for target in sim.plan.expert_params:

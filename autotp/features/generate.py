@@ -875,6 +875,11 @@ def _host(decoder: Decoder) -> Any:
 
 def decoder_of(sharded: Any) -> Decoder:
     found = getattr(sharded, "_decoder", None)
+    if found is None and sharded.plan.ep > 1:
+        raise ConfigError(
+            f"generation with expert parallelism (ep={sharded.plan.ep}) is not offered: its "
+            "decoding programs hold experts per tp rank only; build the model for generation "
+            "without ep (autotp.parallelize or from_pretrained with tp alone)")
     if found is None:
         found = Decoder(sharded)
         object.__setattr__(sharded, "_decoder", found)

@@ -160,15 +160,18 @@ class ExpertDispatch(nn.Module):
         self.comm.log.record("all_to_all", "forward", self.layer,
                              got.numel() * got.element_size(), "experts' row counts")
         starts = (offs - counts).view(ep, tp, per)[:, self.rank, 0]
-        pick = torch.cat([torch.arange(int(start), int(start) + int(n), device=offs.device)
-                          for start, n in zip(starts.tolist(), sent.sum(1).tolist())])
+        # what the host needs, in one synchronization: the splits, where each sent run
+        # starts, and the rows sorted
+        host = torch.cat([sent.sum(1), got.sum(1), starts, offs[-1:]]).tolist()
+        send, recv, begin, total = host[:ep], host[ep:2 * ep], host[2 * ep:3 * ep], host[-1]
+        pick = torch.cat([torch.arange(b, b + n, device=offs.device)
+                          for b, n in zip(begin, send)])
         # arrived rows are grouped by (source rank, expert): sort them by (expert, source)
         keys = torch.arange(ep * per, device=got.device).view(ep, per)
         keys = (keys % per) * ep + keys // per
-        order = torch.argsort(torch.repeat_interleave(keys.flatten(), got.flatten()),
-                              stable=True)
-        exchange = Exchange(self.comm, sent.sum(1).tolist(), got.sum(1).tolist(), pick, order,
-                            int(offs[-1]), self.layer)
+        order = torch.argsort(torch.repeat_interleave(keys.flatten(), got.flatten(),
+                                                      output_size=sum(recv)), stable=True)
+        exchange = Exchange(self.comm, send, recv, pick, order, total, self.layer)
         return Route(exchange.total, None, torch.cumsum(got.sum(0), 0).to(offs.dtype),
                      self.comm.rank * tp + self.rank, exchange)
 
