@@ -45,9 +45,7 @@ SLOW: dict[str, float] = {
     "tests/test_estimate.py::test_float32_inside_a_bfloat16_model_counts_four_bytes": 17,
     "tests/test_experts.py::test_experts_whole_exact[2-learned-2]": 9,
     "tests/test_experts.py::test_generate_with_experts_whole": 92,
-    "tests/test_experts.py::test_gloo_expert_parallel_in_pipeline_stages": 58,
-    "tests/test_experts.py::test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model[2]": 47,  # noqa: E501
-    "tests/test_experts.py::test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model[4]": 47,  # noqa: E501
+    "tests/test_experts.py::test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages": 120,
     "tests/test_families.py::test_gloo_mixtral_matches_the_unsharded_model": 16,
     "tests/test_fusion.py::test_compiled_program_matches_the_unsharded_model[sp]": 35,
     "tests/test_fusion.py::test_compiled_program_matches_the_unsharded_model[tp]": 22,

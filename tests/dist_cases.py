@@ -144,6 +144,14 @@ def fsdp_case(rank: int, world_size: int, steps: int = 3) -> dict[bool, dict[str
             for checkpointing in (False, True)}
 
 
+def expert_parallel_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """The expert-parallel runs of one launch of 4 processes: FSDP2 on (dp 2, tp 2) and on
+    (dp 4, tp 1), and pipeline stages on (pp 2, dp 2)."""
+    return {"fsdp dp 2": fsdp_expert_case(rank, world_size, 2),
+            "fsdp dp 4": fsdp_expert_case(rank, world_size, 4),
+            "pipeline": pipeline_expert_case(rank, world_size)}
+
+
 def fsdp_expert_case(rank: int, world_size: int, dp: int, steps: int = 2) -> dict[str, Any]:
     """``fsdp_case`` on a (dp, world / dp) mesh with a mixture-of-experts model whose experts
     are split over dp x tp (expert parallelism over "dp"): FSDP2 ignores the experts,

@@ -216,36 +216,30 @@ def test_expert_parallel_with_per_expert_tables() -> None:
     assert all(sim.plan.params[t].local_shape[0] == 1 for t in biases)
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_gloo_expert_parallel_with_fsdp2_matches_the_unsharded_model(dp: int) -> None:
-    """Four gloo processes, a (dp 2, tp 2) or (dp 4, tp 1) DeviceMesh, experts split over
-    dp x tp (one of 4 per rank: ep 2 or 4), FSDP2 per layer and at the root over "dp" with
-    the experts ignored: the
-    first step's gradients (dense: FSDP2's mean over dp; experts: summed by the dispatch's
-    backward, scaled by ``finish_expert_gradients``) within 1e-5 of the unsharded model's
-    on the whole batch, and over 2 AdamW steps the dp-mean loss within 1e-5 and every
-    parameter within 1e-4; the rows moved by real all-to-alls."""
-    from dist_cases import fsdp_expert_case
+def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
+    """Four gloo processes (one launch, three runs), experts split over the dp ranks:
 
-    for rank, r in enumerate(run_processes(fsdp_expert_case, 4, dp, timeout=300)):
-        assert r["grad_diff"] < 1e-5 and r["loss_diff"] < 1e-5, (rank, r)
-        assert r["param_diff"] < 1e-4 and r["names"], (rank, r)
-        assert r["experts_held"] == [1], (rank, r)
-        assert r["expert_moves"] > 0, (rank, r)
+    - FSDP2 per layer and at the root over "dp" with the experts ignored, on a (dp 2, tp 2)
+      and a (dp 4, tp 1) DeviceMesh (ep 2 and 4, one of 4 experts per rank): the first
+      step's gradients (dense: FSDP2's mean over dp; experts: summed by the dispatch's
+      backward, scaled by ``finish_expert_gradients``) within 1e-5 of the unsharded model's
+      on the whole batch, and over 2 AdamW steps the dp-mean loss within 1e-5 and every
+      parameter within 1e-4;
+    - pipeline stages, pp 2 x dp 2 (ep 2), FSDP2 over dp and Schedule1F1B: every gradient,
+      relative to its largest, within 1e-5 on the first step and 3e-3 on the second (AdamW
+      magnifies rounding where a gradient is near zero, as in tests/test_pipeline.py; a
+      gradient not scaled is off by 1/2), the losses within 1e-5. A layer of a mixture of
+      experts returns sizes (B x T) that the next stage computes again from its own
+      tensors."""
+    from dist_cases import expert_parallel_cases
 
-
-def test_gloo_expert_parallel_in_pipeline_stages() -> None:
-    """Four gloo processes, pp 2 x dp 2 with the experts split over dp (ep 2), FSDP2 over dp
-    with the experts ignored, Schedule1F1B: every gradient (dense: FSDP2's mean; experts:
-    each rank's share, scaled by ``finish_expert_gradients``) against the unsharded model's
-    on the whole batch, relative to its largest, within 1e-5 on the first step and 3e-3 on
-    the second (AdamW magnifies rounding where a gradient is near zero, as in
-    tests/test_pipeline.py; a gradient not scaled is off by 1/2), and the losses within
-    1e-5. A layer of a mixture of experts returns sizes (B x T) that the next stage
-    computes again from its own tensors."""
-    from dist_cases import pipeline_expert_case
-
-    for rank, got in enumerate(run_processes(pipeline_expert_case, 4, timeout=300)):
+    for rank, runs in enumerate(run_processes(expert_parallel_cases, 4, timeout=600)):
+        for dp in (2, 4):
+            r = runs[f"fsdp dp {dp}"]
+            assert r["grad_diff"] < 1e-5 and r["loss_diff"] < 1e-5, (rank, dp, r)
+            assert r["param_diff"] < 1e-4 and r["names"], (rank, dp, r)
+            assert r["experts_held"] == [1] and r["expert_moves"] > 0, (rank, dp, r)
+        got = runs["pipeline"]
         assert got["experts_held"] and set(got["experts_held"].values()) == {2}, (rank, got)
         for loss, want in zip(got["losses"], got["reference"], strict=True):
             assert abs(loss - want) < 1e-5, (rank, got)
