@@ -501,8 +501,9 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
         if ep is not None and ep != size:
             raise ConfigError(f"ep={ep} but ep_group has {size} ranks: pass ep={size}, or an "
                               f"ep_group of {ep} ranks")
-        if group is None and tp not in (None, dist.get_world_size()):
-            raise ConfigError("with ep_group=, pass group= too: the tensor-parallel ranks")
+        if group is None:  # the default group, the world, would hold the ep ranks' tokens too
+            raise ConfigError("with ep_group=, pass group= too: the tensor-parallel ranks "
+                              "(e.g. mesh['tp'] beside mesh['dp'])")
         return group, ep_group
     if ep is None or ep == 1:
         return group, None

@@ -34,19 +34,27 @@ def test_parallelize_needs_a_process_group() -> None:
         autotp.parallelize(BUILDERS["gpt2"](), tp=2)
 
 
-def _tp_mismatch(rank: int, world_size: int) -> str:
+def _tp_mismatch(rank: int, world_size: int) -> list[str]:
+    """What parallelize says to degrees that do not fit the group: tp alone, ep and tp whose
+    product is not the world, an ep group without its tp group."""
+    import torch.distributed as dist
     from models import BUILDERS
 
-    try:
-        autotp.parallelize(BUILDERS["gpt2"](), tp=4)
-    except autotp.ConfigError as exc:
-        return str(exc)
-    return "no error"
+    out = []
+    for kwargs in ({"tp": 4}, {"tp": 2, "ep": 2}, {"ep_group": dist.group.WORLD}):
+        try:
+            autotp.parallelize(BUILDERS["gpt2"](), **kwargs)
+            out.append("no error")
+        except autotp.ConfigError as exc:
+            out.append(str(exc))
+    return out
 
 
 def test_tp_must_match_the_group() -> None:
-    messages = run_processes(_tp_mismatch, 2, timeout=120)
-    assert all("tp=4 but the process group has 2 ranks" in m for m in messages), messages
+    for tp, ep, no_group in run_processes(_tp_mismatch, 2, timeout=120):
+        assert "tp=4 but the process group has 2 ranks" in tp, tp
+        assert "tp=2 x ep=2 = 4 ranks, but the world has 2" in ep, ep
+        assert "with ep_group=, pass group= too" in no_group, no_group
 
 
 class DataDependent(nn.Module):
