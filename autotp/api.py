@@ -734,7 +734,7 @@ def simulate(
                                  gather_outputs=gather_outputs, ep=ep)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
-    ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)]
+    ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []
     ranks = []
     for e in range(ep):
         for comm in ThreadHub(tp, timeout).comms():
