@@ -48,6 +48,7 @@ def _cost_model(args: argparse.Namespace) -> Any:
     from autotp.planner.cost import CostModel
 
     return CostModel(bandwidth=args.bandwidth * 1e9, latency=args.latency * 1e-6,
+                     step_latency=args.step_latency * 1e-6,
                      batch=args.batch, seq=args.seq)
 
 
@@ -71,7 +72,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="batch size B for byte counts")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length T")
     parser.add_argument("--bandwidth", type=float, default=100.0, help="link GB/s per rank")
-    parser.add_argument("--latency", type=float, default=10.0, help="collective latency, us")
+    parser.add_argument("--latency", type=float, default=10.0,
+                        help="a collective's launch latency, us")
+    parser.add_argument("--step-latency", type=float, default=3.4,
+                        help="latency per ring step, us (an all-reduce has 2(tp-1) steps)")
     parser.add_argument("--non-strict", dest="strict", action="store_false",
                         help="replicate ops without a rule (recorded) instead of failing")
     parser.add_argument("--sequence-parallel", action="store_true",

@@ -1,7 +1,8 @@
 """The cost model: an alpha-beta model of collectives, a flop rate, and parameter memory.
 
     cost(plan) = sum_params  w(p) * bytes_per_rank(p)                      memory
-               + sum_collectives  (alpha + ring(kind) * bytes / beta)      communication
+               + sum_collectives  (alpha + steps(kind) * delta
+                                  + ring(kind) * bytes / beta)           communication
                + sum_ops  flops(op) / (F * (tp if the op is split else 1))  compute
                + sum_grouped  knee * (experts a rank multiplies) / F      (MoE products)
                + epsilon * #(ops with a partial-sum output)                tie-break
@@ -31,7 +32,11 @@ from autotp.planner.transitions import Collective
 @dataclass(frozen=True)
 class CostModel:
     bandwidth: float = 100e9  # bytes/s, per rank
-    latency: float = 10e-6  # s, per collective
+    latency: float = 10e-6  # s, per collective: its launch
+    # s per sequential step of the ring (2(tp - 1) for an all-reduce, tp - 1 otherwise), as
+    # planner/hardware.py's ring_latency: at tp 8 an all-reduce waits 14 hops, so a small
+    # collective of its own costs more than adding its bytes to one that runs anyway
+    step_latency: float = 3.4e-6
     flops: float = 100e12  # flop/s
     batch: int = 8
     seq: int = 1024
@@ -56,7 +61,15 @@ class CostModel:
     gemm_knee: float = 2e9
 
     def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
-        return self.latency + kind.ring_factor(tp) * nbytes / self.bandwidth
+        return self.collective_latency(kind, tp) + self.transfer_time(kind, nbytes, tp)
+
+    def collective_latency(self, kind: Collective, tp: int) -> float:
+        """s a collective waits whatever it carries; one joined with others (the gradient
+        bucket, a layer-invariant gather) shares theirs."""
+        return self.latency + kind.ring_steps(tp) * self.step_latency
+
+    def transfer_time(self, kind: Collective, nbytes: float, tp: int) -> float:
+        return kind.ring_factor(tp) * nbytes / self.bandwidth
 
     def compute_time(self, flops: float, gemms: int = 0) -> float:
         return (flops + gemms * self.gemm_knee) / self.flops

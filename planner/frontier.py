@@ -389,8 +389,7 @@ def leaf_memory_cost(tp: int, cost_model: Any,
             # held whole, and a bounded beam drops Megatron's plan before it is (Gemma-2 2B
             # at tp 8: 8 query heads of 256 against 4 k/v heads).
             return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim) + \
-                cost_model.collective_time(Collective.ALL_REDUCE, leaf.nbytes, tp) - \
-                cost_model.latency
+                cost_model.transfer_time(Collective.ALL_REDUCE, leaf.nbytes, tp)
         if not isinstance(layout, Shard):
             return cost_model.memory_cost(leaf.nbytes, ndim)
         if not is_mixed(layout.blocks):
@@ -402,7 +401,7 @@ def leaf_memory_cost(tp: int, cost_model: Any,
         shape = tuple(leaf.node.meta["val"].shape)
         whole = leaf.nbytes * whole_numel(shape, layout) / math.prod(shape)
         return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim) + \
-            cost_model.collective_time(Collective.ALL_REDUCE, whole, tp) - cost_model.latency
+            cost_model.transfer_time(Collective.ALL_REDUCE, whole, tp)
 
     return cost
 

@@ -300,8 +300,9 @@ def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: C
         if step is None:
             return math.inf
         # joined with others (planner/invariant.py, the gradient bucket): no latency of its own
-        joined = cost_model.latency if src.invariant or src.is_param else 0.0
-        cost = sum(cost_model.collective_time(kind, src.nbytes, tp) - joined
+        joined = src.invariant or src.is_param
+        cost = sum(cost_model.transfer_time(kind, src.nbytes, tp) if joined
+                   else cost_model.collective_time(kind, src.nbytes, tp)
                    for kind in (step.forward, step.backward) if kind is not None)
         return cost + (cost_model.last_resort if step.last_resort else 0.0)
 
@@ -421,8 +422,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
                                isinstance(have, Replicate) and isinstance(want, Replicate))
         for kind in (step.forward, step.backward):
             if kind is not None:
-                cost += cost_model.collective_time(kind, src_pn.nbytes, tp) - \
-                    (cost_model.latency if bucketed else 0.0)
+                cost += cost_model.transfer_time(kind, src_pn.nbytes, tp) if bucketed \
+                    else cost_model.collective_time(kind, src_pn.nbytes, tp)
         if step.last_resort:
             cost += cost_model.last_resort
         if src_pn.kind != "input":

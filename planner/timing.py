@@ -67,7 +67,7 @@ class Layout:
 
 def ring_steps(kind: str, group: int) -> int:
     """Sequential steps of a ring collective: each waits for the neighbour's chunk."""
-    return 2 * (group - 1) if Collective(kind) is Collective.ALL_REDUCE else group - 1
+    return Collective(kind).ring_steps(group)
 
 
 def collective_time(hw: Hardware, kind: str, nbytes: float, group: int, within: bool) -> float:

@@ -44,6 +44,11 @@ class Collective(enum.Enum):
             return 2.0 * (tp - 1) / tp
         return (tp - 1) / tp
 
+    def ring_steps(self, tp: int) -> int:
+        """Sequential steps of the ring: each waits for its neighbour's chunk (an all-reduce
+        is a reduce-scatter then an all-gather)."""
+        return 2 * (tp - 1) if self is Collective.ALL_REDUCE else tp - 1
+
 
 class Phase(enum.Enum):
     FORWARD = "forward"

@@ -5,6 +5,7 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
 
     {"schema": "autotp.plan/1", "model": str, "tp": int, "layers": int,
      "batch": int, "seq": int, "bandwidth_GBps": float, "latency_us": float,
+     "step_latency_us": float,  # per ring step: 2(tp-1) for an all-reduce, tp-1 otherwise
      "sequence_parallel": bool, "outputs": ["R" | "S(2)" ...],  # as returned to the user
      "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
                        "local_shape": [int], "layer": int | null, "aliases": [str],
@@ -229,7 +230,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
     out = {
         "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
         "batch": batch, "seq": seq, "bandwidth_GBps": cost_model.bandwidth / 1e9,
-        "latency_us": cost_model.latency * 1e6,
+        "latency_us": round(cost_model.latency * 1e6, 6),
+        "step_latency_us": round(cost_model.step_latency * 1e6, 6),
         "params": params, "collectives": collectives,
         "sequence_parallel": plan.sequence_parallel, "outputs": list(plan.outputs),
         "summary": {
@@ -258,7 +260,8 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     ep = f", ep={plan.ep}" if plan.ep > 1 else ""
     lines = [f"autotp plan: {plan.model}, tp={plan.tp}{ep}, {plan.layers} layers; bytes at "
              f"B={batch} T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
-             f"{cost_model.latency * 1e6:g} us"]
+             f"{cost_model.latency * 1e6:g} us + {cost_model.step_latency * 1e6:g} us per ring "
+             f"step"]
 
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
         out = []
