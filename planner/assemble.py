@@ -12,6 +12,7 @@ import torch.fx as fx
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.errors import PlanError
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
+from autotp.planner.coalesce import join_siblings
 from autotp.planner.cost import CostModel, parse_size, readable
 from autotp.planner.invariant import stages
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
@@ -206,6 +207,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             bytes_expr=str(sum(synced_bytes.values())),
             node="grad sync: " + ", ".join(sorted(grad_sync)),
             source=None, src="R*", dst="R"))
+    join_siblings(plan, captured.gm.graph)
     return plan
 
 

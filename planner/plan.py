@@ -39,6 +39,12 @@ class Edge:
     # a layer-invariant value's gather, joined with the others in one collective before the
     # first layer (autotp.runtime.batching)
     batched: bool = False
+    # an all-reduce run as one with its siblings' of the same layer (planner/coalesce.py):
+    # the join's index, shared by every member
+    joined: Optional[int] = None
+
+
+JOINED = "joined: "  # a CollectiveRecord's node when it carries several values
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,14 @@ class CollectiveRecord:
     src: str
     dst: str
     module: Optional[str] = None  # the module path of the source line (None: top level)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The values it carries: its node's, or a join's (``"joined: a, b"``,
+        planner/coalesce.py)."""
+        if self.node.startswith(JOINED):
+            return tuple(self.node.removeprefix(JOINED).split(", "))
+        return (self.node,)
 
 
 @dataclass(frozen=True)

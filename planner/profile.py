@@ -475,13 +475,15 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
            side: dict[str, str], own: Optional[torch.dtype] = None) -> list[Comm]:
     out = []
     for c in plan.collectives:
-        node = nodes.get(c.node)
-        if node is None:  # the after-backward sum of replicated parameters' gradients
+        members = [nodes.get(name) for name in c.members]
+        if None in members:  # the after-backward sum of replicated parameters' gradients
             nbytes = float(parse_size(c.bytes_expr)) / 4 * dtype_bytes
         else:
-            val = node.meta.get("val")
-            numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0
-            nbytes = numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
+            nbytes = 0.0
+            for node in members:  # one, or a join's values (planner/coalesce.py)
+                val = node.meta.get("val")
+                numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0
+                nbytes += numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
             if c.src.startswith("P(") and c.src != "P":
                 nbytes *= plan.tp
         where = "layer" if c.layer is not None else side.get(c.node, "last")

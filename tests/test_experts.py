@@ -270,25 +270,43 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
                             example_kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)})
 
 
-def test_published_moe_shape_on_meta() -> None:
-    """Qwen3-30B-A3B's shape (2 layers, 128 experts of 768, top 8) planned at tp 8 on meta:
-    16 whole experts per rank, every stacked weight, and 2 all-reduces forward per layer."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=2,
-        num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768)
+PUBLISHED_MOE = {
+    # name: (config class, model class, fields, experts, experts per rank at tp 8)
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+        num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768), 128, 16),
+    # layer 0 dense (as the first three of the published 61), layer 1 a MoE layer
+    "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
+        first_k_dense_replace=1), 256, 32),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MOE))
+def test_published_moe_shape_on_meta(name: str) -> None:
+    """The published shape (2 layers) planned at tp 8 on meta: whole experts per rank in
+    every stacked weight, and every layer within Megatron's 2 all-reduces each way (DeepSeek:
+    the attention's two gradient sums and the routing weights' joined with others,
+    planner/coalesce.py)."""
+    config_cls, model_cls, fields, experts, per_rank = PUBLISHED_MOE[name]
+    config = getattr(transformers, config_cls)(num_hidden_layers=2, **fields)
     with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(config)
+        model = getattr(transformers, model_cls)(config)
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autotp.plan(model, 8, example_kwargs={"input_ids": ids})
-    assert len(plan.experts) == 4 and all(v == [128, "whole"] for v in plan.experts.values())
+    assert plan.experts and all(v == [experts, "whole"] for v in plan.experts.values())
     for target in plan.experts:
-        assert plan.params[target].local_shape[0] == 16
+        assert plan.params[target].local_shape[0] == per_rank
     assert not plan.fallbacks, plan.fallbacks  # the routers: replicated by design, not noted
     for layer in (0, 1):
         assert plan.count("forward", layer) == 2, plan.summary()
+        assert plan.count("backward", layer) <= 2, plan.summary()
 
 
 class _LoopOverHitExperts(torch.nn.Module):

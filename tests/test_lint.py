@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPED = ["autotp/layout.py", "rules", "planner/plan.py", "planner/transitions.py",
-         "planner/cost.py", "planner/gradflow.py"]
+         "planner/cost.py", "planner/gradflow.py", "planner/coalesce.py"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

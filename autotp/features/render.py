@@ -275,7 +275,8 @@ def build_view(plan: Plan, cost_model: CostModel) -> View:
         if record.layer is not None and rep_of_layer.get(record.layer, record.layer) != \
                 record.layer:
             continue  # the same collective of the group's first layer stands for it
-        site = view.representative(record.node) if record.node in nodes else None
+        first = record.members[0]  # a join's first value stands for it
+        site = view.representative(first) if first in nodes else None
         view.shown.append(Shown(record, row, site))
     return view
 
@@ -688,7 +689,8 @@ def _html_header(view: View, cost_model: CostModel) -> str:
         f'<header><h1>autotp plan <code>{esc(plan.model)}</code> · tp={plan.tp}</h1>'
         f'<p class="meta">{plan.layers} layers · bytes at B={cost_model.batch}, '
         f'T={cost_model.seq} · link {cost_model.bandwidth / 1e9:g} GB/s per rank, '
-        f'{cost_model.latency * 1e6:g} µs latency per collective</p>'
+        f'{cost_model.latency * 1e6:g} µs latency per collective + '
+        f'{cost_model.step_latency * 1e6:g} µs per ring step</p>'
         + _experts_line(plan) + _html_summary(view, cost_model)
         + _html_legend(bool(plan.experts))
         + '<div class="tools"><input id="param-filter" type="search" '
@@ -861,7 +863,8 @@ def _collective_rows(rows: list[dict[str, Any]]) -> str:
 
 def _marker(shown: Shown, view: View, section_layer: Optional[int]) -> str:
     row = shown.row
-    consumers = ", ".join(view.consumers.get(shown.record.node, []))
+    consumers = ", ".join(c for name in shown.record.members
+                          for c in view.consumers.get(name, []))
     layer = ""
     if shown.record.layer != section_layer:
         layer = " (outside the layers)" if shown.record.layer is None else \

@@ -1,4 +1,11 @@
-"""Layer-invariant values made whole ahead of the layers: one collective for every layer's.
+"""Joined collectives: several values made whole by one collective.
+
+``join_siblings``: all-reduces of one layer that neither waits for (``planner/coalesce.py``)
+run as one, of a flat buffer of their values (forward) or gradients (backward), at the first
+op that reads any of them; the ops computing a later value move ahead of that op.
+
+``join_ahead``: layer-invariant values made whole ahead of the layers, one collective for
+every layer's.
 
 A value a layer computes from the model's inputs and its own parameters alone (adaLN's
 modulation vectors, a timestep MLP each block recomputes; ``planner/invariant.py``) may be
@@ -25,16 +32,17 @@ gradient passes as it is, or, partial (``P -> R*``), is all-reduced with the oth
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from autotp.layout import Layout, Partial, Replicate, Shard, parse_layout
+from autotp.planner.coalesce import moved
 from autotp.planner.invariant import closure, stages
 from autotp.planner.plan import Plan
-from autotp.runtime.collectives import _rank_major, _segment_major, local_slice
+from autotp.runtime.collectives import Redistribute, _rank_major, _segment_major, local_slice
 from autotp.runtime.comm import Communicator
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
@@ -197,3 +205,99 @@ def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module)
     for e in edges:
         nodes[e.consumer].replace_input_with(nodes[e.value], outs[(e.value, e.dst)])
     return len(keys)
+
+
+# ---- sibling all-reduces -------------------------------------------------------------------
+
+
+class JoinedAllReduce(nn.Module):
+    """Runs several redistributions whose one collective is an all-reduce of the same
+    direction as one all-reduce: forward, of the partial sums (``P -> R``); backward, of the
+    gradients that Megatron's ``f`` sums (``R -> R*``)."""
+
+    def __init__(self, comm: Communicator, members: list[Redistribute], phase: str,
+                 layer: Optional[int]):
+        super().__init__()
+        self.comm = comm
+        self.members = members  # plain list: the members hold no state of their own
+        self.phase = phase
+        self.layer = layer
+        self.label = "joined: " + ", ".join(m.label for m in members)
+
+    def extra_repr(self) -> str:
+        return f"{self.phase} all-reduce of {len(self.members)} values: {self.label}"
+
+    @torch.compiler.disable  # collectives run eagerly
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _JoinedAllReduceFn.apply(self, *xs)
+
+    def all_reduce(self, xs: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
+        flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
+        self.comm.log.record("all_reduce", phase, self.layer,
+                             flat.numel() * flat.element_size(), self.label)
+        total = self.comm.all_reduce(flat)
+        out, start = [], 0
+        for x in xs:
+            out.append(total[start:start + x.numel()].view(x.shape))
+            start += x.numel()
+        return out
+
+
+class _JoinedAllReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, module: JoinedAllReduce, *xs: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.module = module
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        if module.phase == "forward":
+            return tuple(module.all_reduce(list(xs), "forward"))
+        return tuple(m.run_forward(x) for m, x in zip(module.members, xs))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Any, ...]:
+        module = ctx.module
+        if module.phase == "forward":
+            return (None, *(None if g is None else m.run_backward(g)
+                            for m, g in zip(module.members, grads)))
+        full = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
+        return (None, *module.all_reduce(full, "backward"))
+
+
+def join_siblings(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
+    """The plan's joined all-reduces (``Edge.joined``) as ``JoinedAllReduce`` calls before the
+    first op that reads any of their values; returns how many joins."""
+    groups: dict[int, list[Any]] = {}
+    for edge in plan.edges:
+        if edge.joined is not None:
+            groups.setdefault(edge.joined, []).append(edge)
+    if not groups or plan.tp == 1:
+        return 0
+    nodes = {n.name: n for n in graph.nodes}
+    for index, edges in sorted(groups.items()):
+        keys = list(dict.fromkeys((e.value, e.dst) for e in edges))
+        consumers = [nodes[e.consumer] for e in edges]
+        ahead = moved(graph, (nodes[v] for v, _ in keys), consumers)
+        assert ahead is not None, f"join {index}: {keys} cannot run as one"
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(consumers, key=order.__getitem__)
+        for node in ahead:
+            first.prepend(node)
+        members, phase = [], "forward" if edges[0].forward else "backward"
+        for value, dst in keys:
+            src = next(e.src for e in edges if (e.value, e.dst) == (value, dst))
+            members.append(Redistribute(comm, parse_layout(src), parse_layout(dst),
+                                        layer=edges[0].layer, bwd_layer=edges[0].layer,
+                                        label=f"{value} {src}->{dst}"))
+        name = f"autotp_joined_siblings_{index}"
+        root.add_module(name, JoinedAllReduce(comm, members, phase, edges[0].layer))
+        with graph.inserting_before(first):
+            call = graph.call_module(name, tuple(nodes[v] for v, _ in keys))
+            outs = {}
+            for i, key in enumerate(keys):
+                out = graph.call_function(operator.getitem, (call, i))
+                out.meta["val"] = nodes[key[0]].meta.get("val")
+                outs[key] = out
+        for e in edges:
+            nodes[e.consumer].replace_input_with(nodes[e.value], outs[(e.value, e.dst)])
+    return len(groups)

@@ -2,6 +2,7 @@
 
     shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
     insert_collectives   one Redistribute per (value, target layout) the plan asks for
+    join_siblings        a layer's all-reduces that neither waits for, run as one
     join_ahead           layer-invariant values made whole in one collective, ahead of the layers
     keep_sequence_shards sequence all-gathers whose saved outputs backward re-gathers
     lower_ops            per-op lowerings: local size arguments, masked vocab lookups
@@ -29,7 +30,7 @@ from autotp.runtime.collectives import (
     PartialSegmentsReduce,
     Redistribute,
 )
-from autotp.runtime.batching import join_ahead
+from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
 from autotp.errors import PlanError, where
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
@@ -179,7 +180,7 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     made: dict[tuple[str, str], fx.Node] = {}
     count = 0
     for edge in plan.edges:
-        if edge.batched:  # joined with the others in one collective (join_ahead)
+        if edge.batched or edge.joined is not None:  # one collective with others (batching)
             continue
         if edge.src != edge.dst and (routed_text(edge.src) or routed_text(edge.dst)):
             continue  # rows routed to experts: moved by route_rows
@@ -386,6 +387,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     bucket = GradBucket(comm)
     routes = route_rows(graph, plan, comm, root, ep_comm)
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
+    join_siblings(graph, plan, comm, root)
     join_ahead(graph, plan, comm, root)
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
