@@ -38,13 +38,20 @@ Key = tuple[str, str]  # (value, layout read): one redistribution in the rank pr
 def movable(node: fx.Node) -> bool:
     """An op that may run earlier than the program has it: no effect, no random draw, no
     in-place write."""
-    if node.op not in ("call_function", "call_module", "get_attr") or node.is_impure():
+    if node.op not in ("call_function", "call_module", "get_attr"):
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
-            return False
-    return True
+    if target in _DROPOUTS and len(node.args) > 2 and node.args[2] is False:
+        return True  # in eval mode: the identity, no draw
+    if node.is_impure():
+        return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return not target._schema.is_mutable and \
+        torch.Tag.nondeterministic_seeded not in target.tags
+
+
+_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 
 
 def moved(graph: fx.Graph, values: Iterable[fx.Node], consumers: Iterable[fx.Node]

@@ -103,6 +103,9 @@ def test_movable_ops() -> None:
     drop = graph.call_function(aten.native_dropout.default, (x, 0.1, True))
     inplace = graph.call_function(aten.add_.Tensor, (x, x))
     assert movable(add) and not movable(drop) and not movable(inplace) and not movable(x)
+    # dropout in eval mode is the identity: no draw to keep in place
+    assert movable(graph.call_function(aten.dropout.default, (x, 0.1, False)))
+    assert not movable(graph.call_function(aten.dropout.default, (x, 0.1, True)))
 
 
 def _on_two_ranks(work: Callable[[ThreadComm], Any]) -> list[Any]:
