@@ -402,7 +402,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         else args.sequence_parallel == "on",
         dtype=args.dtype, precision=args.precision, optimizer=args.optimizer,
         dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
-        max_micro_batch=args.max_micro_batch)
+        max_micro_batch=args.max_micro_batch, ep=args.ep)
     planner = Planner(profiled, args.model, args.seq, attention_heads(loaded.model), planned)
     with progress.step("planning and ranking configurations"):
         configs = search(planner, base, req)
@@ -440,6 +440,9 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
                    help="what data parallelism shards: everything (FSDP2, default), the "
                         "optimizer state, or nothing (DDP)")
     s.add_argument("--mesh", help="evaluate this mesh only: pp=P,dp=D,tp=T")
+    s.add_argument("--ep", type=int,
+                   help="expert parallelism: split the experts over ep of the dp ranks too "
+                        "(searched for a mixture of experts; 1 otherwise)")
     s.add_argument("--checkpointing", choices=["none", "selective", "full"],
                    help="activation recomputation (searched)")
     s.add_argument("--sequence-parallel", choices=["on", "off"], help="(searched)")

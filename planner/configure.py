@@ -48,6 +48,7 @@ class Config:
     micro_batch: int
     sequence_parallel: bool
     checkpointing: str
+    ep: int = 1  # experts split over ep of the dp ranks too (autotp.parallelize's ep)
     fits: bool = False
     why: str = ""
     memory: Optional[Memory] = None
@@ -63,17 +64,27 @@ class Config:
         return f"pp={self.pp},dp={self.dp},tp={self.tp}"
 
     @property
+    def flags(self) -> str:
+        """The ``autotp estimate`` options that evaluate this configuration's mesh only."""
+        return f"--mesh {self.mesh}" + (f" --ep {self.ep}" if self.ep > 1 else "")
+
+    @property
     def mesh_shape(self) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
-        """``init_device_mesh("cuda", *config.mesh_shape)``: (pp, dp, tp), tp innermost."""
+        """``init_device_mesh("cuda", *config.mesh_shape)``: (pp, dp, tp), tp innermost; an
+        ep group is ep consecutive ranks of the dp dim (all of it where ep = dp)."""
         return (self.pp, self.dp, self.tp), ("pp", "dp", "tp")
 
     def parallelize_kwargs(self) -> dict[str, Any]:
         """What ``autotp.parallelize`` takes from this configuration."""
-        return {"tp": self.tp, "sequence_parallel": self.sequence_parallel}
+        out: dict[str, Any] = {"tp": self.tp, "sequence_parallel": self.sequence_parallel}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
+            "tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
+            "micro_batch": self.micro_batch,
             "sequence_parallel": self.sequence_parallel, "checkpointing": self.checkpointing,
             "fits": self.fits, "why": self.why, "memory": None, "time": None,
             "mfu": round(self.mfu, 4)}
@@ -87,11 +98,12 @@ class Config:
             t = self.time
             out["time"] = {"step_s": t.step, "compute_s": t.compute, "tp_comm_s": t.tp_comm,
                            "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm,
-                           "optimizer_s": t.optimizer}
+                           "ep_comm_s": t.ep_comm, "optimizer_s": t.optimizer}
         if self.experts is not None:
             experts, top_k, imbalance = self.experts
             out["experts"] = {"experts": experts, "top_k": top_k,
-                              "per_rank": experts // self.tp, "imbalance": round(imbalance, 4)}
+                              "per_rank": experts // (self.tp * self.ep),
+                              "imbalance": round(imbalance, 4)}
         return out
 
 
@@ -129,6 +141,7 @@ class Request:
     gpus_per_node: Optional[int] = None
     micro_batch: Optional[int] = None
     mesh: Optional[tuple[int, int, int]] = None  # (pp, dp, tp)
+    ep: Optional[int] = None  # expert parallelism over dp ranks (None: searched, for MoE)
     checkpointing: Optional[str] = None
     sequence_parallel: Optional[bool] = None
     dtype: str = "bfloat16"
@@ -177,34 +190,44 @@ class Planner:
         self.model_name = model_name
         self.seq = seq
         self.heads = heads
-        self.plans: dict[tuple[int, bool], Any] = {}
-        self.errors: dict[tuple[int, bool], str] = {}
-        self.profiles: dict[tuple[int, bool, int], Profile] = {}
+        self.plans: dict[tuple[int, bool, int], Any] = {}
+        self.errors: dict[tuple[int, bool, int], str] = {}
+        self.profiles: dict[tuple[int, bool, int, int], Profile] = {}
 
-    def plan(self, tp: int, sp: bool) -> Any:
+    def plan(self, tp: int, sp: bool, ep: int = 1) -> Any:
         from autotp.planner.cost import CostModel
         from autotp.planner.solve import PlanOptions, plan_graph
 
-        key = (tp, sp)
+        key = (tp, sp, ep)
         if self.heads and self.heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {self.heads} attention heads")
         if key not in self.plans and key not in self.errors:
             try:
                 self.plans[key] = plan_graph(
                     self.planned, tp, cost_model=CostModel(batch=1, seq=self.seq),
-                    options=PlanOptions(sequence_parallel=sp), model_name=self.model_name)
+                    options=PlanOptions(sequence_parallel=sp, expert_parallel=ep),
+                    model_name=self.model_name)
             except AutotpError as exc:
                 self.errors[key] = str(exc).splitlines()[0]
         if key in self.errors:
             raise ConfigError(self.errors[key])
         return self.plans[key]
 
-    def profile(self, tp: int, sp: bool, micro_batch: int, dtype_bytes: int) -> Profile:
-        key = (tp, sp, micro_batch)
+    def profile(self, tp: int, sp: bool, micro_batch: int, dtype_bytes: int,
+                ep: int = 1) -> Profile:
+        key = (tp, sp, micro_batch, ep)
         if key not in self.profiles:
-            self.profiles[key] = build_profile(self.captured, self.plan(tp, sp), micro_batch,
-                                               self.seq, dtype_bytes)
+            self.profiles[key] = build_profile(self.captured, self.plan(tp, sp, ep),
+                                               micro_batch, self.seq, dtype_bytes)
         return self.profiles[key]
+
+    def experts(self) -> int:
+        """The experts of the model's grouped expert products (0: none), from its tp 1 plan."""
+        try:
+            plan = self.plan(1, False)
+        except ConfigError:
+            return 0
+        return max((count for count, _ in plan.experts.values()), default=0)
 
 
 def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
@@ -234,6 +257,10 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                               f"{', '.join(POLICIES)}")
     dtype_bytes = DTYPE_BYTES[req.dtype]
     model_flops = _model_flops(planner, req, dtype_bytes)
+    experts = planner.experts() if req.ep != 1 else 0
+    if req.ep is not None and req.ep > 1 and not experts:
+        raise ConfigError(f"ep={req.ep}: the model has no grouped experts to split; leave ep "
+                          "out")
     configs: list[Config] = []
     for pp, dp, tp in meshes:
         sps = [req.sequence_parallel] if req.sequence_parallel is not None else \
@@ -246,18 +273,43 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                                       why=f"global batch {req.global_batch} is not divisible "
                                           f"by dp={dp}"))
                 continue
+            eps = _expert_degrees(req, experts, tp, dp, g)
+            if isinstance(eps, str):
+                configs.append(Config(tp, pp, dp, req.micro_batch or 1, sp, policies[0],
+                                      ep=req.ep or 1, why=eps))
+                continue
             per_replica = req.global_batch // dp
             mbs = [req.micro_batch] if req.micro_batch else \
                 [m for m in _divisors(per_replica) if m <= req.max_micro_batch]
-            for mb in mbs:
-                for policy in policies:
-                    config = _evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp, policy,
-                                       dtype_bytes, g, model_flops, asked=bool(req.checkpointing))
-                    if config is not None:
-                        configs.append(config)
+            for ep in eps:
+                for mb in mbs:
+                    for policy in policies:
+                        config = _evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp, policy,
+                                           dtype_bytes, g, model_flops,
+                                           asked=bool(req.checkpointing), ep=ep)
+                        if config is not None:
+                            configs.append(config)
     configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
                                 c.memory.total if c.memory else math.inf))
     return configs
+
+
+def _expert_degrees(req: Request, experts: int, tp: int, dp: int,
+                    gpus_per_node: int) -> "list[int] | str":
+    """The ep to evaluate at (tp, dp), or why not as text: the asked one, or 1 and the
+    largest ep of the dp ranks that splits the experts whole (experts / (tp x ep) each) with
+    its all-to-alls within a node (each ep is a plan of its own: others are left to
+    ``--ep``)."""
+    if req.ep is None:
+        within = [ep for ep in _divisors(dp)[1:] if experts and experts % (tp * ep) == 0 and
+                  tp * ep <= gpus_per_node]
+        return [1, *within[-1:]]
+    if dp % req.ep:
+        return f"ep={req.ep} does not divide dp={dp}: expert parallelism splits the dp ranks"
+    if req.ep > 1 and experts % (tp * req.ep):
+        return (f"tp={tp} x ep={req.ep} does not divide the {experts} experts: each rank holds "
+                "whole experts")
+    return [req.ep]
 
 
 def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
@@ -271,10 +323,10 @@ def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
 
 def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp: int, pp: int,
               dp: int, mb: int, sp: bool, policy: str, dtype_bytes: int, g: int,
-              model_flops: float, asked: bool = True) -> Optional[Config]:
+              model_flops: float, asked: bool = True, ep: int = 1) -> Optional[Config]:
     """One configuration evaluated; None for selective recomputation where the attention
     keeps nothing quadratic (a fused attention): the same as none, left out unless asked."""
-    config = Config(tp, pp, dp, mb, sp, policy)
+    config = Config(tp, pp, dp, mb, sp, policy, ep=ep)
     per_replica = req.global_batch // dp
     if per_replica % mb:
         config.why = (f"the global batch {req.global_batch} over dp={dp} is {per_replica}, "
@@ -284,7 +336,7 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
         config.why = f"sequence parallelism needs tp={tp} to divide the sequence {req.seq}"
         return config
     try:
-        prof = planner.profile(tp, sp, mb, dtype_bytes)
+        prof = planner.profile(tp, sp, mb, dtype_bytes, ep)
     except ConfigError as exc:
         config.why = str(exc)
         return config
@@ -296,7 +348,7 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     if pp > len(prof.layers):
         config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
         return config
-    mesh = Layout(tp=tp, pp=pp, dp=dp, gpus_per_node=g)
+    mesh = Layout(tp=tp, pp=pp, dp=dp, gpus_per_node=g, ep=ep)
     m = per_replica // mb
     # stages balanced by each layer's time (the embeddings and head weigh on the ends)
     one = {layer: stage_work(prof, hw, [layer], first=False, last=False, policy=policy,
@@ -314,10 +366,12 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
         stage_work(prof, hw, stage, first=i == 0, last=i == pp - 1, policy=policy,
                    dtype=req.dtype, mesh=mesh) for i, stage in enumerate(stages)]
     stage_params = [_stage_param_numel(prof, stages, i) for i in range(pp)]
+    stage_experts = [_stage_param_numel(prof, stages, i, experts=True) for i in range(pp)]
     boundary = max(prof.layer_inputs.values(), default=0.0)
     config.time = step_time(works, hw, micro_batches=m, mesh=mesh, prec=prec,
                             stage_params=stage_params, boundary_bytes=boundary,
-                            layers_per_stage=[len(s) for s in stages], dp_shard=req.dp_shard)
+                            layers_per_stage=[len(s) for s in stages], dp_shard=req.dp_shard,
+                            stage_experts=stage_experts)
     peak = hw.peak(req.dtype)
     if config.time.step > 0 and model_flops:
         config.mfu = model_flops * req.global_batch / (config.time.step * req.gpus * peak)
@@ -331,8 +385,11 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     return config
 
 
-def _stage_param_numel(prof: Profile, stages: Sequence[Sequence[int]], stage: int) -> float:
-    return float(sum(p.numel for p in prof.params if on_stage(p, stage, stages)))
+def _stage_param_numel(prof: Profile, stages: Sequence[Sequence[int]], stage: int,
+                       experts: bool = False) -> float:
+    """The stage's parameter elements on a rank (``experts``: only those split over ep)."""
+    return float(sum(p.numel for p in prof.params if on_stage(p, stage, stages) and
+                     (p.expert or not experts)))
 
 
 def _largest_part(m: Memory) -> str:

@@ -17,22 +17,25 @@ GIB = float(1 << 30)
 _MEMORY = (("parameters", "#4e79a7"), ("gradients", "#76b7b2"), ("optimizer", "#59a14f"),
            ("activations", "#f28e2b"), ("transient", "#edc948"))
 _TIME = (("compute_s", "compute", "#4e79a7"), ("tp_comm_s", "tp comm", "#e15759"),
-         ("pp_bubble_s", "pp bubble", "#b07aa1"), ("dp_comm_s", "dp comm", "#9c755f"),
-         ("optimizer_s", "optimizer", "#bab0ac"))
+         ("ep_comm_s", "ep all-to-all", "#ff9da7"), ("pp_bubble_s", "pp bubble", "#b07aa1"),
+         ("dp_comm_s", "dp comm", "#9c755f"), ("optimizer_s", "optimizer", "#bab0ac"))
 
 
 def to_json(est: Estimate) -> str:
     return json.dumps(est.to_dict(), indent=1) + "\n"
 
 
-def _row(rank: str, c: Config) -> str:
+def _row(rank: str, c: Config, ep: bool = False) -> str:
+    """One configuration; ``ep``: with the expert-parallel degree and all-to-all time."""
     m, t = c.memory, c.time
     assert m is not None and t is not None
-    return (f"{rank:>4} {c.tp:>3} {c.pp:>3} {c.dp:>4} {c.micro_batch:>3} "
+    return (f"{rank:>4} {c.tp:>3} {c.pp:>3} {c.dp:>4} " + (f"{c.ep:>3} " if ep else "") +
+            f"{c.micro_batch:>3} "
             f"{'on' if c.sequence_parallel else 'off':>3} {c.checkpointing:>9} "
             f"{(m.parameters + m.gradients + m.optimizer) / GIB:>8.1f} "
             f"{m.activations / GIB:>7.1f} {m.transient / GIB:>6.1f} {m.total / GIB:>7.1f} "
-            f"{t.step:>8.3f} {t.compute:>8.3f} {t.tp_comm:>7.3f} {t.pp_bubble:>7.3f} "
+            f"{t.step:>8.3f} {t.compute:>8.3f} {t.tp_comm:>7.3f} " +
+            (f"{t.ep_comm:>7.3f} " if ep else "") + f"{t.pp_bubble:>7.3f} "
             f"{t.dp_comm:>7.3f} {t.optimizer:>7.3f} {c.mfu:>5.1%}")
 
 
@@ -40,17 +43,20 @@ def to_table(est: Estimate, top: int = 20) -> str:
     hw = est.hardware
     fits = [c for c in est.configs if c.fits]
     refused = [c for c in est.configs if not c.fits]
+    ep = any(c.ep > 1 for c in est.configs)  # a mixture of experts: ep searched or asked
     lines = [
         f"autotp estimate: {est.model} on {est.gpus} x {hw.name} "
         f"({hw.memory / GIB:.0f} GiB, {hw.gpus_per_node} per node), global batch "
         f"{est.global_batch} x {est.seq} tokens, {est.dtype}, {est.precision}",
         f"{len(est.configs)} configurations, {len(fits)} fit; searched in {est.seconds:.1f} s",
         "",
+        ("    " if ep else "") +
         "                                  memory per GPU (GiB)               step time (s)",
-        "rank  tp  pp   dp  mb  sp      ckpt   states    act  trans   total     step  compute"
-        "      tp  bubble      dp     opt   MFU",
+        "rank  tp  pp   dp " + ("ep " if ep else "") +
+        " mb  sp      ckpt   states    act  trans   total     step  compute"
+        "      tp " + ("     ep " if ep else "") + " bubble      dp     opt   MFU",
     ]
-    lines += [_row(str(i + 1), c) for i, c in enumerate(fits[:top])]
+    lines += [_row(str(i + 1), c, ep) for i, c in enumerate(fits[:top])]
     if len(fits) > top:
         lines.append(f"  ... {len(fits) - top} more that fit (--top N, or --format json)")
     if not fits:
@@ -62,19 +68,21 @@ def to_table(est: Estimate, top: int = 20) -> str:
             reasons.setdefault(_reason_kind(c.why), []).append(c)
         for kind, group in reasons.items():
             c = min(group, key=lambda x: x.memory.total if x.memory else 0.0)
-            lines.append(f"  {len(group):>4} x {kind}; e.g. {c.mesh} mb={c.micro_batch} "
+            lines.append(f"  {len(group):>4} x {kind}; e.g. {c.mesh}"
+                         + (f",ep={c.ep}" if c.ep > 1 else "") + f" mb={c.micro_batch} "
                          f"sp={'on' if c.sequence_parallel else 'off'} "
                          f"ckpt={c.checkpointing}: {c.why}")
     best = est.best
     if best is not None:
-        lines += ["", f"best: --mesh {best.mesh} --micro-batch {best.micro_batch} "
+        lines += ["", f"best: {best.flags} --micro-batch {best.micro_batch} "
                       f"--sequence-parallel {'on' if best.sequence_parallel else 'off'} "
                       f"--checkpointing {best.checkpointing}: {best.time.step:.3f} s per step, "
                       f"{best.memory.total / GIB:.1f} GiB on the fullest GPU "
                       f"(stage {best.memory.stage}), MFU {best.mfu:.1%}"]
         if best.experts is not None:
             experts, top_k, imbalance = best.experts
-            lines.append(f"experts: {experts // best.tp} of {experts} whole per rank, top "
+            lines.append(f"experts: {experts // (best.tp * best.ep)} of {experts} whole per "
+                         f"rank{f' (ep={best.ep})' if best.ep > 1 else ''}, top "
                          f"{top_k}; under uniform routing the busiest rank computes "
                          f"{imbalance:.3f}x the mean rows (the expert products are timed "
                          f"at it; a real router's imbalance is the model's and the data's)")
@@ -97,7 +105,8 @@ def to_html(est: Estimate, top: int = 30) -> str:
     rows = []
     for i, c in enumerate(shown):
         y = 30 + i * (2 * bar + gap)
-        label = (f"{c.mesh} mb={c.micro_batch} sp={'on' if c.sequence_parallel else 'off'} "
+        ep = f",ep={c.ep}" if c.ep > 1 else ""
+        label = (f"{c.mesh}{ep} mb={c.micro_batch} sp={'on' if c.sequence_parallel else 'off'} "
                  f"{c.checkpointing}")
         color = "#222" if c.fits else "#b22"
         rows.append(f'<text x="4" y="{y + bar}" font-size="11" fill="{color}">'

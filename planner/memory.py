@@ -3,7 +3,8 @@ activations autograd keeps, as the plan, the data-parallel sharding and the pipe
 hold them.
 
     model states  = sum over the stage's parameters of  local numel x (weight + gradient +
-                    optimizer bytes per element), divided by dp where FSDP shards them
+                    optimizer bytes per element), divided by dp where FSDP shards them (not
+                    experts split over ep ranks: each rank holds its own whole)
     activations   = in-flight micro-batches x (what the stage's layers keep for backward under
                     the recomputation policy) + the embeddings' / head's own
     peak          = model states + activations + the transient of the policy (a fully
@@ -130,10 +131,13 @@ def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
     """The memory of pipeline stage ``stage`` (``stages``: the layers of each stage)."""
     pp = len(stages)
     mine = set(stages[stage])
-    numel = 0.0
+    numel = experts = 0.0
     largest_layer: dict[int, float] = {}
     for p in prof.params:
         if on_stage(p, stage, stages):
+            if p.expert:  # outside FSDP (autotp.expert_parameters): never sharded or gathered
+                experts += p.numel
+                continue
             numel += p.numel
             key = p.layer if p.layer is not None else -1
             largest_layer[key] = largest_layer.get(key, 0.0) + p.numel
@@ -157,8 +161,9 @@ def stage_memory(prof: Profile, stage: int, stages: Sequence[Sequence[int]], *,
         # the unsharded weights of the layer in use and the one prefetched
         biggest = sorted(largest_layer.values(), reverse=True)[:2]
         transient += sum(biggest) * prec.weight
-    return Memory(stage=stage, parameters=numel * prec.weight / shard,
-                  gradients=numel * prec.grad / shard, optimizer=numel * prec.optimizer / opt_shard,
+    return Memory(stage=stage, parameters=numel * prec.weight / shard + experts * prec.weight,
+                  gradients=numel * prec.grad / shard + experts * prec.grad,
+                  optimizer=numel * prec.optimizer / opt_shard + experts * prec.optimizer,
                   activations=act * in_flight, transient=transient)
 
 

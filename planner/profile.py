@@ -101,11 +101,12 @@ class Saved:
 
 @dataclass
 class Comm:
-    kind: str  # all_reduce / all_gather / reduce_scatter
+    kind: str  # all_reduce / all_gather / reduce_scatter / all_to_all
     phase: str  # forward / backward
     layer: Optional[int]
     nbytes: float  # the full tensor's bytes (what the ring factor applies to)
     side: str = "layer"
+    group: str = "tp"  # over the tp group, or the ep group (expert parallelism's all-to-alls)
 
 
 @dataclass
@@ -116,6 +117,9 @@ class Param:
     numel: int  # on this rank
     ndim: int
     grad_sync: bool
+    # split along the experts over the ep ranks too: kept out of the data-parallel sharding
+    # and average (autotp.expert_parameters), its gradient summed over dp / ep ranks only
+    expert: bool = False
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Profile:
     experts: int = 0
     top_k: int = 0
     expert_imbalance: float = 1.0
+    ep: int = 1  # expert parallelism: the experts split over ep data-parallel ranks as well
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
@@ -257,10 +262,12 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             node = node.args[0]
         return node
 
+    prof.ep = plan.ep
     prof.experts, prof.top_k = _routing(gm, plan)
     if prof.experts:
-        prof.expert_imbalance = routing_imbalance(micro_batch * seq, prof.experts, prof.top_k,
-                                                  tp)
+        # with ep, a rank's experts take rows from the tokens of all ep ranks
+        prof.expert_imbalance = routing_imbalance(micro_batch * seq * plan.ep, prof.experts,
+                                                  prof.top_k, tp * plan.ep)
     grads = _requires_grad(gm, plan)
     kept: dict[str, Saved] = {}
     side = _sides(gm, plan)
@@ -344,6 +351,8 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             keep(node.name, node, local_bytes(node, out_layout), quadratic)
     prof.saved = list(kept.values())
     prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side, own)
+    if plan.ep > 1:
+        prof.comms += _exchanges(gm, plan, sizes, dtype_bytes, own)
     prof.params = _params(gm, plan, side)
     prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
     return prof
@@ -353,12 +362,41 @@ def _routed(layout: Layout) -> bool:
     return isinstance(layout, Shard) and isinstance(layout.blocks, Routed)
 
 
+def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: _Sizes, dtype_bytes: int,
+               own: Optional[torch.dtype]) -> list[Comm]:
+    """Expert parallelism's all-to-alls over the ep group (autotp.runtime.routing): per MoE
+    layer, the rows to the experts' owners and their outputs back, forward, and the same
+    two reversed in backward. Each tp rank sends the rows of its own share of the experts:
+    the rows a grouped product reads (its first in the layer) and writes (its last), over
+    tp. The row counts exchanged first are a few integers per expert, left out."""
+    first: dict[int, fx.Node] = {}
+    last: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        layer = plan.node_layers.get(node.name)
+        choice = plan.choices.get(node.name)
+        if layer is not None and choice is not None and \
+                choice.strategy.endswith("[experts]") and is_grouped(node):
+            first.setdefault(layer, node)
+            last[layer] = node
+    out = []
+    for layer, node in first.items():
+        rows = node.args[0]
+        for val in (rows.meta.get("val") if isinstance(rows, fx.Node) else None,
+                    last[layer].meta.get("val")):
+            if isinstance(val, torch.Tensor):
+                moved = math.prod(sizes.shape(val)) / plan.tp * \
+                    _element_bytes(val, dtype_bytes, own)
+                for phase in ("forward", "backward"):
+                    out.append(Comm("all_to_all", phase, layer, moved, group="ep"))
+    return out
+
+
 def _routing(gm: fx.GraphModule, plan: Plan) -> tuple[int, int]:
     """(experts, top-k) of the experts the plan holds whole per rank, or (0, 0): the
     experts from the plan, k from the top-k over that many scores (not a grouped router's
     top-k over its groups)."""
     counts = [count for count, how in plan.experts.values() if how == "whole"]
-    if not counts or plan.tp == 1:
+    if not counts or plan.tp * plan.ep == 1:
         return 0, 0
     experts = max(counts)
     for node in gm.graph.nodes:
@@ -507,7 +545,8 @@ def _params(gm: fx.GraphModule, plan: Plan, side: dict[str, str]) -> list[Param]
         else:
             end = "both" if sides == {"first", "last"} else (sides.pop() if sides else "last")
         out.append(Param(node.target, p.layer if end == "layer" else None, end,
-                         math.prod(p.local_shape), len(p.global_shape), p.grad_sync))
+                         math.prod(p.local_shape), len(p.global_shape), p.grad_sync,
+                         expert=plan.ep > 1 and node.target in plan.expert_params))
     return out
 
 

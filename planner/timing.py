@@ -8,16 +8,20 @@
                (2 (p - 1) for an all-reduce, p - 1 for an all-gather or reduce-scatter) +
                ring factor x bytes / bus bandwidth, within a node or across nodes as the
                group lies
+    ep comm    with expert parallelism, each MoE layer's all-to-alls over the ep group (rows
+               to their experts and back, twice each way): p - 1 steps, (p - 1) / p of the
+               rows' bytes
     pp bubble  1F1B: (pp - 1) micro-batch slots of the slowest stage, plus the stage-to-stage
                sends of activations and their gradients
     dp comm    the gradients' reduce (and FSDP's weight gathers), overlapped with backward
-               except the last layer's share
+               except the last layer's share; experts split over ep ranks are summed over
+               the dp / ep ranks holding the same experts, without gathers
     optimizer  one fused step over the rank's shard of the parameters and the zeroing of
                its gradients: memory-bound, ``Precision.optimizer_bytes_moved`` per element
                at the optimizer's achieved bandwidth
 
 The ranks are laid out as a (pp, dp, tp) mesh: tp innermost (adjacent GPUs, within a node),
-then dp, then pp.
+then dp, then pp; an ep group is ep consecutive dp ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class StepTime:
     pp_bubble: float
     dp_comm: float
     optimizer: float = 0.0
+    ep_comm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,11 @@ class Layout:
     pp: int
     dp: int
     gpus_per_node: int
+    ep: int = 1
+
+    @property
+    def ep_within_node(self) -> bool:
+        return self.tp * self.ep <= self.gpus_per_node
 
     @property
     def tp_within_node(self) -> bool:
@@ -88,19 +98,21 @@ def _op_time(hw: Hardware, kind: str, flops: float, nbytes: float, dtype: str) -
 
 @dataclass
 class StageWork:
-    """One micro-batch through one stage: seconds of compute and of tp collectives."""
+    """One micro-batch through one stage: seconds of compute, of tp collectives and of
+    expert parallelism's all-to-alls."""
 
     forward: float
     backward: float
     recompute: float
     comm: float
+    exchange: float = 0.0
 
 
 def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
-               tp_within_node: bool) -> dict[object, StageWork]:
+               tp_within_node: bool, ep_within_node: bool = True) -> dict[object, StageWork]:
     """Each layer's (and each end's: "first", "last") work for one micro-batch, computed once
     per profile and kept on it."""
-    key = ("work", id(hw), policy, dtype, tp_within_node)
+    key = ("work", id(hw), policy, dtype, tp_within_node, ep_within_node)
     if key in prof.cache:
         return prof.cache[key]
     out: dict[object, StageWork] = {}
@@ -121,6 +133,12 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
             w.recompute += t
     for c in prof.comms:
         w = slot(c.layer, c.side)
+        if c.group == "ep":
+            t = collective_time(hw, c.kind, c.nbytes, prof.ep, ep_within_node)
+            w.exchange += t
+            if policy == "full" and c.layer is not None and c.phase == "forward":
+                w.exchange += t
+            continue
         t = collective_time(hw, c.kind, c.nbytes, prof.tp, tp_within_node)
         w.comm += t
         if policy == "full" and c.layer is not None and c.phase == "forward":
@@ -131,7 +149,7 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
 
 def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
                policy: str, dtype: str, mesh: Layout) -> StageWork:
-    per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node)
+    per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node, mesh.ep_within_node)
     keys: list[object] = list(layers) + (["first"] if first else []) + \
         (["last"] if last else [])
     total = StageWork(0.0, 0.0, 0.0, 0.0)
@@ -142,20 +160,24 @@ def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: boo
             total.backward += w.backward
             total.recompute += w.recompute
             total.comm += w.comm
+            total.exchange += w.exchange
     return total
 
 
 def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
               mesh: Layout, prec: Precision, stage_params: Sequence[float],
               boundary_bytes: float, layers_per_stage: Sequence[int],
-              dp_shard: str = "fsdp") -> StepTime:
-    """The step of ``micro_batches`` micro-batches through the stages of ``works``."""
-    slots = [w.forward + w.backward + w.recompute + w.comm for w in works]
+              dp_shard: str = "fsdp", stage_experts: Sequence[float] = ()) -> StepTime:
+    """The step of ``micro_batches`` micro-batches through the stages of ``works``;
+    ``stage_experts``: of each stage's parameters, those split over the ep ranks."""
+    slots = [w.forward + w.backward + w.recompute + w.comm + w.exchange for w in works]
     slowest = max(range(len(works)), key=lambda i: slots[i])
     w = works[slowest]
     m = micro_batches
     compute = m * (w.forward + w.backward + w.recompute)
     tp_comm = m * w.comm
+    ep_comm = m * w.exchange
+    experts = stage_experts[slowest] if stage_experts else 0.0
     pp = mesh.pp
     bubble = 0.0
     if pp > 1:
@@ -163,10 +185,19 @@ def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
         send = hw.ring_latency(1, mesh.pp_within_node) + boundary_bytes / bandwidth
         bubble = (pp - 1) * slots[slowest] + (m + pp - 1) * 2 * send
     shard = mesh.dp if dp_shard in ("fsdp", "optimizer") else 1
-    optimizer = hw.optimizer_time(stage_params[slowest] / shard * prec.optimizer_bytes_moved)
+    # experts split over ep ranks are outside the data-parallel sharding: each rank steps
+    # its own whole
+    optimizer = hw.optimizer_time((stage_params[slowest] - experts) / shard *
+                                  prec.optimizer_bytes_moved +
+                                  experts * prec.optimizer_bytes_moved)
     dp_comm = 0.0
+    replicas = mesh.dp // mesh.ep  # ranks holding the same experts
+    if experts and replicas > 1:
+        _, bandwidth = hw.link(mesh.dp_within_node)
+        dp_comm += hw.ring_latency(ring_steps("all_reduce", replicas), mesh.dp_within_node) + \
+            2.0 * (replicas - 1) / replicas * experts * prec.grad / bandwidth
     if mesh.dp > 1:
-        params = stage_params[slowest]
+        params = stage_params[slowest] - experts
         ring = 2.0 * (mesh.dp - 1) / mesh.dp
         _, bandwidth = hw.link(mesh.dp_within_node)
         latency = hw.ring_latency(ring_steps("all_reduce", mesh.dp), mesh.dp_within_node)
@@ -174,7 +205,9 @@ def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
         if dp_shard == "fsdp":  # weights gathered for each micro-batch's forward and backward
             total += m * 2 * (mesh.dp - 1) / mesh.dp * params * prec.weight / bandwidth
         overlap = m * w.backward + (m * w.forward if dp_shard == "fsdp" else 0.0)
+        total += dp_comm  # the experts' sum, overlapped alike
         tail = total / max(1, layers_per_stage[slowest])
         dp_comm = max(total - overlap, tail)
-    return StepTime(step=compute + tp_comm + bubble + dp_comm + optimizer, compute=compute,
-                    tp_comm=tp_comm, pp_bubble=bubble, dp_comm=dp_comm, optimizer=optimizer)
+    return StepTime(step=compute + tp_comm + ep_comm + bubble + dp_comm + optimizer,
+                    compute=compute, tp_comm=tp_comm, pp_bubble=bubble, dp_comm=dp_comm,
+                    optimizer=optimizer, ep_comm=ep_comm)

@@ -37,16 +37,18 @@ class Collective(enum.Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"  # expert parallelism's dispatch and combine (not planned)
 
     def ring_factor(self, tp: int) -> float:
-        """Bytes each rank sends, as a fraction of the full tensor (ring algorithms)."""
+        """Bytes each rank sends, as a fraction of the full tensor (ring algorithms; an
+        all-to-all sends all but its own share)."""
         if self is Collective.ALL_REDUCE:
             return 2.0 * (tp - 1) / tp
         return (tp - 1) / tp
 
     def ring_steps(self, tp: int) -> int:
         """Sequential steps of the ring: each waits for its neighbour's chunk (an all-reduce
-        is a reduce-scatter then an all-gather)."""
+        is a reduce-scatter then an all-gather; an all-to-all, one exchange per peer)."""
         return 2 * (tp - 1) if self is Collective.ALL_REDUCE else tp - 1
 
 

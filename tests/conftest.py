@@ -44,6 +44,8 @@ SLOW: dict[str, float] = {
     "tests/test_estimate.py::test_expert_products_are_timed_at_the_busiest_rank": 29,
     "tests/test_estimate.py::test_float32_inside_a_bfloat16_model_counts_four_bytes": 17,
     "tests/test_coalesce.py::test_deepseek_routing_weights_join_the_experts_input_gradient": 15,
+    "tests/test_estimate.py::test_expert_parallelism_bad_input_is_refused_with_the_numbers": 8,
+    "tests/test_estimate.py::test_expert_parallelism_is_searched_and_priced": 30,
     "tests/test_experts.py::test_experts_whole_exact[2-learned-2]": 9,
     "tests/test_experts.py::test_published_moe_shape_on_meta[DeepSeek-V3]": 20,
     "tests/test_experts.py::test_generate_with_experts_whole": 92,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import json
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -319,7 +320,7 @@ def test_cli_estimate_writes_the_schema(tmp_path) -> None:
     first = data["configs"][0]
     assert first["fits"] and set(first["memory"]) >= {"parameters", "gradients", "optimizer",
                                                       "activations", "total"}
-    parts = ("compute_s", "tp_comm_s", "pp_bubble_s", "dp_comm_s", "optimizer_s")
+    parts = ("compute_s", "tp_comm_s", "ep_comm_s", "pp_bubble_s", "dp_comm_s", "optimizer_s")
     assert set(first["time"]) == {"step_s", *parts}
     assert first["time"]["optimizer_s"] > 0
     assert math.isclose(sum(first["time"][k] for k in parts),
@@ -401,3 +402,114 @@ def test_expert_products_are_timed_at_the_busiest_rank(monkeypatch: pytest.Monke
         assert a.flops == pytest.approx(want * b.flops)
     assert all(a.nbytes >= b.nbytes for a, b in scaled)
     assert len(scaled) < len(pairs) / 2  # attention, norms, the router: unchanged
+
+
+def _moe_on_meta(experts: int = 8) -> tuple[Any, Planner]:
+    tf = pytest.importorskip("transformers")
+    config = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=8, num_experts=experts,
+                               num_experts_per_tok=2, vocab_size=128)
+    with torch.device("meta"):
+        model = tf.Qwen3MoeForCausalLM(config)
+    captured = capture(model, (torch.zeros(2, T, dtype=torch.long, device="meta"),), {})
+    return captured, Planner(captured, "qwen3_moe", T)
+
+
+def test_expert_parallelism_is_searched_and_priced() -> None:
+    """A Qwen3-MoE (8 experts) on 4 GPUs of 2 per node: at tp 1 x dp 4 the search tries ep 1
+    and 2 (the largest whose all-to-alls stay in a node), at tp 2 x dp 2 ep 1 only; ep 4 when
+    asked. Each ep holds experts / (tp x ep) per rank, outside the data-parallel sharding,
+    and adds 4 all-to-alls per MoE layer over the ep group (rows to their experts and back,
+    each way) carrying the rows of the tp rank's share: B x T x top-k x h elements over tp."""
+    from autotp.planner.timing import collective_time
+
+    captured, planner = _moe_on_meta()
+    hw = _tiny_hw(1e12)
+    req = Request(gpus=4, global_batch=4, seq=T, micro_batch=1, checkpointing="none",
+                  sequence_parallel=False, dtype="float32", precision="fp32", dp_shard="none")
+    found = {(c.tp, c.dp, c.ep): c for c in search(planner, hw, req) if c.pp == 1}
+    assert {ep for tp, dp, ep in found if (tp, dp) == (1, 4)} == {1, 2}
+    assert {ep for tp, dp, ep in found if (tp, dp) == (2, 2)} == {1}
+    (found[(1, 4, 4)],) = search(planner, hw, replace(req, mesh=(1, 4, 1), ep=4))
+    profiles = {ep: planner.profile(1, False, 1, 4, ep) for ep in (1, 2, 4)}
+    stacked = sum(p.numel for p in profiles[1].params if ".experts." in p.name)
+    assert stacked == 2 * 8 * 3 * 64 * 32  # gate|up and down of 8 experts, 2 layers
+    per_elem = 4 + 4 + 8  # fp32 weight, gradient, two moments
+    for ep in (2, 4):
+        experts = [p for p in profiles[ep].params if p.expert]
+        assert sum(p.numel for p in experts) == stacked // ep
+        assert {p.name for p in experts} == {p.name for p in profiles[1].params
+                                             if ".experts." in p.name}
+        c, dense = found[(1, 4, ep)], found[(1, 4, 1)]
+        saved = sum(getattr(dense.memory, k) - getattr(c.memory, k)
+                    for k in ("parameters", "gradients", "optimizer"))
+        assert saved == pytest.approx(stacked * (1 - 1 / ep) * per_elem)
+        assert c.to_dict()["experts"]["per_rank"] == 8 // ep
+        moved = [x for x in profiles[ep].comms if x.group == "ep"]
+        assert sorted((x.layer, x.phase) for x in moved) == sorted(
+            (layer, phase) for layer in (0, 1) for phase in ("forward", "backward") * 2)
+        assert {x.kind for x in moved} == {"all_to_all"}
+        assert {x.nbytes for x in moved} == {T * 2 * 64 * 4}
+        within = ep <= hw.gpus_per_node
+        want = sum(collective_time(hw, "all_to_all", x.nbytes, ep, within) for x in moved)
+        assert c.time.ep_comm == pytest.approx(want)
+        assert c.time.ep_comm > 0 and dense.time.ep_comm == 0
+    assert found[(1, 4, 4)].flags == "--mesh pp=1,dp=4,tp=1 --ep 4"
+    assert found[(1, 4, 1)].flags == "--mesh pp=1,dp=4,tp=1"
+
+
+def test_expert_parallelism_bad_input_is_refused_with_the_numbers() -> None:
+    captured, planner = _moe_on_meta()
+    req = Request(gpus=4, global_batch=4, seq=T, micro_batch=1, checkpointing="none",
+                  sequence_parallel=False, dtype="float32", mesh=(1, 4, 1), ep=3)
+    (refused,) = search(planner, _tiny_hw(1e12), req)
+    assert not refused.fits and refused.why == \
+        "ep=3 does not divide dp=4: expert parallelism splits the dp ranks"
+    req = Request(gpus=4, global_batch=4, seq=T, micro_batch=1, checkpointing="none",
+                  sequence_parallel=False, dtype="float32", mesh=(1, 2, 2), ep=8)
+    assert "does not divide dp=2" in search(planner, _tiny_hw(1e12), req)[0].why
+    dense = Planner(capture(nano.GPT(nano.GPTConfig(block_size=T, vocab_size=128, n_layer=2,
+                                                    n_head=4, n_embd=32)),
+                            (torch.zeros(2, T, dtype=torch.long),), {}), "nanogpt", T)
+    with pytest.raises(ConfigError, match="no grouped experts"):
+        search(dense, _tiny_hw(1e12), Request(gpus=2, global_batch=2, seq=T, ep=2,
+                                              dtype="float32"))
+
+
+def test_expert_exchanges_predicted_match_the_simulation() -> None:
+    """The all-to-all bytes the profile predicts for each MoE layer and direction, against
+    what a simulation at tp 1 x ep 2 received (every rank's log, summed): equal, whatever the
+    routing (each row goes to one owner and comes back)."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32)
+    model = tf.Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, 128, (4, T), generator=torch.Generator().manual_seed(3))
+    sim = autotp.simulate(model, 1, ep=2, example_kwargs={"input_ids": ids[:2]})
+
+    def step(module: Any) -> dict:
+        e = module.ep_comm.rank
+        module.ep_comm.log.clear()
+        module(input_ids=ids[2 * e:2 * e + 2]).logits.float().pow(2).mean().backward()
+        got: dict = {}
+        for ev in module.ep_comm.log.events:
+            if ev.kind == "all_to_all" and "counts" not in ev.label:
+                got[(ev.layer, ev.phase)] = got.get((ev.layer, ev.phase), 0) + ev.nbytes
+        return got
+
+    measured: dict = {}
+    for got in sim.run(step):
+        for key, nbytes in got.items():
+            measured[key] = measured.get(key, 0) + nbytes
+    assert sim.captured is not None
+    prof = build_profile(sim.captured, sim.plan, 2, T, 4)
+    predicted: dict = {}
+    for c in prof.comms:
+        if c.group == "ep":
+            predicted[(c.layer, c.phase)] = predicted.get((c.layer, c.phase), 0) + c.nbytes
+    assert measured == {key: 2 * nbytes for key, nbytes in predicted.items()}, (measured,
+                                                                                 predicted)

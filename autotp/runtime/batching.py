@@ -32,7 +32,7 @@ gradient passes as it is, or, partial (``P -> R*``), is all-reduced with the oth
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -46,6 +46,20 @@ from autotp.runtime.collectives import Redistribute, _rank_major, _segment_major
 from autotp.runtime.comm import Communicator
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
+
+
+def flat_all_reduce(comm: Communicator, xs: list[torch.Tensor],
+                    log: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
+    """Sums every rank's ``xs`` in one all-reduce of a flat buffer of all of them (``log``
+    records it); each back in its shape and dtype."""
+    flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
+    log(flat)
+    total = comm.all_reduce(flat)
+    out, start = [], 0
+    for x in xs:
+        out.append(total[start:start + x.numel()].reshape(x.shape).to(x.dtype))
+        start += x.numel()
+    return out
 
 
 class JoinedRedistribute(nn.Module):
@@ -94,14 +108,7 @@ class JoinedRedistribute(nn.Module):
         return out
 
     def _all_reduce(self, xs: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
-        flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
-        self._log("all_reduce", phase, flat)
-        total = self.comm.all_reduce(flat)
-        out, start = [], 0
-        for x in xs:
-            out.append(total[start:start + x.numel()].reshape(x.shape).to(x.dtype))
-            start += x.numel()
-        return out
+        return flat_all_reduce(self.comm, xs, lambda flat: self._log("all_reduce", phase, flat))
 
     def scatter(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each value's gradient in its own layout (see the module docstring)."""
@@ -232,15 +239,8 @@ class JoinedAllReduce(nn.Module):
         return _JoinedAllReduceFn.apply(self, *xs)
 
     def all_reduce(self, xs: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
-        flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
-        self.comm.log.record("all_reduce", phase, self.layer,
-                             flat.numel() * flat.element_size(), self.label)
-        total = self.comm.all_reduce(flat)
-        out, start = [], 0
-        for x in xs:
-            out.append(total[start:start + x.numel()].view(x.shape))
-            start += x.numel()
-        return out
+        return flat_all_reduce(self.comm, xs, lambda flat: self.comm.log.record(
+            "all_reduce", phase, self.layer, flat.numel() * flat.element_size(), self.label))
 
 
 class _JoinedAllReduceFn(torch.autograd.Function):
