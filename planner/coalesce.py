@@ -22,8 +22,9 @@ joined; the plan marks them ``Edge.joined`` and records one collective for each 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import networkx as nx
 import torch
@@ -38,7 +39,13 @@ Key = tuple[str, str]  # (value, layout read): one redistribution in the rank pr
 def movable(node: fx.Node) -> bool:
     """An op that may run earlier than the program has it: no effect, no random draw, no
     in-place write."""
-    if node.op not in ("call_function", "call_module", "get_attr"):
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_module":
+        # a rank program's redistributions and expert dispatches: collectives every rank
+        # runs in the same order; the capture's guard check keeps its place
+        return "guards" not in str(node.target)
+    if node.op != "call_function":
         return False
     target = node.target
     if target in _DROPOUTS and len(node.args) > 2 and node.args[2] is False:
@@ -54,17 +61,18 @@ def movable(node: fx.Node) -> bool:
 _DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 
 
-def moved(graph: fx.Graph, values: Iterable[fx.Node], consumers: Iterable[fx.Node]
-          ) -> Optional[list[fx.Node]]:
+def moved(graph: fx.Graph, values: Iterable[fx.Node], consumers: Iterable[fx.Node],
+          order: Optional[dict[fx.Node, int]] = None) -> Optional[list[fx.Node]]:
     """The nodes to move ahead of the first consumer so that every value is computed there
     (graph order), or None when one of them cannot move or reads a consumer's result."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = order if order is not None else {n: i for i, n in enumerate(graph.nodes)}
     values, consumers = list(values), set(consumers)
     first = min(order[c] for c in consumers)
     late = [v for v in values if order[v] >= first]
     if not late:
         return []
-    window = [n for n in graph.nodes if first <= order[n] <= max(order[v] for v in late)]
+    last = max(order[v] for v in late)
+    window = [n for n in graph.nodes if first <= order[n] <= last]
     dag = nx.DiGraph()
     dag.add_nodes_from(window)
     dag.add_edges_from((i, n) for n in window for i in n.all_input_nodes if i in dag)
@@ -74,9 +82,45 @@ def moved(graph: fx.Graph, values: Iterable[fx.Node], consumers: Iterable[fx.Nod
     return sorted(need, key=order.__getitem__)
 
 
+def place(graph: fx.Graph, keys: list[Key], reads: list[tuple[Key, str]],
+          call: Callable[[tuple[fx.Node, ...]], fx.Node]) -> None:
+    """Put one join in ``graph``: ``call(values)`` (made at the insertion point) before the
+    first op that reads a value as one of ``keys`` (``reads``: (key, consumer)), the ops that
+    compute later values moved ahead of that op, and each such read taken from the call's
+    output for its key. The planner joins on a copy of the program (so that each join is
+    checked against the ones before it, which tie their values' readers together), the
+    rewriter in the rank program, in the same order."""
+    nodes = {n.name: n for n in graph.nodes}
+    values = [nodes[value] for value, _ in keys]
+    consumers = [nodes[consumer] for _, consumer in reads]
+    ahead = moved(graph, values, consumers)
+    if ahead is None:
+        raise AssertionError(f"{keys} cannot run as one")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(consumers, key=order.__getitem__)
+    for node in ahead:
+        first.prepend(node)
+    with graph.inserting_before(first):
+        joined = call(tuple(values))
+        outs = {}
+        for i, key in enumerate(keys):
+            out = graph.call_function(operator.getitem, (joined, i))
+            out.meta["val"] = nodes[key[0]].meta.get("val")
+            outs[key] = out
+    for key, consumer in reads:
+        nodes[consumer].replace_input_with(nodes[key[0]], outs[key])
+
+
+def _joined(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Stands for a join in the planner's copy of the program (never run)."""
+    return values
+
+
 def join_siblings(plan: Plan, graph: fx.Graph) -> None:
     """Mark the plan's joinable all-reduces (``Edge.joined``) and record one collective per
-    join in place of its members'."""
+    join in place of its members'. Each join is built from the first candidate left and
+    every later one of its layer, direction and dtype that can run with it, then placed in a
+    copy of the program before the next is looked for."""
     if plan.tp == 1:
         return
     nodes = {n.name: n for n in graph.nodes}
@@ -93,22 +137,31 @@ def join_siblings(plan: Plan, graph: fx.Graph) -> None:
         val = nodes[key[0]].meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        buckets.setdefault((edges[0].layer, phase, val.dtype), []).append(key)
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
+        buckets.setdefault((edges[0].layer, phase, str(val.dtype)), []).append(key)
+    if not any(len(keys) > 1 for keys in buckets.values()):
+        return
+    work = fx.Graph()
+    work.output(work.graph_copy(graph, {}))
+    copied = {n.name: n for n in work.nodes}
+    assert set(copied) >= set(nodes), "a copy of the program renamed its nodes"
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
     groups: list[tuple[str, list[Key]]] = []
-    for (_, phase, _), keys in buckets.items():
-        keys.sort(key=lambda k: order[k[0]])
-        open_: list[list[Key]] = []
-        for key in keys:
-            for group in open_:
+    for (_, phase, _), keys in sorted(buckets.items()):
+        left = sorted(keys, key=lambda k: position[k[0]])
+        while left:
+            group = [left.pop(0)]
+            order = {n: i for i, n in enumerate(work.nodes)}
+            for key in list(left):
                 candidate = group + [key]
-                if moved(graph, (nodes[k[0]] for k in candidate),
-                         (nodes[e.consumer] for k in candidate for e in readers[k])) is not None:
+                if moved(work, (copied[k[0]] for k in candidate),
+                         (copied[e.consumer] for k in candidate for e in readers[k]),
+                         order) is not None:
                     group.append(key)
-                    break
-            else:
-                open_.append([key])
-        groups.extend((phase, g) for g in open_ if len(g) > 1)
+                    left.remove(key)
+            if len(group) > 1:
+                place(work, group, [(k, e.consumer) for k in group for e in readers[k]],
+                      lambda values: work.call_function(_joined, values))
+                groups.append((phase, group))
     if not groups:
         return
     member: dict[Key, int] = {}

@@ -103,6 +103,9 @@ def test_movable_ops() -> None:
     drop = graph.call_function(aten.native_dropout.default, (x, 0.1, True))
     inplace = graph.call_function(aten.add_.Tensor, (x, x))
     assert movable(add) and not movable(drop) and not movable(inplace) and not movable(x)
+    # a rank program (no owning module): its redistributions move, the guard check does not
+    assert movable(graph.call_module("autotp_x_to_R", (x,)))
+    assert not movable(graph.call_module("_guards_fn", (x,)))
     # dropout in eval mode is the identity: no draw to keep in place
     assert movable(graph.call_function(aten.dropout.default, (x, 0.1, False)))
     assert not movable(graph.call_function(aten.dropout.default, (x, 0.1, True)))
@@ -184,3 +187,34 @@ def test_deepseek_routing_weights_join_the_experts_input_gradient() -> None:
               if e.layer == 1 and e.label.startswith("joined: ")]
     assert len(joined) == 2 and any(label.count("R->R*") == 2 for label in joined), joined
     assert layer_counts(sim.ranks[0].comm.log)[1] == {"forward": 2, "backward": 2}
+
+
+def test_joins_are_checked_against_the_joins_before_them() -> None:
+    """Two joins that are each possible alone but tie each other's readers in a cycle: a1
+    and a2 (forward sums), b1 and b2 (backward sums), where b1 is computed from a1's reader
+    and a2 from b2's. The second join looked for is refused (it would wait for itself), and
+    the first is placed in a copy of the program, so the rank program can take it."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a1, b2 = x @ w, (x * 2) @ w
+        b1 = (a1 + 1) @ w
+        a2 = (b2 + 1) @ w
+        return (a2 + 1) * (b1 + 1)
+
+    graph = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4)).graph
+    a1, b2, b1, a2 = [n for n in graph.nodes if n.target == aten.mm.default]
+    plan = Plan(model="f", tp=2, layers=1)
+    for value, phase in ((a1, "forward"), (a2, "forward"), (b1, "backward"), (b2, "backward")):
+        src, dst = ("P", "R") if phase == "forward" else ("R", "R*")
+        plan.edges.append(Edge(value=value.name, consumer=next(iter(value.users)).name,
+                               src=src, dst=dst,
+                               forward="all_reduce" if phase == "forward" else None,
+                               backward="all_reduce" if phase == "backward" else None,
+                               layer=0))
+        plan.collectives.append(CollectiveRecord(
+            kind="all_reduce", phase=phase, layer=0, bytes_expr="64", node=value.name,
+            source=None, src=src, dst=dst))
+    join_siblings(plan, graph)
+    joined = {e.value: e.joined for e in plan.edges}
+    assert joined == {b1.name: 0, b2.name: 0, a1.name: None, a2.name: None}, joined
+    assert len(plan.collectives) == 3

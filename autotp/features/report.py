@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from autotp.planner.cost import CostModel, parse_size
-from autotp.planner.plan import CollectiveRecord, Plan
+from autotp.planner.plan import JOINED, CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
 MEGATRON_BOUND = {"forward": 2, "backward": 2}
@@ -266,9 +266,11 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
         out = []
         for c in sorted(colls, key=lambda c: (c["phase"] != "forward", c["kind"], c["node"])):
+            joined = c["node"].count(", ") + 1 if c["node"].startswith(JOINED) else 1
             out.append(f"{indent}{PHASE_SHORT[c['phase']]} {c['kind']:<14} "
                        f"{c['from']:>3}->{c['to']:<3} {human_bytes(c['bytes']):>10} "
-                       f"{c['time_us'] / 1e3:8.3f} ms  {origin_text(c, layer)}")
+                       f"{c['time_us'] / 1e3:8.3f} ms  {origin_text(c, layer)}" +
+                       (f"  ({joined} values joined)" if joined > 1 else ""))
         return out
 
     for group in fold_layers(plan):

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.layout import Layout, Partial, Replicate, Shard, parse_layout
-from autotp.planner.coalesce import moved
+from autotp.planner.coalesce import place
 from autotp.planner.invariant import closure, stages
 from autotp.planner.plan import Plan
 from autotp.runtime.collectives import Redistribute, _rank_major, _segment_major, local_slice
@@ -266,23 +266,16 @@ class _JoinedAllReduceFn(torch.autograd.Function):
 
 def join_siblings(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
     """The plan's joined all-reduces (``Edge.joined``) as ``JoinedAllReduce`` calls before the
-    first op that reads any of their values; returns how many joins."""
+    first op that reads any of their values, in the plan's order (``planner.coalesce.place``);
+    returns how many joins."""
     groups: dict[int, list[Any]] = {}
     for edge in plan.edges:
         if edge.joined is not None:
             groups.setdefault(edge.joined, []).append(edge)
     if not groups or plan.tp == 1:
         return 0
-    nodes = {n.name: n for n in graph.nodes}
     for index, edges in sorted(groups.items()):
         keys = list(dict.fromkeys((e.value, e.dst) for e in edges))
-        consumers = [nodes[e.consumer] for e in edges]
-        ahead = moved(graph, (nodes[v] for v, _ in keys), consumers)
-        assert ahead is not None, f"join {index}: {keys} cannot run as one"
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first = min(consumers, key=order.__getitem__)
-        for node in ahead:
-            first.prepend(node)
         members, phase = [], "forward" if edges[0].forward else "backward"
         for value, dst in keys:
             src = next(e.src for e in edges if (e.value, e.dst) == (value, dst))
@@ -291,13 +284,6 @@ def join_siblings(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Modu
                                         label=f"{value} {src}->{dst}"))
         name = f"autotp_joined_siblings_{index}"
         root.add_module(name, JoinedAllReduce(comm, members, phase, edges[0].layer))
-        with graph.inserting_before(first):
-            call = graph.call_module(name, tuple(nodes[v] for v, _ in keys))
-            outs = {}
-            for i, key in enumerate(keys):
-                out = graph.call_function(operator.getitem, (call, i))
-                out.meta["val"] = nodes[key[0]].meta.get("val")
-                outs[key] = out
-        for e in edges:
-            nodes[e.consumer].replace_input_with(nodes[e.value], outs[(e.value, e.dst)])
+        place(graph, keys, [((e.value, e.dst), e.consumer) for e in edges],
+              lambda values, name=name: graph.call_module(name, values))
     return len(groups)
