@@ -249,7 +249,7 @@ def layer_traffic(log: Any, plan: Any, unit: float) -> dict[tuple[str, int], dic
     stacks: dict[tuple[str, str, str, Optional[int]], str] = {}
     by_index: dict[Optional[int], set[str]] = {}
     for c in plan.collectives:
-        stacks.setdefault((c.node, c.phase, c.kind, c.layer), _stack(c.module))
+        stacks.setdefault((c.members[0], c.phase, c.kind, c.layer), _stack(c.module))
         if _stack(c.module):
             by_index.setdefault(c.layer, set()).add(_stack(c.module))
     for (node, phase, kind, layer), stack in stacks.items():  # no module (a weight's gather):
@@ -259,7 +259,8 @@ def layer_traffic(log: Any, plan: Any, unit: float) -> dict[tuple[str, int], dic
     for event in log.events:
         if event.layer is None or event.layer == -1:
             continue
-        value = event.label.split(" ")[0]
+        # a join's log label and plan record both start with its first value
+        value = event.label.removeprefix("joined: ").split(" ")[0]
         key = (stacks.get((value, event.phase, event.kind, event.layer), ""), event.layer)
         entry = table.setdefault(key, {"forward": 0, "backward": 0,
                                        "forward_bytes": 0, "backward_bytes": 0})
