@@ -93,10 +93,10 @@ def place(graph: fx.Graph, keys: list[Key], reads: list[tuple[Key, str]],
     nodes = {n.name: n for n in graph.nodes}
     values = [nodes[value] for value, _ in keys]
     consumers = [nodes[consumer] for _, consumer in reads]
-    ahead = moved(graph, values, consumers)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ahead = moved(graph, values, consumers, order)
     if ahead is None:
         raise AssertionError(f"{keys} cannot run as one")
-    order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(consumers, key=order.__getitem__)
     for node in ahead:
         first.prepend(node)
