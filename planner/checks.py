@@ -15,7 +15,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import origin_of
+from autotp.capture.trace import node_arg, origin_of
 from autotp.errors import PlanError, where
 from autotp.planner.gradflow import dataflow
 from autotp.planner.plan import Plan
@@ -162,8 +162,10 @@ def _normalized_size(node: fx.Node) -> Any:
         return None
     if node.target in _NORMS:
         return val.shape[-1]
-    dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if node.target not in _STATISTICS or dims is None:
+    if node.target not in _STATISTICS:
+        return None
+    dims: Any = node_arg(node, "dim")
+    if dims is None:
         return None
     dims = [dims] if isinstance(dims, int) else list(dims)
     return val.shape[-1] if [d % val.ndim for d in dims] == [val.ndim - 1] else None

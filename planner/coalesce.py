@@ -30,6 +30,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from autotp.capture.trace import node_arg
 from autotp.planner.cost import parse_size, readable
 from autotp.planner.plan import JOINED, CollectiveRecord, Edge, Plan
 
@@ -48,7 +49,7 @@ def movable(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target in _DROPOUTS and len(node.args) > 2 and node.args[2] is False:
+    if target in _DROPOUTS and node_arg(node, "train") is False:
         return True  # in eval mode: the identity, no draw
     if node.is_impure():
         return False

@@ -147,10 +147,10 @@ def _sliced_segments(node: fx.Node) -> list[int]:
     for user in node.users:
         if user.target != aten.slice.Tensor or user.args[0] is not node:
             continue
-        dim = node_arg(user, 1, "dim", 0) % val.ndim
+        dim = node_arg(user, "dim", 0) % val.ndim
         size = val.shape[dim]
-        start, end = node_arg(user, 2, "start") or 0, node_arg(user, 3, "end")
-        if node_arg(user, 4, "step", 1) != 1 or not isinstance(size, int):
+        start, end = node_arg(user, "start") or 0, node_arg(user, "end")
+        if node_arg(user, "step", 1) != 1 or not isinstance(size, int):
             continue
         end = size if end is None or (isinstance(end, int) and end >= size) else end
         if isinstance(start, int) and isinstance(end, int):
@@ -177,7 +177,7 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
             val = node.meta.get("val")
             if not isinstance(val, (list, tuple)) or len(val) < 2:
                 continue
-            dim = node_arg(node, 2, "dim", 0)
+            dim = node_arg(node, "dim", 0)
             sizes = [v.shape[dim] for v in val if isinstance(v, torch.Tensor)]
             if len(sizes) == len(val) and all(isinstance(size, int) for size in sizes):
                 counts.add(proportions(sizes))
@@ -190,7 +190,7 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
             counts.add(smaller_whole(proportions(tiling)))
         if node.op == "call_function" and node.target == aten.cat.default:
             pieces = [a.meta.get("val") for a in node.args[0] if isinstance(a, fx.Node)]
-            dim = node_arg(node, 1, "dim", 0)
+            dim = node_arg(node, "dim", 0)
             sizes = [p.shape[dim] for p in pieces if isinstance(p, torch.Tensor)]
             if all(isinstance(size, int) and size > 0 for size in sizes) and \
                     len(set(sizes)) > 1:

@@ -36,7 +36,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import Captured, size_expr, tensor_inputs
+from autotp.capture.trace import Captured, node_arg, size_expr, tensor_inputs
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.cost import parse_size
 from autotp.planner.plan import Plan
@@ -402,7 +402,7 @@ def _routing(gm: fx.GraphModule, plan: Plan) -> tuple[int, int]:
     for node in gm.graph.nodes:
         if node.target is aten.topk.default:
             scores = node.args[0].meta.get("val")
-            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            k = node_arg(node, "k")
             if isinstance(scores, torch.Tensor) and isinstance(k, int) and \
                     scores.shape[-1] == experts:
                 return experts, k
@@ -414,7 +414,8 @@ def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes
     """Norm statistics (float32 per row); attention's output and logsumexp."""
     x = sizes.shape(ins[0].meta["val"])
     if node.target in NORMS:
-        normalized = node.args[1] if len(node.args) > 1 else ()
+        normalized = node_arg(node, "normalized_shape", ()) \
+            if node.target != aten.group_norm.default else ()
         rows = math.prod(x[:len(x) - len(normalized)]) if normalized else math.prod(x[:-1])
         if isinstance(layouts[0], Shard) and layouts[0].dim < len(x) - len(normalized):
             rows /= tp
@@ -432,8 +433,7 @@ def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Siz
     if node.target in ATTENTION:
         q, k = local[0], local[1]
         flops = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]  # QK^T and PV
-        causal = node.kwargs.get("is_causal", False) or \
-            (len(node.args) > 5 and node.args[5] is True)
+        causal = node_arg(node, "is_causal", False) is True
         return flops / 2 if causal else flops
     if node.target == aten.einsum.default:
         val = node.meta["val"]

@@ -47,7 +47,7 @@ def embedding_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy((Shard(1), R), Shard(indices.ndim), name="column")
     # With scale_grad_by_freq the masked-out lookups (remapped to local row 0) would count
     # toward that row's frequency: no vocab parallelism then.
-    if weight.shardable(0, call.tp) and not call.arg(3, "scale_grad_by_freq", False):
+    if weight.shardable(0, call.tp) and not call.arg("scale_grad_by_freq", False):
         yield Strategy((Shard(0), R), P, name="vocab parallel")
 
 
@@ -73,8 +73,8 @@ def vocab_parallel_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
 @rules.register(aten.gather.default)
 def gather_rule(call: OpCall) -> Iterator[Strategy]:
     x, index = call.inputs[:2]
-    dim = normalize_dim(call.args[1], x.ndim)
-    if call.arg(3, "sparse_grad", False) or x.ndim != index.ndim:
+    dim = normalize_dim(call.arg("dim"), x.ndim)
+    if call.arg("sparse_grad", False) or x.ndim != index.ndim:
         return
     for d, blocks in shardable_dims(index, call):
         if d == dim:

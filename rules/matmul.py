@@ -139,7 +139,7 @@ def matmul_rule(call: OpCall) -> Iterator[Strategy]:
 
 @rules.register(aten.einsum.default)
 def einsum_rule(call: OpCall) -> Iterator[Strategy]:
-    equation = call.args[0].replace(" ", "")
+    equation = call.arg("equation").replace(" ", "")
     if "..." in equation:
         return  # broadcast ellipses: computed replicated
     if "->" not in equation:  # implicit output: the letters used once, sorted
@@ -221,7 +221,7 @@ def conv_rule(call: OpCall) -> Iterator[Strategy]:
     Beside it, only the conv's linearity in x: (P, R) -> P."""
     x, weight = call.inputs[:2]
     has_bias = len(call.inputs) == 3
-    groups = call.arg(6, "groups", 1)
+    groups = call.arg("groups", 1)
     if x.ndim != weight.ndim or not isinstance(groups, int):
         return
     if groups != 1:

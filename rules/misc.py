@@ -82,7 +82,7 @@ def replicated_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.register(aten.sym_size.int)
 def sym_size_rule(call: OpCall) -> Iterator[Strategy]:
     x = call.inputs[0]
-    dim = normalize_dim(call.args[1], x.ndim)
+    dim = normalize_dim(call.arg("dim"), x.ndim)
     yield Strategy((P,), None, name="global size")
     for d, blocks in shardable_dims(x, call):
         yield Strategy((Shard(d, blocks),), None,

@@ -49,8 +49,8 @@ def _kept_shards(call: OpCall, reduced: list[int], keepdim: bool) -> Iterator[St
 
 @rules.register(aten.sum.dim_IntList, aten.mean.dim)
 def sum_mean_rule(call: OpCall) -> Iterator[Strategy]:
-    reduced = _reduced_dims(call, call.arg(1, "dim"))
-    keepdim = bool(call.arg(2, "keepdim", False))
+    reduced = _reduced_dims(call, call.arg("dim"))
+    keepdim = bool(call.arg("keepdim", False))
     yield from _kept_shards(call, reduced, keepdim)
     if call.inputs[0].floating:
         yield Strategy((P,), P, name="linear")
@@ -94,8 +94,8 @@ def partial_mean_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
 
 @rules.register(aten.logsumexp.default)
 def logsumexp_rule(call: OpCall) -> Iterator[Strategy]:
-    reduced = _reduced_dims(call, call.arg(1, "dim"))
-    yield from _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False)))
+    reduced = _reduced_dims(call, call.arg("dim"))
+    yield from _kept_shards(call, reduced, bool(call.arg("keepdim", False)))
     if call.inputs[0].floating:
         for dim, blocks in shardable_dims(call.inputs[0], call):
             if dim in reduced:
@@ -105,15 +105,15 @@ def logsumexp_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
                 aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default)
 def reduce_keep_rule(call: OpCall) -> Iterator[Strategy]:
-    reduced = _reduced_dims(call, call.arg(1, "dim"))
-    yield from _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False)))
+    reduced = _reduced_dims(call, call.arg("dim"))
+    yield from _kept_shards(call, reduced, bool(call.arg("keepdim", False)))
 
 
 @rules.register(aten.max.dim, aten.min.dim)
 def max_dim_rule(call: OpCall) -> Iterator[Strategy]:
     """``max(x, d) -> (values, indices)`` per position over d: shards elsewhere stay."""
-    reduced = _reduced_dims(call, call.args[1])
-    for strategy in _kept_shards(call, reduced, bool(call.arg(2, "keepdim", False))):
+    reduced = _reduced_dims(call, call.arg("dim"))
+    for strategy in _kept_shards(call, reduced, bool(call.arg("keepdim", False))):
         yield Strategy(strategy.inputs, (strategy.output, strategy.output), name="keep shard")
 
 
@@ -122,14 +122,14 @@ def vector_norm_rule(call: OpCall) -> Iterator[Strategy]:
     """``linalg_vector_norm(x, ord, dim, keepdim)`` (``F.normalize``, per-head qk-norm) and
     ``linalg_norm`` (a vector norm over one dim, as DoRA's weight norm per output row, or a
     matrix norm over two): a reduction over ``dim``; shards on the other dims stay."""
-    reduced = _reduced_dims(call, call.arg(2, "dim", None))
-    yield from _kept_shards(call, reduced, bool(call.arg(3, "keepdim", False)))
+    reduced = _reduced_dims(call, call.arg("dim"))
+    yield from _kept_shards(call, reduced, bool(call.arg("keepdim", False)))
 
 
 @rules.register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
                 aten.log_softmax.int, aten.cumsum.default)
 def softmax_rule(call: OpCall) -> Iterator[Strategy]:
-    dim = normalize_dim(call.args[1], call.inputs[0].ndim)
+    dim = normalize_dim(call.arg("dim"), call.inputs[0].ndim)
     for d, blocks in shardable_dims(call.inputs[0], call):
         if d != dim:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
@@ -138,7 +138,7 @@ def softmax_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.register(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(call: OpCall) -> Iterator[Strategy]:
     x = call.inputs[0]
-    normalized = len(call.args[1])
+    normalized = len(call.arg("normalized_shape"))
     n_affine = len(call.inputs) - 1
     for d, blocks in shardable_dims(x, call):
         if d < x.ndim - normalized:

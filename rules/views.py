@@ -226,7 +226,7 @@ def localize_unflatten_lowering(ctx: Any, node: Any, strategy: Strategy) -> None
 @rules.register(aten.transpose.int)
 def transpose_rule(call: OpCall) -> Iterator[Strategy]:
     ndim = call.inputs[0].ndim
-    d0, d1 = normalize_dim(call.args[1], ndim), normalize_dim(call.args[2], ndim)
+    d0, d1 = normalize_dim(call.arg("dim0"), ndim), normalize_dim(call.arg("dim1"), ndim)
     perm = list(range(ndim))
     perm[d0], perm[d1] = perm[d1], perm[d0]
     yield from _permutation_strategies(call, perm)
@@ -240,7 +240,7 @@ def t_rule(call: OpCall) -> Iterator[Strategy]:
 @rules.register(aten.permute.default)
 def permute_rule(call: OpCall) -> Iterator[Strategy]:
     ndim = call.inputs[0].ndim
-    yield from _permutation_strategies(call, [normalize_dim(d, ndim) for d in call.args[1]])
+    yield from _permutation_strategies(call, [normalize_dim(d, ndim) for d in call.arg("dims")])
 
 
 def _permutation_strategies(call: OpCall, perm: list[int]) -> Iterator[Strategy]:
@@ -252,7 +252,7 @@ def _permutation_strategies(call: OpCall, perm: list[int]) -> Iterator[Strategy]
 
 @rules.register(aten.unsqueeze.default)
 def unsqueeze_rule(call: OpCall) -> Iterator[Strategy]:
-    new = normalize_dim(call.args[1], call.inputs[0].ndim + 1)
+    new = normalize_dim(call.arg("dim"), call.inputs[0].ndim + 1)
     yield Strategy((P,), P, name="linear")
     for dim, blocks in shardable_dims(call.inputs[0], call):
         yield Strategy((Shard(dim, blocks),), Shard(dim + (dim >= new), blocks), name="view")
@@ -284,7 +284,8 @@ def squeeze_rule(call: OpCall) -> Iterator[Strategy]:
     if call.op == aten.squeeze.default:
         removed = [d for d in range(src.ndim) if _expr(src.shape[d]) == 1]
     else:
-        dims = call.args[1] if isinstance(call.args[1], (list, tuple)) else [call.args[1]]
+        given = call.arg("dim")
+        dims = given if isinstance(given, (list, tuple)) else [given]
         removed = [normalize_dim(d, src.ndim) for d in dims if _expr(src.shape[d]) == 1]
     yield Strategy((P,), P, name="linear")
     for dim, blocks in shardable_dims(src, call):
@@ -408,8 +409,8 @@ def slice_rule(call: OpCall) -> Iterator[Strategy]:
     slice that takes one segment of a blocked shard (Phi-3's ``qkv[..., :q_size]``) is a
     plain shard of that segment."""
     src = call.inputs[0]
-    dim = normalize_dim(call.arg(1, "dim", 0), src.ndim)
-    start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1)
+    dim = normalize_dim(call.arg("dim", 0), src.ndim)
+    start, end, step = call.arg("start"), call.arg("end"), call.arg("step", 1)
     full = _is_full_slice(src, dim, start, end, step)
     yield Strategy((P,), P, name="linear")
     for d, blocks in shardable_dims(src, call):
@@ -450,7 +451,7 @@ def localize_slice_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
 
 @rules.register(aten.select.int)
 def select_rule(call: OpCall) -> Iterator[Strategy]:
-    yield from _select_strategies(call, call.args[1])
+    yield from _select_strategies(call, call.arg("dim"))
 
 
 def _select_strategies(call: OpCall, dim: int) -> Iterator[Strategy]:
@@ -470,7 +471,7 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
     outputs = call.output
     assert isinstance(outputs, tuple)
     n = len(outputs)
-    dim = normalize_dim(call.arg(2, "dim", 0), src.ndim)
+    dim = normalize_dim(call.arg("dim", 0), src.ndim)
     yield Strategy((P,), (P,) * n, name="linear")
     for d, blocks in shardable_dims(src, call):
         if d != dim:
@@ -496,7 +497,7 @@ def unbind_rule(call: OpCall) -> Iterator[Strategy]:
     """``unbind(x, d)`` = every ``select(x, d, i)`` (timm's ``qkv.unbind(0)``): select's
     strategies, for each part."""
     assert isinstance(call.output, tuple)
-    for strategy in _select_strategies(call, call.arg(1, "dim", 0)):
+    for strategy in _select_strategies(call, call.arg("dim", 0)):
         yield Strategy(strategy.inputs, (strategy.output,) * len(call.output),
                        name=strategy.name)
 
@@ -524,7 +525,7 @@ def localize_split_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
 def cat_rule(call: OpCall) -> Iterator[Strategy]:
     n = len(call.inputs)
     out = call.out
-    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    dim = normalize_dim(call.arg("dim", 0), out.ndim)
     yield Strategy((P,) * n, P, name="linear")
     for d, blocks in shardable_dims(out, call):
         if d != dim and all(m.shape[d] == out.shape[d] for m in call.inputs):
@@ -542,12 +543,12 @@ def cat_rule(call: OpCall) -> Iterator[Strategy]:
 def pad_rule(call: OpCall) -> Iterator[Strategy]:
     """Padding the last len(pad)/2 dims keeps a shard of any other dim (and P for zero fill)."""
     src = call.inputs[0]
-    padded = len(call.args[1]) // 2
+    padded = len(call.arg("pad")) // 2
     for d, blocks in shardable_dims(src, call):
         if d < src.ndim - padded:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
-    value = call.arg(3, "value", 0.0) if call.op == aten.pad.default else call.arg(2, "value", 0)
-    mode = call.arg(2, "mode", "constant") if call.op == aten.pad.default else "constant"
+    value = call.arg("value", 0)
+    mode = call.arg("mode", "constant") if call.op == aten.pad.default else "constant"
     if mode == "constant" and not value and call.out.floating:
         yield Strategy((P,), P, name="linear")
 
@@ -558,7 +559,7 @@ def roll_rule(call: OpCall) -> Iterator[Strategy]:
     roll the spatial dims): a shard of any other dim stays; it is linear, so P stays P. A
     roll of the flattened tensor (no dims) keeps no shard."""
     src = call.inputs[0]
-    dims = call.arg(2, "dims", [])
+    dims = call.arg("dims", [])
     rolled = {normalize_dim(d, src.ndim) for d in dims}
     if dims:
         for d, blocks in shardable_dims(src, call):
@@ -573,7 +574,7 @@ def stack_rule(call: OpCall) -> Iterator[Strategy]:
     """stack = cat along a new dim: every input's shard moves past the new dim."""
     n = len(call.inputs)
     out = call.out
-    new = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    new = normalize_dim(call.arg("dim", 0), out.ndim)
     yield Strategy((P,) * n, P, name="linear")
     first = call.inputs[0]
     for d, blocks in shardable_dims(first, call):
@@ -587,7 +588,7 @@ def index_copy_rule(call: OpCall) -> Iterator[Strategy]:
     ``dim`` (a KV cache written at the new positions): any other dim sharded alike on self
     and source stays sharded, and the write is linear in (self, source)."""
     dst, _, src = call.inputs
-    dim = normalize_dim(call.args[1], dst.ndim)
+    dim = normalize_dim(call.arg("dim"), dst.ndim)
     yield Strategy((P, R, P), P, name="linear")
     for d, blocks in shardable_dims(dst, call):
         if d != dim and src.shape[d] == dst.shape[d]:
@@ -614,7 +615,7 @@ def index_rule(call: OpCall) -> Iterator[Strategy]:
     n_index = len(call.inputs) - 1
     if src.floating:
         yield Strategy((P,) + (R,) * n_index, P, name="linear")
-    run = _advanced_index(call, list(call.args[1]))
+    run = _advanced_index(call, list(call.arg("indices")))
     if run is None:
         return
     first, k, index_ndim = run
@@ -666,7 +667,7 @@ def index_put_rule(call: OpCall) -> Iterator[Strategy]:
     n_index = len(call.inputs) - 2
     if dst.floating:
         yield Strategy((P,) + (R,) * n_index + (P,), P, name="linear")
-    run = _advanced_index(call, list(call.args[1]))
+    run = _advanced_index(call, list(call.arg("indices")))
     if run is None:
         return
     first, k, _ = run
@@ -687,7 +688,7 @@ def slice_scatter_rule(call: OpCall) -> Iterator[Strategy]:
     of ``x[..., a:b].copy_(y)``): linear in (self, src), and any other dim sharded alike in
     both stays sharded."""
     dst, src = call.inputs
-    dim = normalize_dim(call.arg(2, "dim", 0), dst.ndim)
+    dim = normalize_dim(call.arg("dim", 0), dst.ndim)
     if dst.floating:
         yield Strategy((P, P), P, name="linear")
     for d, blocks in shardable_dims(dst, call):

@@ -60,7 +60,7 @@ def logsumexp_and_gather(x: torch.Tensor, dim: int, index: torch.Tensor,
 
 
 def _single_dim(node: fx.Node) -> Optional[int]:
-    dims = node_arg(node, 1, "dim")
+    dims = node_arg(node, "dim")
     if isinstance(dims, int):
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
@@ -80,7 +80,7 @@ def fuse_logsumexp_gather(graph: fx.Graph) -> dict[str, str]:
         x = node.args[0]
         if dim is None or not isinstance(x, fx.Node):
             continue
-        keepdim = bool(node_arg(node, 2, "keepdim", False))
+        keepdim = bool(node_arg(node, "keepdim", False))
         gathers = [u for u in x.users if u.op == "call_function"
                    and u.target == aten.gather.default and not u.kwargs
                    and len(u.args) == 3 and u.args[1] in (dim, dim - x.meta["val"].ndim)]
@@ -178,9 +178,9 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
 def full_slice(node: fx.Node) -> bool:
     """``node`` slices a whole dim: the same tensor, as a view."""
     return (node.op == "call_function" and node.target == aten.slice.Tensor
-            and node_arg(node, 2, "start", 0) in (0, None)
-            and node_arg(node, 3, "end", None) in (None, 2**63 - 1)
-            and node_arg(node, 4, "step", 1) == 1)
+            and node_arg(node, "start", 0) in (0, None)
+            and node_arg(node, "end", None) in (None, 2**63 - 1)
+            and node_arg(node, "step", 1) == 1)
 
 
 def _repeated_heads(node: Any) -> Optional[fx.Node]:
@@ -209,7 +209,7 @@ def fuse_repeated_kv_attention(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
             continue
-        if node_arg(node, 7, "enable_gqa", False) or len(node.args) > 7:
+        if node_arg(node, "enable_gqa", False) or len(node.args) > 7:
             continue
         key, value = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
         if key is None or value is None:

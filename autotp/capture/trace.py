@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
-from autotp.rules.registry import OpCall, TensorMeta
+from autotp.rules.registry import OpCall, TensorMeta, argument
 
 aten = torch.ops.aten
 _log = logging.getLogger("autotp")
@@ -703,9 +703,9 @@ def split_biases(gm: fx.GraphModule) -> None:
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``index`` of a call, passed positionally or as ``name``."""
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+def node_arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The argument of an op call that its schema calls ``name``, however it was passed."""
+    return argument(node.target, node.args, node.kwargs, name, default)
 
 
 def sink_bias_adds(gm: fx.GraphModule) -> None:
@@ -755,10 +755,10 @@ def decompose_cross_entropy(gm: fx.GraphModule) -> None:
         if node.target != aten.cross_entropy_loss.default:
             continue
         x, target = node.args[:2]
-        weight = node_arg(node, 2, "weight")
-        reduction = node_arg(node, 3, "reduction", 1)
-        ignore = node_arg(node, 4, "ignore_index", -100)
-        smoothing = node_arg(node, 5, "label_smoothing", 0.0)
+        weight = node_arg(node, "weight")
+        reduction = node_arg(node, "reduction", 1)
+        ignore = node_arg(node, "ignore_index", -100)
+        smoothing = node_arg(node, "label_smoothing", 0.0)
         xv, tv = x.meta["val"], target.meta["val"]
         if (weight is not None or smoothing or reduction not in reductions or xv.ndim != 2
                 or tv.ndim != 1 or tv.dtype.is_floating_point):
@@ -815,9 +815,9 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
             continue
         xv = x.meta["val"]
         rms = node.target == aten.rms_norm.default
-        weight = node_arg(node, 2, "weight")
-        bias = None if rms else node_arg(node, 3, "bias")
-        eps = node_arg(node, 3, "eps") if rms else node_arg(node, 4, "eps", 1e-5)
+        weight = node_arg(node, "weight")
+        bias = None if rms else node_arg(node, "bias")
+        eps = node_arg(node, "eps") if rms else node_arg(node, "eps", 1e-5)
         upcast = xv.dtype in (torch.float16, torch.bfloat16)
         if eps is None:  # rms_norm's default: its computation dtype's epsilon
             eps = torch.finfo(torch.float32 if upcast else xv.dtype).eps

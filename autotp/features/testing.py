@@ -58,6 +58,11 @@ def _build(op: Any, args: tuple, kwargs: dict) -> tuple[fx.Graph, fx.Node, list[
     return graph, node, tensors
 
 
+def build_call(op: Any, args: tuple, kwargs: dict) -> fx.Node:
+    """The node of one call of ``op`` on placeholders for its tensors, with fake values."""
+    return _build(op, args, kwargs)[1]
+
+
 def check_op(
     op: Any,
     args: tuple,

@@ -328,7 +328,7 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
         stream = Stream.SHARDED if isinstance(layout, Shard) else Stream.REPLICATED
         name = f"autotp_random_{node.name}"
         if node.target == sdpa:
-            dropout_p = node_arg(node, 4, "dropout_p", 0.0)
+            dropout_p = node_arg(node, "dropout_p", 0.0)
             if not dropout_p:
                 continue
             root.add_module(name, TrackedAttention(tracker, stream))
