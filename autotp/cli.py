@@ -217,6 +217,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
               f"cost {alt.cost - plan.cost:+.3g}")
     print("cost = parameter memory (matrices dominate) + alpha-beta communication + compute; "
           "the chosen candidate has the least cost")
+    if is_param and target in plan.blocked:
+        from autotp.features.report import to_dict, why_replicated_lines
+
+        report = to_dict(plan, cost_model).get("why_replicated", {})
+        for line in why_replicated_lines({target: report[target]})[1:]:
+            print(f"kept whole although tp could shard it; what stops each way: {line.strip()}")
     del loaded
     return 0
 

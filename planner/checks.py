@@ -8,7 +8,7 @@ divides them are always recorded: the plan never leaves anything replicated sile
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import networkx as nx
 
@@ -17,8 +17,10 @@ import torch.fx as fx
 
 from autotp.capture.trace import node_arg, origin_of
 from autotp.errors import PlanError, where
+from autotp.planner.blockers import Blocker, Walker
 from autotp.planner.gradflow import dataflow
 from autotp.planner.plan import Plan
+from autotp.planner.problem import PNode
 
 aten = torch.ops.aten
 
@@ -208,20 +210,38 @@ def _meets_a_shard(plan: Plan, products: list[fx.Node], flow: Any) -> bool:
 
 
 def note_replicated_products(plan: Plan, gm: fx.GraphModule, strict: bool,
-                             reported: frozenset[str] = frozenset()) -> None:
+                             reported: frozenset[str] = frozenset(),
+                             problem: Optional[Callable[[], list[PNode]]] = None) -> None:
     """A matrix multiplied replicated on every rank although tp divides one of its sizes:
     tp does not divide the other (an intermediate size of 98 at tp=4), or no exact sharding
     of its use exists (a fused projection split into unequal parts). The first is an error
     with ``strict``; both are recorded in the plan with a warning otherwise: never silent.
-    Narrow matrices (one size at most the other / (4 tp)) are replicated by design."""
+    Narrow matrices (one size at most the other / (4 tp)) are replicated by design.
+
+    Each one that tp could shard names the ops that stop sharding it (``planner/blockers``),
+    in the fallback's text and in ``plan.blocked``; ``problem`` builds the planning problem
+    those are read from (only when there is such a matrix)."""
+    walker: Optional[Walker] = None
     for node, products, odd in replicated_products(plan, gm, reported, wide_heads=True):
         param = plan.params[node.target]
+        blockers: list[Blocker] = []
+        if not odd and problem is not None:
+            walker = walker or Walker(problem())
+            blockers = walker.blockers(node.name, [p.name for p in products])
+            # A shard that reaches a norm over its features has left its block through the
+            # residual stream (a q projection's row input, an output projection's column
+            # output), where Megatron's pattern ends too: the other direction's op is the
+            # one to look at, where there is one.
+            blockers = [b for b in blockers if _normalized_size(walker.node(b.node)) is None] \
+                or blockers
+            plan.blocked[node.target] = [b.as_dict() for b in blockers]
         why = (f"tp={plan.tp} does not divide {', '.join(map(str, odd))} (use tp dividing "
                f"{odd[0]}: {{{', '.join(map(str, _divisors(odd[0])))}}})" if odd else
+               "; ".join(map(str, blockers)) if blockers else
                "a reader needs all of it, so it is computed whole on every rank and its "
                "partial gradients are summed after backward" if param.grad_sync else
-               "no exact sharding of its use exists (e.g. a fused projection split into "
-               "unequal parts)")
+               "an exact sharding exists; the cost model kept it whole (autotp explain "
+               "prices each alternative)")
         text = (f"{node.target} {list(param.global_shape)} stays replicated and its product "
                 f"{products[0].name} runs on every rank: {why}")
         if strict and odd:  # a size tp must divide; the other case is a plan's choice

@@ -110,6 +110,9 @@ class Plan:
     # parameters split along the experts tp * ep ways (stacked weights, per-expert tables)
     ep: int = 1
     expert_params: list[str] = field(default_factory=list)
+    # matrices kept whole that tp could shard -> the ops that stop each way of sharding them
+    # (planner/blockers.py): direction, layout, node, op, source
+    blocked: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class Plan:
         plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}
         plan.ep = int(data.get("ep", 1))
         plan.expert_params = list(data.get("expert_params", []))
+        plan.blocked = {k: [dict(b) for b in v] for k, v in data.get("blocked", {}).items()}
         return plan
 
 

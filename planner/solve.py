@@ -106,7 +106,8 @@ def plan_graph(
         plan = search()
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
-    note_replicated_products(plan, gm, options.strict, options.reported)
+    note_replicated_products(plan, gm, options.strict, options.reported, problem=lambda:
+                             build_problem(captured, tp, blocks, registry, cost_model, options))
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan

@@ -563,6 +563,7 @@ color:#334155;font-size:12.5px}
 .badge{display:inline-block;min-width:34px;text-align:center;padding:0 6px;border-radius:10px;
 border:1px solid;font:600 12px/18px ui-monospace,Menlo,Consolas,monospace;white-space:nowrap}
 .lay-replicated{background:#dbeafe;border-color:#2563eb;color:#1e3a8a}
+tr.blocked td:first-child{color:#b91c1c;font-weight:600}tr.blocked td:last-child{color:#b91c1c}
 .lay-sharded{background:#bbf7d0;border-color:#15803d;color:#14532d}
 .lay-partial{background:#fed7aa;border-color:#c2410c;color:#7c2d12}
 .lay-tuple{background:#e9d5ff;border-color:#7e22ce;color:#581c87}
@@ -711,8 +712,15 @@ def _param_rows(plan: Plan, names: list[str], layer: Optional[int]) -> str:
         aliases = [a for a in p.names if a != name]
         if aliases:
             notes.append("tied: " + ", ".join(aliases))
+        blocked = plan.blocked.get(name)
+        if blocked is not None:  # kept whole although tp could shard it: what stops it
+            notes += [f"whole: as {b['direction']}, {b['op'].removeprefix('aten.')} at "
+                      f"{b['source']} {'takes' if b['direction'] == 'column' else 'gives'} "
+                      f"no {b['layout']}" for b in blocked] or \
+                ["whole for its cost: an exact sharding exists"]
         rows.append(
-            f'<tr class="param-row" data-name="{esc(name)}" title="{esc(name)}">'
+            f'<tr class="param-row{" blocked" if blocked is not None else ""}" '
+            f'data-name="{esc(name)}" title="{esc(name)}">'
             f'<td class="mono">{esc(relative_name(name, layer))}</td>'
             f'<td class="num mono">{esc(shape_text(p.global_shape))}</td>'
             f"<td>{badge(p.layout)}</td>"

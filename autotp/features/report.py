@@ -244,6 +244,11 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             "fallbacks": list(plan.fallbacks),
         },
     }
+    if plan.blocked:  # matrix kept whole -> the ops that stop sharding it
+        out["why_replicated"] = {
+            name: [{**b, "source": relative_source(_source_line(b["source"])),
+                    "module": _module(b["source"])} for b in blockers]
+            for name, blockers in plan.blocked.items()}
     if plan.experts:  # stacked weight -> [experts, how held]; ep: also split over ep ranks
         out["experts"] = {"ep": plan.ep, "stacks": {k: list(v) for k, v in plan.experts.items()},
                           "split": list(plan.expert_params)}
@@ -312,7 +317,44 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "
                  f"{human_bytes(s['param_bytes'])} "
                  f"({', '.join(sorted({p.dtype for p in plan.params.values()}))})")
+    lines += why_replicated_lines(data.get("why_replicated", {}))
     if s["fallbacks"]:
         lines.append(f"replicated fallbacks: {len(s['fallbacks'])}")
         lines += [f"  {f}" for f in s["fallbacks"]]
     return "\n".join(lines) + "\n"
+
+
+def why_replicated_lines(why: dict[str, list[dict]]) -> list[str]:
+    """The matrices kept whole that tp could shard, grouped by the op that stops sharding
+    them: its module, its line of the model, the direction and the layout it cannot take
+    (column: the product's output sharded) or give (row: the product's input sharded)."""
+    if not why:
+        return []
+    by_op: dict[tuple, list[str]] = {}
+    for name, blockers in why.items():
+        if not blockers:
+            by_op.setdefault(("kept whole for its cost (an exact sharding exists)",), []).append(
+                name)
+        for b in blockers:
+            module = re.sub(r"\.\d+(?=\.|$)", ".N", b["module"] or "")
+            where = "  ".join(p for p in (module, os.path.basename(b["source"] or "")) if p)
+            op = b["op"].removeprefix("aten.")
+            verb = "takes" if b["direction"] == "column" else "gives"
+            by_op.setdefault((f"{op} ({where}): as {b['direction']}, no strategy {verb} "
+                              f"{b['layout']}",), []).append(name)
+    lines = [f"why replicated: {len(why)} matrices tp could shard are kept whole; what "
+             "stops each:"]
+    for (text,), names in by_op.items():
+        lines.append(f"  {text}: {group_names(names)}")
+    return lines
+
+
+def _source_line(origin: str) -> Optional[str]:
+    """The file:line of ``origin_of``'s ``module at file:line`` (None without one)."""
+    tail = origin.rpartition(" at ")[2] if " at " in origin else origin
+    return tail if re.search(r":\d+$", tail) else None
+
+
+def _module(origin: str) -> Optional[str]:
+    head = origin.partition(" at ")[0] if " at " in origin else origin
+    return None if re.search(r":\d+$", head) or head == "unknown source" else head
