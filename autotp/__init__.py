@@ -7,6 +7,13 @@
     best = autotp.estimate(model, gpus=64, global_batch=512, seq=4096, hardware="a100-80gb").best
 """
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("autotp")
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"
+
 from autotp.api import (
     ShardedModule,
     Simulation,
@@ -28,6 +35,7 @@ from autotp.planner.configure import Estimate, estimate
 from autotp.planner.plan import Plan
 
 __all__ = [
+    "__version__",
     "AutotpError",
     "ConfigError",
     "Estimate",

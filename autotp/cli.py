@@ -463,8 +463,15 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
+def _installed_version() -> str:
+    import autotp
+
+    return autotp.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"autotp {_installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
     _add_model_args(p)
