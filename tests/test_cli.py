@@ -212,3 +212,14 @@ def test_verify_reports_a_mismatch_and_the_first_diverging_node() -> None:
     assert "MISMATCH" in result.stdout
     assert "first diverging value: dropout = aten.dropout.default" in result.stdout
     assert "cli_factories.py" in result.stdout  # the user's source line
+
+
+def test_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    import autotp as package
+
+    result = autotp("--version", check=False)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"autotp {version('autotp')}" == \
+        f"autotp {package.__version__}"
