@@ -148,7 +148,9 @@ class Walker:
             if blocker is None:
                 return None
             first = first or blocker
-        return first
+        # an input computed from the model's inputs alone (no product before it) has no
+        # shard to arrive in: not a way of sharding this matrix, and no op to blame
+        return None if first is _WHOLE else first
 
     def _inputs_blocker(self, pn: PNode, s: Strategy, skip: list[int],
                         memo: dict) -> Optional[Blocker]:
