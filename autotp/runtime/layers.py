@@ -14,7 +14,10 @@ collective log read as before, and the recipes written for eager models apply pe
 
 A layer's boundary is where its module stack says it is; a node of the enclosing module
 placed between two of the layer's nodes (glue reading the layer's values) joins the layer.
-A program whose blocks interleave is left flat.
+A collective the rewriter inserted goes with the values it acts on while those are one
+layer's and nothing outside the layer has read them yet; one acting on two layers' values
+(a joined all-reduce) goes to the layer it runs in. A program whose blocks interleave, or
+whose layers could not each run as one call where their last node is, is left flat.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def split_layers(gm: fx.GraphModule) -> list[str]:
     for path in [p for p in members if not _has_submodule(gm, p)]:
         for node in members.pop(path):
             del owner[node]
-    if not members:
+    # each layer is called where its last node is: what it reads must be computed by then
+    if not members or not _runs_in_order(order, owner):
         return []
     # the layers' containers must exist in the program (they hold the layers' parameters)
     containers = {_ENTRY.match(p).group("list") for p in members}  # type: ignore[union-attr]
@@ -129,19 +133,33 @@ def _owners(gm: fx.GraphModule) -> Optional[dict[fx.Node, str]]:
             path = layer_path(node)
             if path is not None:
                 owner[node] = path
-    # inserted modules (collectives, dropout) go with the value they act on; those on a
-    # parameter or an input, with their readers when those are all in one layer
+    spans: dict[str, list[int]] = {}
+    for node, path in owner.items():
+        if node.op != "call_function":  # parameters and their markers sit at the top
+            continue
+        span = spans.setdefault(path, [position[node], position[node]])
+        span[0], span[1] = min(span[0], position[node]), max(span[1], position[node])
+    # inserted modules (collectives, dropout, joined all-reduces) go with the values they
+    # act on when those are one layer's and the module runs before anything outside the
+    # layer reads them; a module on values of two layers (a backward all-reduce joining the
+    # previous block's output with one of this block's values) stays in the root, from
+    # where the glue rule below moves it into the layer it runs in. Modules on a parameter
+    # or an input go with their readers when those are all in one layer.
+    reach = _reach(order, owner, spans)
     for node in order:
-        if node.op == "call_module":
-            source = node.args[0] if node.args else None
-            if not isinstance(source, fx.Node):
-                continue
-            path = owner.get(source)
-            if path is None and source.op in ("get_attr", "placeholder"):
-                readers = {owner.get(u) for u in node.users}
-                path = readers.pop() if len(readers) == 1 else None
-            if path is not None:
-                owner[node] = path
+        if node.op != "call_module" or not node.all_input_nodes:
+            continue
+        values = [x for x in node.all_input_nodes if x.op not in ("get_attr", "placeholder")]
+        if values:
+            layers = {owner.get(x) for x in values}
+            path = layers.pop() if len(layers) == 1 else None
+            if path is not None and position[node] >= reach.get(path, len(order)):
+                path = None
+        else:
+            readers = {owner.get(u) for u in node.users}
+            path = readers.pop() if len(readers) == 1 else None
+        if path is not None:
+            owner[node] = path
     # parameters and submodules read by one layer only move into it
     for node in order:
         if node.op == "get_attr":
@@ -150,12 +168,6 @@ def _owners(gm: fx.GraphModule) -> Optional[dict[fx.Node, str]]:
             if path is not None and str(node.target).startswith(path + "."):
                 owner[node] = path
     # glue of the enclosing module placed inside a layer's span joins it when it reads it
-    spans: dict[str, list[int]] = {}
-    for node, path in owner.items():
-        if node.op != "call_function":  # parameters and their markers sit at the top
-            continue
-        span = spans.setdefault(path, [position[node], position[node]])
-        span[0], span[1] = min(span[0], position[node]), max(span[1], position[node])
     for path, (first, end) in spans.items():
         for node in order[first:end + 1]:
             mine = owner.get(node)
@@ -165,6 +177,51 @@ def _owners(gm: fx.GraphModule) -> Optional[dict[fx.Node, str]]:
             elif mine is not None and mine != path and node.op == "call_function":
                 return None  # two layers interleave
     return owner
+
+
+def _reach(order: list[fx.Node], owner: dict[fx.Node, str],
+           spans: dict[str, list[int]]) -> dict[str, int]:
+    """layer -> the position of the first node after its last op that needs the layer to
+    have run: an op of another layer, or a node of the root reading one of its ops (an
+    inserted module on its values alone is a candidate member, not a reader)."""
+    reach = {}
+    for path, (_, end) in spans.items():
+        reach[path] = len(order)
+        for i in range(end + 1, len(order)):
+            node, mine = order[i], owner.get(order[i])
+            if mine is not None and mine != path:
+                reach[path] = i
+                break
+            reads = {owner.get(x) for x in node.all_input_nodes
+                     if x.op not in ("get_attr", "placeholder")}
+            if mine is None and path in reads and \
+                    not (node.op == "call_module" and reads == {path}):
+                reach[path] = i
+                break
+    return reach
+
+
+def _runs_in_order(order: list[fx.Node], owner: dict[fx.Node, str]) -> bool:
+    """Postcondition of the assignment: every node of the root, and every layer called
+    where its last node is, finds the values it reads already computed."""
+    members: dict[str, list[fx.Node]] = {}
+    for node in order:
+        if node in owner:
+            members.setdefault(owner[node], []).append(node)
+    ready: set[fx.Node] = set()
+    for node in order:
+        path = owner.get(node)
+        if path is None:
+            if any(x not in ready for x in node.all_input_nodes):
+                return False
+            ready.add(node)
+        elif node is members[path][-1]:
+            inside = set(members[path])
+            if any(x not in ready and x not in inside
+                   for m in members[path] for x in m.all_input_nodes):
+                return False
+            ready.update(inside)
+    return True
 
 
 def _layer_module(gm: fx.GraphModule, path: str,
