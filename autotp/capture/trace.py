@@ -31,6 +31,8 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autotp.capture.branches import (decided_size_comparisons, size_comparison_as_bool,
+                                     ways_forward)
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
 from autotp.rules.registry import OpCall, TensorMeta, argument
@@ -236,8 +238,16 @@ def capture(
                 with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
                         _named_forward(model, list(named), signature), truncated(model, stacks):
-                    ep = torch.export.export(model, (), named, strict=False,
-                                             dynamic_shapes=spec)
+                    try:
+                        ep = torch.export.export(model, (), named, strict=False,
+                                                 dynamic_shapes=spec)
+                    except TypeError as exc:
+                        if not size_comparison_as_bool(exc):
+                            raise
+                        # is_causal=T > 1: retraced with the comparisons the sizes decide
+                        with decided_size_comparisons():
+                            ep = torch.export.export(model, (), named, strict=False,
+                                                     dynamic_shapes=spec)
                 break
             except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
                 raise
@@ -539,12 +549,7 @@ def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:
     if user:
         frame = user[-1]
         text += f"\n  at {frame.filename}:{frame.lineno}: {frame.line}"
-    text += (
-        "\n  autotp traces the model once with symbolic batch and sequence sizes: Python "
-        "control flow on tensor values (if x.sum() > 0, .item(), .tolist()) cannot be "
-        "traced; use torch.where / torch.cond, or pass example inputs that fit the model"
-    )
-    return text
+    return text + ways_forward(exc)
 
 
 def merge_tied_parameters(gm: fx.GraphModule) -> None:
