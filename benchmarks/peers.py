@@ -619,6 +619,16 @@ def check_exact(model, kwargs, sim, loss_of, output_of) -> tuple[bool, str]:
     return ok, note
 
 
+# where measure records an exception under row[key], it also calls on_error(row, key, exc)
+# when set (benchmarks/unseen.py notes where autotp raised it); None: nothing more is recorded
+on_error: Optional[Callable[[dict, str, BaseException], None]] = None
+
+
+def _noted(row: dict, key: str, exc: BaseException) -> None:
+    if on_error is not None:
+        on_error(row, key, exc)
+
+
 def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
     row: dict[str, Any] = {"model": case.name, "tp": tp}
     t0 = time.perf_counter()
@@ -635,12 +645,14 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
                                                     strict=False)
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            _noted(row, "error", exc)
             if simulate:  # the plan alone, to still report it
                 try:
                     captured, plan = autotp.api.prepare(model, tp, example_kwargs=kwargs,
                                                         strict=False)
                 except Exception as exc2:  # noqa: BLE001
                     row["plan_error"] = f"{type(exc2).__name__}: {str(exc2).splitlines()[0][:300]}"
+                    _noted(row, "plan_error", exc2)
                     return row
             else:
                 row["plan_error"] = row.pop("error")
@@ -651,6 +663,7 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
                                                           case.output)
         except Exception as exc:  # noqa: BLE001
             row["exact"], row["exact_note"] = False, f"{type(exc).__name__}: {exc}"[:300]
+            _noted(row, "exact_note", exc)
     elif "error" in row:
         row["exact"] = None
     values = sym_values(captured)
