@@ -235,7 +235,8 @@ def capture(
     def export(stacks: list[Stack]) -> fx.GraphModule:
         for attempt, spec in enumerate(specs, 1):
             try:
-                with _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
+                with _state_kept(model), \
+                        _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
                         _named_forward(model, list(named), signature), truncated(model, stacks):
                     try:
@@ -505,6 +506,28 @@ def _on_cpu(index: Any) -> Any:
     if isinstance(index, list) and index and all(type(i) is int for i in index):
         return torch.tensor(index)
     return index
+
+
+@contextlib.contextmanager
+def _state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Tensors a forward stores on its modules while it is traced (a causal mask or
+    positions cached with ``register_buffer`` on the first call, PaLM's ``pos_emb``) are the
+    trace's fake tensors: the model gets back the buffers and tensor attributes it had, so
+    it runs eagerly, copies and plans again as before."""
+    saved = [(module, dict(module._buffers),
+              {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+             for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, buffers, tensors in saved:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for name in [k for k, v in vars(module).items()
+                         if isinstance(v, torch.Tensor) and k not in tensors]:
+                delattr(module, name)
+            for name, value in tensors.items():
+                object.__setattr__(module, name, value)
 
 
 @contextlib.contextmanager
