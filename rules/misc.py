@@ -38,7 +38,6 @@ REPLICATED_ONLY: list[Any] = [
     aten.diff.default,
     aten.triu.default,
     aten.tril.default,
-    aten.repeat_interleave.self_int,
     aten.repeat_interleave.self_Tensor,
     aten.index_select.default,
     aten.sort.default,

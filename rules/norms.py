@@ -103,7 +103,8 @@ def logsumexp_rule(call: OpCall) -> Iterator[Strategy]:
 
 
 @rules.register(aten.amax.default, aten.amin.default, aten.var.correction, aten.std.correction,
-                aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default)
+                aten.var.dim, aten.std.dim, aten.any.dim, aten.all.dim, aten.argmax.default,
+                aten.argmin.default)
 def reduce_keep_rule(call: OpCall) -> Iterator[Strategy]:
     reduced = _reduced_dims(call, call.arg("dim"))
     yield from _kept_shards(call, reduced, bool(call.arg("keepdim", False)))

@@ -15,7 +15,8 @@ from typing import Iterator
 import torch
 
 from autotp.layout import P, R, Layout, Shard
-from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta, shardable_dims
+from autotp.rules.registry import (OpCall, RuleSet, Strategy, TensorMeta, normalize_dim,
+                                   shardable_dims)
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -226,6 +227,29 @@ def multiplicative_rule(call: OpCall) -> Iterator[Strategy]:
     for i in linear_positions:
         inputs = tuple(P if j == i else R for j in range(n))
         yield Strategy(inputs, P, name="linear")
+
+
+@rules.register(aten.lerp.Tensor, aten.lerp.Scalar)
+def lerp_rule(call: OpCall) -> Iterator[Strategy]:
+    """``lerp(a, b, w) = a + w * (b - a)``, elementwise. Linear in (a, b) jointly for a
+    replicated weight: lerp(A1 + A2, B1 + B2, w) = lerp(A1, B1, w) + lerp(A2, B2, w)."""
+    yield from broadcast_shards(call)
+    if call.out.floating:
+        yield Strategy((P, P) + (R,) * (len(call.inputs) - 2), P, name="linear")
+
+
+@rules.register(aten.glu.default)
+def glu_rule(call: OpCall) -> Iterator[Strategy]:
+    """``glu(x, d) = a * sigmoid(b)`` for the halves ``a | b`` of dim d: a shard of another
+    dim stays; along d, the two halves as blocks (each rank its part of both) give the
+    rank's part of the output (``S(d)x2 -> S(d)``, as a gate|up projection's chunk)."""
+    src = call.inputs[0]
+    dim = normalize_dim(call.arg("dim", -1), src.ndim)
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="elementwise")
+        elif blocks == 2 and call.out.shardable(d, call.tp):
+            yield Strategy((Shard(d, 2),), Shard(d), name="halves")
 
 
 def _is_tensor_arg(arg: object) -> bool:

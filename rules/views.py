@@ -250,6 +250,60 @@ def _permutation_strategies(call: OpCall, perm: list[int]) -> Iterator[Strategy]
         yield Strategy((Shard(dim, blocks),), Shard(perm.index(dim), blocks), name="permute")
 
 
+@rules.register(aten.movedim.int)
+def movedim_rule(call: OpCall) -> Iterator[Strategy]:
+    """``movedim(x, s, d)``: dim s moved to d, the others in their order; a permutation."""
+    ndim = call.inputs[0].ndim
+    source = normalize_dim(call.arg("source"), ndim)
+    rest = [d for d in range(ndim) if d != source]
+    rest.insert(normalize_dim(call.arg("destination"), ndim), source)
+    yield from _permutation_strategies(call, rest)
+
+
+@rules.register(aten.unfold.default)
+def unfold_rule(call: OpCall) -> Iterator[Strategy]:
+    """``x.unfold(d, size, step)``: dim d becomes the window count and a last dim of
+    ``size`` is appended: ``out[..., w, ..., k] = x[..., w * step + k, ...]``. A shard of any
+    other dim stays (windows are taken within each index of it); a view, so linear."""
+    src = call.inputs[0]
+    dim = normalize_dim(call.arg("dimension"), src.ndim)
+    yield Strategy((P,), P, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="windows")
+
+
+@rules.register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(call: OpCall) -> Iterator[Strategy]:
+    """``x.repeat_interleave(r, d)``: ``out[..., i, ...] = x[..., i // r, ...]`` (GQA's k/v
+    heads repeated for the query heads). A contiguous shard of d gives the contiguous shard
+    of the output that repeats it (rank j's heads [a, b) -> [a r, b r)), each block of a
+    blocked shard likewise; a shard of another dim stays. Linear. Without d the input is
+    flattened: computed whole."""
+    given = call.arg("dim")
+    if given is None:
+        return
+    src, dst = call.inputs[0], call.out
+    dim = normalize_dim(given, src.ndim)
+    yield Strategy((P,), P, name="linear")
+    for d, blocks in shardable_dims(src, call):
+        if d != dim:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="view")
+        elif isinstance(blocks, int) and dst.shardable(d, call.tp, blocks):
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="repeat heads")
+
+
+@rules.lowering(aten.repeat_interleave.self_int)
+def localize_output_size_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
+    """``output_size``, where given, counts the rank's rows of a sharded ``dim``."""
+    out, size = strategy.output, node.kwargs.get("output_size")
+    given = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if size is None or not isinstance(out, Shard) or given is None:
+        return
+    if normalize_dim(given, len(node.meta["val"].shape)) == out.dim:
+        node.kwargs = {**node.kwargs, "output_size": ctx.local_size_arg(size, node)}
+
+
 @rules.register(aten.unsqueeze.default)
 def unsqueeze_rule(call: OpCall) -> Iterator[Strategy]:
     new = normalize_dim(call.arg("dim"), call.inputs[0].ndim + 1)
