@@ -123,6 +123,7 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
 
 # Reductions over the last dim: a norm's statistic (RMSNorm's mean of squares, LayerNorm).
 _STATISTICS = (aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction,
+               aten.var.dim, aten.std.dim, aten.std.correction,
                aten.linalg_vector_norm.default)
 _NORMS = (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
 
