@@ -52,6 +52,11 @@ REPLICATED_ONLY: list[Any] = [
     aten.searchsorted.Tensor,
     aten.outer.default,
     aten.item.default,
+    aten.any.default,  # a whole tensor reduced to one flag (if mask.any():)
+    aten.all.default,
+    # the run-time check of a branch traced as the example took it (capture.branches)
+    aten._assert_async.msg,
+    aten._assert_async.default,
     aten.lift_fresh.default,
     aten.min.default,
     aten.max.default,

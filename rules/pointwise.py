@@ -205,10 +205,13 @@ def _broadcasts(shape: tuple, to: tuple) -> bool:
 @rules.register(*ADDITIVE)
 def additive_rule(call: OpCall) -> Iterator[Strategy]:
     yield from broadcast_shards(call)
-    # (A1 + A2) + (B1 + B2) = (A1 + B1) + (A2 + B2); a scalar operand would be added tp times.
-    scalar_operand = any(not _is_tensor_arg(a) for a in call.args[:2])
-    if len(call.inputs) == 2 and not scalar_operand and call.out.floating:
+    # (A1 + A2) + (B1 + B2) = (A1 + B1) + (A2 + B2); a scalar operand would be added tp times,
+    # but for 0 (Python's sum() starts from it: (A1 + A2) + 0 = (A1 + 0) + A2).
+    scalars = [a for a in (call.arg("self"), call.arg("other")) if not _is_tensor_arg(a)]
+    if len(call.inputs) == 2 and not scalars and call.out.floating:
         yield Strategy((P, P), P, name="linear")
+    elif len(call.inputs) == 1 and scalars == [0] and call.out.floating:
+        yield Strategy((P,), P, name="linear")
 
 
 @rules.register(*MULTIPLICATIVE)

@@ -56,22 +56,29 @@ class Branchy(nn.Module):
             return y + h if n < 100 else y - h
         if self.kind == "flag":
             return y + h if causal else y - h
+        if self.kind == "mask":  # ESM's `if not padding_mask.any(): padding_mask = None`
+            padding = x[..., 0] == 0
+            if padding.any():
+                return (y + h) * padding.logical_not()[..., None]
         return y + h
 
 
-def _refusal(kind: str, seq: int = 16) -> str:
+def _refusal(kind: str, seq: int = 16, meta: bool = False) -> str:
     torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = Branchy(kind)
     with pytest.raises(autotp.TraceError) as info:
-        autotp.plan(Branchy(kind), 2, example_args=(torch.randn(2, seq, 32),))
+        autotp.plan(model, 2, example_args=(torch.randn(2, seq, 32),))
     return str(info.value)
 
 
-@pytest.mark.parametrize("kind, line", [
-    ("tensor", r"if h\.sum\(\) > 0:"),
-    ("item", r"if n < 100:"),
+@pytest.mark.parametrize("kind, line, meta", [
+    ("tensor", r"if h\.sum\(\) > 0:", True),  # no values to follow the example's branch by
+    ("item", r"if n < 100:", False),  # .item() steering Python: not followed
 ])
-def test_a_branch_on_tensor_values_is_refused_with_ways_forward(kind: str, line: str) -> None:
-    text = _refusal(kind)
+def test_a_branch_on_tensor_values_is_refused_with_ways_forward(kind: str, line: str,
+                                                               meta: bool) -> None:
+    text = _refusal(kind, meta=meta)
     assert re.search(rf"test_branches\.py:\d+: {line}", text), text
     for way in ("torch.where(condition, a, b)", "torch._check(n > 0)",
                 "pass the flag as a Python bool argument (in example_kwargs)"):
@@ -134,3 +141,20 @@ def test_the_ways_forward_are_exact(kind: str) -> None:
     with pytest.raises((AssertionError, RuntimeError),
                        match="Guard failed|Runtime assertion failed"):
         sim.run(lambda m: m(**outside))
+
+
+def test_a_branch_on_a_tensor_is_traced_as_the_example_takes_it_and_checked() -> None:
+    """ESM's padding branch: the example has no padding, so the trace takes that side,
+    exact for inputs that take it too; an input that takes the other side is refused where
+    the branch is, never run on the traced side."""
+    torch.manual_seed(0)
+    model = Branchy("mask")
+    x = torch.randn(2, 16, 32)
+    with pytest.warns(UserWarning, match=r"test_branches\.py:\d+: if padding\.any\(\):.*"
+                      r"bool\(\.\.\.\) is False"):
+        sim = autotp.simulate(model, 2, example_args=(x,))
+    _exact(model, {"x": x}, sim)
+    padded = x.clone()
+    padded[0, 3, 0] = 0.0
+    with pytest.raises(RuntimeError, match=r"autotp traced the branch at .*test_branches\.py"):
+        sim.run(lambda module: module(padded))

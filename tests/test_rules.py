@@ -129,6 +129,10 @@ SAMPLES: dict[Any, list[Sample]] = {
     aten.argmax.default: [s(X3, 1), s(X3, -1, True)],
     aten.argmin.default: [s(X3, 2)],
     aten.min.default: [s(X)],
+    aten.any.default: [s(XB)],
+    aten.all.default: [s(XB)],
+    aten._assert_async.msg: [s(torch.tensor(True), "checked")],
+    aten._assert_async.default: [s(torch.tensor(True))],
     aten.max.default: [s(X)],
     # ---- embedding: vocab 16, padding_idx 5 lies inside one rank's rows ----
     aten.embedding.default: [s(randn(16, 8), IDS), s(randn(16, 8), IDS, 5)],
@@ -183,7 +187,8 @@ SAMPLES: dict[Any, list[Sample]] = {
     # ---- linear pointwise ----
     **unary([aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
              aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default]),
-    aten.add.Tensor: [s(X, randn(12)), s(X3, randn(4, 1, 12), alpha=2), s(X, 1.0), s(XI, XI)],
+    aten.add.Tensor: [s(X, randn(12)), s(X3, randn(4, 1, 12), alpha=2), s(X, 1.0), s(XI, XI),
+                      s(X, 0)],
     aten.sub.Tensor: [s(X, randn(8, 1)), s(X3, X3, alpha=0.5)],
     aten.mul.Tensor: [s(X, randn(12)), s(randn(2, 4, 8, 8), randn(2, 1, 8, 8)), s(XI, 3)],
     aten.mul.Scalar: [s(X, 2.5)],

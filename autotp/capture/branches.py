@@ -14,6 +14,8 @@ batch and sequence size at once (``capture.trace``).
 from __future__ import annotations
 
 import contextlib
+import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -86,6 +88,9 @@ def ways_forward(exc: BaseException) -> str:
             "\n    - decide before forward: pass the flag as a Python bool argument (in "
             "example_kwargs); the program is traced for that value, and a call with "
             "another value is refused"
+            "\n    - an if on a one-element tensor (if mask.any():) in a model with weights "
+            "(not on the meta device) is traced as the example inputs take it, with a "
+            "run-time check that later inputs take it too"
         )
     if size_comparison_as_bool(exc):
         return (
@@ -104,3 +109,84 @@ def ways_forward(exc: BaseException) -> str:
         "\n  autotp traces the model once, for every batch and sequence size "
         "(torch.export, non-strict): check that the example inputs fit the model"
     )
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A branch on a tensor's value, as the example inputs took it."""
+
+    filename: str
+    lineno: int
+    value: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+
+def _caller() -> tuple[str, int]:
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+_BOOL = torch._C.TensorBase.__bool__
+
+
+def branches_taken(run: Callable[[], Any]) -> dict[tuple[str, int], list[bool]]:
+    """Call ``run`` (the model on the example inputs, eagerly) and record, per source line,
+    the truth value of every one-element tensor a Python branch read (``if mask.any():``)."""
+    taken: dict[tuple[str, int], list[bool]] = {}
+
+    def recording(self: torch.Tensor) -> bool:
+        value = _BOOL(self)
+        taken.setdefault(_caller(), []).append(value)
+        return value
+
+    torch.Tensor.__bool__ = recording  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        del torch.Tensor.__bool__
+    return taken
+
+
+@contextlib.contextmanager
+def example_branches(taken: dict[tuple[str, int], list[bool]],
+                     followed: list[Taken]) -> Iterator[None]:
+    """While tracing, a branch on a tensor's value takes the side the example inputs took
+    (``branches_taken``) and leaves in the program a run-time check that the input at hand
+    takes it too (``aten._assert_async``: a call whose input takes the other side fails
+    there, naming the line, instead of running the traced side). Exact for every input it
+    runs on. ``followed`` receives each branch so traced."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def replaying(self: torch.Tensor) -> bool:
+        try:
+            return _BOOL(self)
+        except GuardOnDataDependentSymNode:
+            site = _caller()
+            index = seen.get(site, 0)
+            values = taken.get(site, [])
+            if index >= len(values):
+                raise
+            seen[site] = index + 1
+            value = values[index]
+            condition = self.reshape(()).bool()
+            where = f"{site[0]}:{site[1]}"
+            torch._assert_async(condition if value else condition.logical_not(),
+                                f"autotp traced the branch at {where} for bool(...) = {value} "
+                                "(as the example inputs took it); this input takes the other "
+                                "side: trace with an example that takes it")
+            followed.append(Taken(site[0], site[1], value))
+            return value
+
+    torch.Tensor.__bool__ = replaying  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del torch.Tensor.__bool__
+
+
+def data_dependent(exc: BaseException) -> bool:
+    return _data_dependent(exc)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import linecache
 import logging
 import operator
 import os
 import re
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -31,8 +33,10 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from autotp.capture.branches import (decided_size_comparisons, size_comparison_as_bool,
-                                     ways_forward)
+from autotp.capture.branches import (Taken, branches_taken, data_dependent,
+                                     decided_size_comparisons, example_branches,
+                                     size_comparison_as_bool, ways_forward)
+from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
 from autotp.rules.registry import OpCall, TensorMeta, argument
@@ -239,16 +243,7 @@ def capture(
                         _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
                         _named_forward(model, list(named), signature), truncated(model, stacks):
-                    try:
-                        ep = torch.export.export(model, (), named, strict=False,
-                                                 dynamic_shapes=spec)
-                    except TypeError as exc:
-                        if not size_comparison_as_bool(exc):
-                            raise
-                        # is_causal=T > 1: retraced with the comparisons the sizes decide
-                        with decided_size_comparisons():
-                            ep = torch.export.export(model, (), named, strict=False,
-                                                     dynamic_shapes=spec)
+                    ep = _export(model, named, spec, follow_example=not meta)
                 break
             except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
                 raise
@@ -289,6 +284,7 @@ def capture(
         detach_factories(gm)
         split_biases(gm)
         sink_bias_adds(gm)
+        products_summed_first(gm)
         decompose_cross_entropy(gm)
         decompose_feature_norms(gm)
     gm.recompile()
@@ -508,26 +504,68 @@ def _on_cpu(index: Any) -> Any:
     return index
 
 
+def _export(model: torch.nn.Module, named: dict[str, Any], spec: Any,
+            follow_example: bool) -> Any:
+    """torch.export, non-strict, and again where the model's forward takes a branch the trace
+    cannot decide but autotp can, exactly: a comparison of sizes that every traced size
+    answers alike (``is_causal=T > 1``); a branch on a tensor's value, as the example inputs
+    take it, checked at run time (``capture.branches``; with real weights only)."""
+    def export() -> Any:
+        return torch.export.export(model, (), named, strict=False, dynamic_shapes=spec)
+
+    try:
+        return export()
+    except TypeError as exc:
+        if not size_comparison_as_bool(exc):
+            raise
+        with decided_size_comparisons():
+            return export()
+    except Exception as exc:  # noqa: BLE001 - re-raised unless the example decides it
+        if not (follow_example and data_dependent(exc)):
+            raise
+        try:
+            taken = branches_taken(lambda: model(**named))
+        except Exception:  # noqa: BLE001 - the example does not run: the trace's error stands
+            raise exc from None
+        followed: list[Taken] = []
+        with example_branches(taken, followed):
+            ep = export()
+        for branch in dict.fromkeys(followed):
+            warnings.warn(
+                f"autotp: {branch.where}: {_source_text(branch)}: a branch on a tensor's "
+                f"value, traced as the example inputs take it (bool(...) is {branch.value}); "
+                "an input that takes the other side is refused when it runs (an assertion "
+                "at that line), never run on the traced side", stacklevel=4)
+        return ep
+
+
+def _source_text(branch: Taken) -> str:
+    return linecache.getline(branch.filename, branch.lineno).strip()
+
+
 @contextlib.contextmanager
 def _state_kept(model: torch.nn.Module) -> Iterator[None]:
-    """Tensors a forward stores on its modules while it is traced (a causal mask or
-    positions cached with ``register_buffer`` on the first call, PaLM's ``pos_emb``) are the
-    trace's fake tensors: the model gets back the buffers and tensor attributes it had, so
-    it runs eagerly, copies and plans again as before."""
-    saved = [(module, dict(module._buffers),
-              {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
-             for module in model.modules()]
+    """What a forward stores on its modules while it is traced (a causal mask or positions
+    cached with ``register_buffer`` on the first call, PaLM's ``pos_emb``; a rotary table and
+    the length it was made for) holds the trace's fake tensors and symbolic sizes: the model
+    gets back the buffers and attributes it had, so it runs eagerly, copies and plans again
+    as before."""
+    saved = [(module, dict(module._buffers), dict(vars(module))) for module in model.modules()]
     try:
         yield
     finally:
-        for module, buffers, tensors in saved:
+        for module, buffers, attributes in saved:
             module._buffers.clear()
             module._buffers.update(buffers)
-            for name in [k for k, v in vars(module).items()
-                         if isinstance(v, torch.Tensor) and k not in tensors]:
-                delattr(module, name)
-            for name, value in tensors.items():
-                object.__setattr__(module, name, value)
+            # a cache the forward filled (a rotary table and the length it was made for,
+            # ESM's) holds the trace's values: every attribute gets back what it held
+            for name, value in list(vars(module).items()):
+                if name in attributes and attributes[name] is value:
+                    continue
+                if name in attributes:
+                    object.__setattr__(module, name, attributes[name])
+                else:
+                    delattr(module, name)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,62 @@
+"""A parallel block that adds the residual between its branches' outputs
+(``x = attn(h) + x; x = mlp(h) + x``, litgpt's and TransformerLens' form) sums the two
+partial outputs first (``capture.sums``): one forward all-reduce of B x T x h per block, as
+Megatron's parallel block, exact against the unsharded model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from autotp.features.verify import compare, reference_step, sharded_step
+
+H, HEADS = 64, 8
+
+
+class _ParallelBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.fc, self.out = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = F.layer_norm(x, (H,))
+        q, k, v = (y.view(b, t, HEADS, H // HEADS).transpose(1, 2)
+                   for y in self.qkv(h).split(H, -1))
+        attention = self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                              .transpose(1, 2).reshape(b, t, H))
+        x = attention + x  # the residual between the branches
+        return self.out(F.gelu(self.fc(h))) + x
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ParallelBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_parallel_block_with_the_residual_between_its_branches_reduces_once() -> None:
+    torch.manual_seed(0)
+    model, x = _Model(), torch.randn(2, 16, H)
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    for layer in (0, 1):
+        forward = [c for c in sim.plan.collectives if c.layer == layer and c.phase == "forward"]
+        assert len(forward) == 1 and forward[0].kind == "all_reduce", forward
+        assert "joined" not in forward[0].node  # one sum, not two values in one call
+        assert forward[0].bytes_expr == str(sim.plan.collectives[0].bytes_expr)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    reference = reference_step(model, lambda m: m(x), loss, lambda o: o)
+    got = sim.run(lambda module: sharded_step(module, lambda m: m(x), loss, lambda o: o))[0]
+    result = compare(reference, got)
+    assert result.ok(atol=1e-5, grad_rtol=1e-4), result
