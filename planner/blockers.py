@@ -93,9 +93,11 @@ class Walker:
                 continue
             columns = {o for s in sharded for o in _outputs(s.output) if isinstance(o, Shard)}
             if columns and "column" not in found:
-                blocker = self._forward(product, columns)
-                if blocker is not None:
-                    found["column"] = blocker
+                # each layout the column offers (plain, or in blocks a later split needs)
+                # walked on its own: none stops, or the one that gets furthest names its op
+                walks = [self._forward(product, {layout}) for layout in sorted(columns, key=str)]
+                if all(b is not None for b in walks):
+                    found["column"] = max(walks, key=lambda b: self.order[b.node])
             rows = [s for s in sharded if any(isinstance(o, Partial)
                                               for o in _outputs(s.output))]
             if rows and "row" not in found:
