@@ -7,7 +7,6 @@ projection kept whole."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterator
 
 import pytest
@@ -18,7 +17,7 @@ from torch import nn
 import autotp
 from autotp.capture.trace import make_call
 from autotp.features.testing import build_call
-from autotp.features.verify import compare, reference_step, sharded_step
+from autotp.features.verify import assert_simulation_matches
 from autotp.rules.registry import Registry, argument
 
 from test_rules import SAMPLES, _clone, _resolve
@@ -151,9 +150,6 @@ def test_normalize_after_a_whole_projection_plans_and_is_exact(tp: int) -> None:
     def loss(out: torch.Tensor) -> torch.Tensor:
         return (out * weights).sum()
 
-    reference = reference_step(copy.deepcopy(model), lambda m: m(x), loss, lambda o: o)
     sim = autotp.simulate(model, tp, example_args=(x,))
     assert sim.plan.params["layers.0.o.weight"].layout != "R"
-    got = sim.run(lambda module: sharded_step(module, lambda m: m(x), loss, lambda o: o))[0]
-    result = compare(reference, got)
-    assert result.ok(atol=1e-5, grad_rtol=1e-4), result
+    assert_simulation_matches(model, sim, lambda m: m(x), loss)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import compare, reference_step, sharded_step
+from autotp.features.verify import assert_simulation_matches
 
 
 class Branchy(nn.Module):
@@ -98,16 +98,7 @@ def test_a_size_comparison_the_sizes_leave_open_is_refused_with_ways_forward() -
 
 def _exact(model: nn.Module, kwargs: dict[str, Any], sim: Any) -> None:
     """Outputs, loss and every gradient of ``sim``'s ranks against ``model`` on ``kwargs``."""
-    def call(m: nn.Module) -> torch.Tensor:
-        return m(**kwargs)
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        return out.square().mean()
-
-    reference = reference_step(model, call, loss, lambda out: out)
-    for result in sim.run(lambda m: sharded_step(m, call, loss, lambda out: out)):
-        cmp = compare(reference, result)
-        assert cmp.ok(1e-5, 1e-5), cmp
+    assert_simulation_matches(model, sim, lambda m: m(**kwargs), grad_rtol=1e-5)
 
 
 def test_a_size_comparison_every_size_decides_traces_as_a_bool() -> None:

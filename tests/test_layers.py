@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import compare, reference_step, sharded_step
+from autotp.features.verify import assert_simulation_matches
 
 
 class Hook(nn.Module):
@@ -93,13 +93,4 @@ def test_a_collective_joining_two_blocks_values_runs_in_the_later_block(parallel
     program = sim.ranks[0].program
     assert all(isinstance(block, fx.GraphModule) for block in program.blocks)  # split
 
-    def call(m: nn.Module) -> torch.Tensor:
-        return m(x, y)
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        return out.square().mean()
-
-    reference = reference_step(model, call, loss, lambda out: out)
-    for result in sim.run(lambda m: sharded_step(m, call, loss, lambda out: out)):
-        cmp = compare(reference, result)
-        assert cmp.ok(1e-5, 1e-5), cmp
+    assert_simulation_matches(model, sim, lambda m: m(x, y), grad_rtol=1e-5)

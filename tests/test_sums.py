@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import compare, reference_step, sharded_step
+from autotp.features.verify import assert_simulation_matches
 
 H, HEADS = 64, 8
 
@@ -52,11 +52,4 @@ def test_a_parallel_block_with_the_residual_between_its_branches_reduces_once() 
         assert len(forward) == 1 and forward[0].kind == "all_reduce", forward
         assert "joined" not in forward[0].node  # one sum, not two values in one call
         assert forward[0].bytes_expr == str(sim.plan.collectives[0].bytes_expr)
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        return out.square().mean()
-
-    reference = reference_step(model, lambda m: m(x), loss, lambda o: o)
-    got = sim.run(lambda module: sharded_step(module, lambda m: m(x), loss, lambda o: o))[0]
-    result = compare(reference, got)
-    assert result.ok(atol=1e-5, grad_rtol=1e-4), result
+    assert_simulation_matches(model, sim, lambda m: m(x))

@@ -186,3 +186,20 @@ def worst_outcome(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     out["rank"] = worst_rank
     out["counts_agree"] = all(o["counts"] == outcomes[0]["counts"] for o in outcomes)
     return out
+
+
+def assert_simulation_matches(model: nn.Module, sim: Any, call: Call,
+                              loss_fn: Optional[LossFn] = None, *, atol: float = 1e-5,
+                              grad_rtol: float = 1e-4) -> list[Comparison]:
+    """Every rank of ``sim`` (``autotp.simulate``) against ``model`` on one step: outputs
+    (``call``'s result), the loss (``loss_fn``, by default the mean square of the output) and
+    every parameter's gradient, within ``atol`` and ``grad_rtol`` (``Comparison.ok``).
+    Raises AssertionError naming the worst difference; returns each rank's comparison."""
+    loss_fn = loss_fn or (lambda out: out.float().square().mean())
+    reference = reference_step(model, call, loss_fn, lambda out: out)
+    results = [compare(reference, got) for got in
+               sim.run(lambda module: sharded_step(module, call, loss_fn, lambda out: out))]
+    for rank, result in enumerate(results):
+        if not result.ok(atol, grad_rtol):
+            raise AssertionError(f"rank {rank} differs from the unsharded model: {result}")
+    return results
