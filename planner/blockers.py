@@ -96,8 +96,9 @@ class Walker:
                 # each layout the column offers (plain, or in blocks a later split needs)
                 # walked on its own: none stops, or the one that gets furthest names its op
                 walks = [self._forward(product, {layout}) for layout in sorted(columns, key=str)]
-                if all(b is not None for b in walks):
-                    found["column"] = max(walks, key=lambda b: self.order[b.node])
+                stopped = [b for b in walks if b is not None]
+                if len(stopped) == len(walks):
+                    found["column"] = max(stopped, key=lambda b: self.order[b.node])
             rows = [s for s in sharded if any(isinstance(o, Partial)
                                               for o in _outputs(s.output))]
             if rows and "row" not in found:

@@ -142,7 +142,7 @@ def branches_taken(run: Callable[[], Any]) -> dict[tuple[str, int], list[bool]]:
         taken.setdefault(_caller(), []).append(value)
         return value
 
-    torch.Tensor.__bool__ = recording  # type: ignore[method-assign]
+    torch.Tensor.__bool__ = recording  # type: ignore[method-assign, assignment]
     try:
         with torch.no_grad():
             run()
@@ -181,7 +181,7 @@ def example_branches(taken: dict[tuple[str, int], list[bool]],
             followed.append(Taken(site[0], site[1], value))
             return value
 
-    torch.Tensor.__bool__ = replaying  # type: ignore[method-assign]
+    torch.Tensor.__bool__ = replaying  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:

@@ -73,9 +73,11 @@ def _from_product(node: fx.Node, hops: int = 6) -> bool:
             return False
         if node.target in _PRODUCTS:
             return True
+        first = node.args[0] if node.args else None
         if node.target == aten.add.Tensor and len(node.args) == 2 and \
-                isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr":
-            node = node.args[0]  # a product's bias, split off its linear
+                isinstance(first, fx.Node) and isinstance(node.args[1], fx.Node) and \
+                node.args[1].op == "get_attr":
+            node = first  # a product's bias, split off its linear
             continue
         if node.target not in _CARRIERS or not node.args or \
                 not isinstance(node.args[0], fx.Node):
