@@ -1,5 +1,5 @@
 """A parallel block that adds the residual between its branches' outputs
-(``x = attn(h) + x; x = mlp(h) + x``, litgpt's and TransformerLens' form) sums the two
+(``x = attn(h) + x; x = mlp(h) + x``, litgpt's form) sums the two
 partial outputs first (``capture.sums``): one forward all-reduce of B x T x h per block, as
 Megatron's parallel block, exact against the unsharded model."""
 

@@ -1,15 +1,15 @@
 """Sums of three or more terms add the products' outputs first.
 
-A parallel block written ``x = attn(h) + x; x = mlp(h) + x`` (litgpt), or
-``resid + attn_out + mlp_out`` (TransformerLens), adds the residual stream between the two
-branches' outputs. Under tensor parallelism each branch's output is a partial sum (``P``),
-and a replicated value added to a partial sum would be counted ``tp`` times, so each partial
-must be reduced on its own: two all-reduces of ``B x T x h`` where Megatron's parallel block
-sums the partials first and reduces once. Addition is associative and commutative, so
+A parallel block written ``x = attn(h) + x; x = mlp(h) + x`` (litgpt's) adds the residual
+stream between the two branches' outputs. Under tensor parallelism each branch's output is a
+partial sum (``P``), and a replicated value added to a partial sum would be counted ``tp``
+times, so each partial must be reduced on its own: two all-reduces of ``B x T x h`` where
+Megatron's parallel block sums the partials first and reduces once. Addition is associative and commutative, so
 
     (a + x) + b  ==  (a + b) + x
 
-and the pass rebuilds such a chain with the terms computed by matrix products first. It only
+and the pass rebuilds such a chain with the terms computed by products with a weight first,
+where another term of the output's shape (the residual) is in the chain. It only
 regroups a chain whose inner sums nobody else reads and have the output's shape, whose terms
 broadcast to it (a bias split off its product is a term too) in its dtype, and that adds with
 ``alpha = 1``; what the chain computes is the same sum (rounded in another order: the last
@@ -18,14 +18,21 @@ bits may differ from the unsharded model's).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
+_log = logging.getLogger("autotp")
 
-_PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default,
-                       aten.matmul.default, aten.addmm.default, aten.einsum.default,
-                       aten.baddbmm.default})
+# products of an activation with a weight: a row-parallel one gives a partial sum (a product
+# of two activations, attention's, is sharded by heads instead, never partial)
+_PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.matmul.default,
+                       aten.addmm.default, aten.einsum.default})
+_WEIGHT_VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default,
+                           aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                           aten.contiguous.default, aten.clone.default, aten._to_copy.default})
 # ops a product's output passes through and stays the product's, as the rules see it
 _CARRIERS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                        aten.transpose.int, aten.permute.default, aten.clone.default,
@@ -67,16 +74,29 @@ def _broadcasts(node: fx.Node, out: torch.Tensor) -> bool:
                                                                reversed(out.shape)))
 
 
+def _is_weight(node: fx.Node) -> bool:
+    for _ in range(3):
+        if node.op == "get_attr":
+            return True
+        if node.op != "call_function" or node.target not in _WEIGHT_VIEWS or \
+                not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return False
+
+
 def _from_product(node: fx.Node, hops: int = 6) -> bool:
     for _ in range(hops):
         if node.op != "call_function":
             return False
         if node.target in _PRODUCTS:
-            return True
+            operands = node.args[1] if node.target == aten.einsum.default else node.args
+            return isinstance(operands, (list, tuple)) and \
+                any(_is_weight(arg) for arg in operands if isinstance(arg, fx.Node))
         first = node.args[0] if node.args else None
         if node.target == aten.add.Tensor and len(node.args) == 2 and \
                 isinstance(first, fx.Node) and isinstance(node.args[1], fx.Node) and \
-                node.args[1].op == "get_attr":
+                _is_weight(node.args[1]):
             node = first  # a product's bias, split off its linear
             continue
         if node.target not in _CARRIERS or not node.args or \
@@ -117,8 +137,12 @@ def products_summed_first(gm: fx.GraphModule) -> None:
         products = [t for t in terms if _same(t, out) and _from_product(t)]
         others = [t for t in terms if t not in products]
         ordered = products + others
-        if len(products) < 2 or not others or _grouped(node, out, products):
+        # regrouped only around a term of the output's shape that no product computes (the
+        # residual stream): two products and their biases alone keep the order they have
+        if len(products) < 2 or not any(_same(t, out) for t in others) or \
+                _grouped(node, out, products):
             continue
+        _log.debug("sum regrouped, products first: %s", node.meta.get("stack_trace", ""))
         with graph.inserting_before(node):
             total = ordered[0]
             for term in ordered[1:-1]:
