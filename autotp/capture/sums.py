@@ -4,7 +4,8 @@ A parallel block written ``x = attn(h) + x; x = mlp(h) + x`` (litgpt's) adds the
 stream between the two branches' outputs. Under tensor parallelism each branch's output is a
 partial sum (``P``), and a replicated value added to a partial sum would be counted ``tp``
 times, so each partial must be reduced on its own: two all-reduces of ``B x T x h`` where
-Megatron's parallel block sums the partials first and reduces once. Addition is associative and commutative, so
+Megatron's parallel block sums the partials first and reduces once. Addition is associative
+and commutative, so
 
     (a + x) + b  ==  (a + b) + x
 
