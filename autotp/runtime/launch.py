@@ -1,8 +1,13 @@
 """Run a function on N local processes joined by a gloo (or NCCL) process group.
 
+Workers start from a fork server that has imported torch and autotp once (and transformers,
+when the caller has): a worker costs a fork rather than a fresh interpreter's imports, which
+on a small machine take longer than a small model's whole run. Each worker takes the
+caller's environment and ``sys.path`` as they are at the launch, as a spawned one would.
+
 Results travel back over a queue before any teardown, and workers end with ``os._exit``:
-spawned gloo workers can abort during interpreter shutdown after the group is destroyed,
-which must not turn a finished run into a failure.
+gloo workers can abort during interpreter shutdown after the group is destroyed, which must
+not turn a finished run into a failure.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -22,12 +28,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# imported once by the fork server; what the workers import anyway
+_PRELOAD = ["torch", "torch.distributed", "autotp.api"]
+_OPTIONAL_PRELOAD = ["transformers"]  # only when the caller has imported it
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD + [m for m in _OPTIONAL_PRELOAD if m in sys.modules])
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, results: Any, timeout: float) -> None:
+            args: tuple, results: Any, timeout: float, environ: dict[str, str]) -> None:
     import torch.distributed as dist
 
     code = 0
     try:
+        os.environ.clear()  # the fork server's environment is the one of its first launch
+        os.environ.update(environ)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
@@ -50,11 +71,13 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, backend: 
     ``allow_failures`` every rank's outcome is returned as ``(ok, value_or_traceback)``
     instead of raising on the first failure.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [ctx.Process(target=_worker,
-                         args=(r, world_size, port, backend, fn, args, results, timeout),
+                         args=(r, world_size, port, backend, fn, args, results, timeout,
+                               environ),
                          daemon=True)
              for r in range(world_size)]
     for proc in procs:
