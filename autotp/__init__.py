@@ -30,12 +30,14 @@ from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleEr
                            TraceError)
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
 from autotp.weights.materialize import empty_weights
+from autotp.features.clipping import clip_grad_norm_
 from autotp.features.pipeline import pipeline_stages
 from autotp.planner.configure import Estimate, estimate
 from autotp.planner.plan import Plan
 
 __all__ = [
     "__version__",
+    "clip_grad_norm_",
     "AutotpError",
     "ConfigError",
     "Estimate",

@@ -1,9 +1,11 @@
 """Train the nanoGPT-style model of examples/nanogpt.py with autotp tensor parallelism.
 
     torchrun --nproc-per-node 2 examples/train_nanogpt.py --steps 20
-    torchrun --nproc-per-node 8 examples/train_nanogpt.py --n-layer 12 --n-embd 768 --n-head 12
+    torchrun --nproc-per-node 8 examples/train_nanogpt.py --n-layer 24 --n-embd 1024 --n-head 16
 
-NCCL on GPUs when CUDA is available, gloo on CPU otherwise. The model file is unmodified
+tp (the number of processes) must divide the heads. NCCL on GPUs when CUDA is available,
+gloo on CPU otherwise. Gradients are clipped by the whole model's norm
+(``autotp.clip_grad_norm_``). The model file is unmodified
 single-device code; autotp finds the Megatron layout (fused qkv included) from its graph.
 """
 
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     args = parser.parse_args()
 
     device = autotp.api.default_device()  # cuda:LOCAL_RANK where there is CUDA, else the CPU
@@ -59,12 +62,14 @@ def main() -> None:
         _, loss = sharded(x[:, :-1].contiguous(), x[:, 1:].contiguous())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        norm = autotp.clip_grad_norm_(sharded, args.max_grad_norm)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             ms = 1e3 * (time.perf_counter() - start)
-            print(f"step {step:3d}  loss {loss.item():.4f}  {ms:.0f} ms")
+            print(f"step {step:3d}  loss {loss.item():.4f}  grad norm {float(norm):.3f}  "
+                  f"{ms:.0f} ms")
     dist.barrier()
     dist.destroy_process_group()
 
