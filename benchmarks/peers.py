@@ -6,22 +6,23 @@
     ... --verbose     every in-layer collective above the bound (node, module, source)
     ... --json F      rows as JSON
 
-Per case and tp: simulate (strict=False) -> outputs, loss and every trained parameter's
-gradient against the unsharded model (rel tol 1e-4 of the largest entry; a gradient that is 0
-in exact arithmetic gets a floor of 1e-3 of the model's largest gradient, as
-tests/test_peers.py does). Then the plan's collectives are grouped per block (module list
-entry: stack name from the collective's module path, index from its layer label), bytes
-evaluated at the example's sizes (symbols -> their example values), and compared with
-Megatron's: one all-reduce of B x T_block x h forward and one backward per attention,
-cross-attention, MLP block (per stream for joint blocks; a parallel attn+MLP block is one).
+Per case and tp: simulate (strict=False) -> autotp.features.verify's equivalence check
+(tests/test_peers.py's, here at 1e-4): outputs and loss within 1e-4 (max abs), every parameter's
+gradient within 1e-4 of its largest entry (at least 1% of the model's largest gradient: one
+that is 0 in exact arithmetic is rounding noise), and the same after one SGD step on both.
+Then the plan's collectives are grouped per block (module list entry: stack name from the
+collective's module path, index from its layer label), bytes evaluated at the example's sizes
+(symbols -> their example values), and compared with Megatron's: one all-reduce of
+B x T_block x h forward and one backward per attention, cross-attention, MLP block (per
+stream for joint blocks; a parallel attn+MLP block is one).
 Large replicated = a 2-D parameter (a conv kernel: its out x in channels) in R with both
 sides >= h/2.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import os
 import re
 import sys
 import time
@@ -37,17 +38,11 @@ from torch import nn
 import torch.nn.functional as F
 
 import autotp
+from autotp.features.verify import measure_equivalence, perturb
 
-RTOL = 1e-4
-ZERO_FLOOR = 1e-3
+TOL = 1e-4  # outputs and loss: max abs; gradients and parameters: of each one's largest entry
 B = 2
-
-
-def perturbed(model: nn.Module, std: float = 0.02) -> nn.Module:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return model
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 
 
 def first(out: Any) -> torch.Tensor:
@@ -85,7 +80,7 @@ def sd3(qk_norm=None, dual=(), layers=2):
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.SD3Transformer2DModel(
+        return perturb(diffusers.SD3Transformer2DModel(
             sample_size=8, patch_size=2, in_channels=4, num_layers=layers, attention_head_dim=16,
             num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
             pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8,
@@ -111,7 +106,7 @@ def flux(double=2):
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.FluxTransformer2DModel(
+        return perturb(diffusers.FluxTransformer2DModel(
             patch_size=1, in_channels=16, num_layers=double, num_single_layers=2,
             attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
             pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))).eval()
@@ -133,18 +128,17 @@ def flux(double=2):
 
 
 def dit():
+    def test_models():  # tests/models.py: the DiT tests/test_peers.py runs
+        if TESTS not in sys.path:
+            sys.path.insert(0, TESTS)
+        import models
+        return models
+
     def build():
-        import diffusers
-        torch.manual_seed(0)
-        return perturbed(diffusers.DiTTransformer2DModel(
-            num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
-            num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
-            norm_num_groups=32)).eval()
+        return test_models().dit().eval()
 
     def inputs():
-        torch.manual_seed(1)
-        return {"hidden_states": torch.randn(B, 4, 8, 8), "timestep": torch.tensor([3, 7]),
-                "class_labels": torch.tensor([1, 4]), "return_dict": False}
+        return test_models().dit_inputs()
     return build, inputs, lambda s, i: ([T_IMG, T_IMG], [T_IMG, T_IMG])
 
 
@@ -152,7 +146,7 @@ def pixart():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.PixArtTransformer2DModel(
+        return perturb(diffusers.PixArtTransformer2DModel(
             num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
             num_layers=2, sample_size=8, patch_size=2, cross_attention_dim=64,
             caption_channels=32, norm_num_groups=32)).eval()
@@ -172,7 +166,7 @@ def auraflow():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.AuraFlowTransformer2DModel(
+        return perturb(diffusers.AuraFlowTransformer2DModel(
             sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2,
             num_single_dit_layers=2, attention_head_dim=16, num_attention_heads=4,
             joint_attention_dim=32, caption_projection_dim=64, out_channels=4,
@@ -198,7 +192,7 @@ def sana():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.SanaTransformer2DModel(
+        return perturb(diffusers.SanaTransformer2DModel(
             in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
             num_layers=2, num_cross_attention_heads=4, cross_attention_head_dim=16,
             cross_attention_dim=64, caption_channels=32, sample_size=4, patch_size=1)).eval()
@@ -217,7 +211,7 @@ def hunyuan_dit(layers=4):
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.HunyuanDiT2DModel(
+        return perturb(diffusers.HunyuanDiT2DModel(
             num_attention_heads=4, attention_head_dim=16, in_channels=4, patch_size=2,
             sample_size=8, hidden_size=64, num_layers=layers, cross_attention_dim=64,
             cross_attention_dim_t5=32, pooled_projection_dim=32, text_len=2, text_len_t5=4,
@@ -243,7 +237,7 @@ def cogvideox():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.CogVideoXTransformer3DModel(
+        return perturb(diffusers.CogVideoXTransformer3DModel(
             num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
             time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=8, sample_height=8,
             sample_frames=5, patch_size=2, max_text_seq_length=T_TXT)).eval()
@@ -262,7 +256,7 @@ def ltx_video():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.LTXVideoTransformer3DModel(
+        return perturb(diffusers.LTXVideoTransformer3DModel(
             in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=16,
             cross_attention_dim=64, num_layers=2, caption_channels=32)).eval()
 
@@ -283,7 +277,7 @@ def lumina_next():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.LuminaNextDiT2DModel(
+        return perturb(diffusers.LuminaNextDiT2DModel(
             sample_size=8, patch_size=2, in_channels=4, hidden_size=64, num_layers=2,
             num_attention_heads=4, num_kv_heads=4, multiple_of=16, cross_attention_dim=64,
             learn_sigma=False)).eval()
@@ -310,7 +304,7 @@ def qwen_image():
     def build():
         import diffusers
         torch.manual_seed(0)
-        return perturbed(diffusers.QwenImageTransformer2DModel(
+        return perturb(diffusers.QwenImageTransformer2DModel(
             patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
             num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))).eval()
 
@@ -336,7 +330,7 @@ def xt(kind="Decoder", ctx=False, **kw):
         torch.manual_seed(0)
         layers = getattr(xtr, kind)(dim=64, depth=2, heads=4, cross_attend=ctx, **kw) if ctx \
             else getattr(xtr, kind)(dim=64, depth=2, heads=4, **kw)
-        return perturbed(xtr.TransformerWrapper(num_tokens=128, max_seq_len=32,
+        return perturb(xtr.TransformerWrapper(num_tokens=128, max_seq_len=32,
                                                 attn_layers=layers)).eval()
 
     def inputs():
@@ -357,7 +351,7 @@ def xt_vit():
     def build():
         import x_transformers as xtr
         torch.manual_seed(0)
-        return perturbed(xtr.ViTransformerWrapper(
+        return perturb(xtr.ViTransformerWrapper(
             image_size=16, patch_size=4, num_classes=10, num_register_tokens=4,
             attn_layers=xtr.Encoder(dim=64, depth=2, heads=4))).eval()
 
@@ -382,7 +376,7 @@ def lora_llama(targets=("q_proj", "v_proj"), dora=False, ia3=None):
         adapter = peft.IA3Config(target_modules=list(targets), feedforward_modules=list(ia3)) \
             if ia3 is not None else \
             peft.LoraConfig(r=4, target_modules=list(targets), use_dora=dora)
-        return perturbed(peft.get_peft_model(LlamaForCausalLM(cfg), adapter))
+        return perturb(peft.get_peft_model(LlamaForCausalLM(cfg), adapter))
 
     def inputs():
         torch.manual_seed(1)
@@ -400,7 +394,7 @@ def lora_gpt2(targets=("c_attn",)):
                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                          attn_pdrop=0.0)  # trained (not eval) as lora-llama: no dropout
         # GPT-2's Conv1D (weight in x out), c_attn fused q|k|v: fan_in_fan_out LoRA
-        return perturbed(peft.get_peft_model(GPT2LMHeadModel(cfg), peft.LoraConfig(
+        return perturb(peft.get_peft_model(GPT2LMHeadModel(cfg), peft.LoraConfig(
             r=4, target_modules=list(targets), fan_in_fan_out=True)))
 
     def inputs():
@@ -496,7 +490,7 @@ def torchtitan(type_as_v=False):
         for m in model.modules():
             if isinstance(m, TTAttention):
                 m.type_as_v = type_as_v
-        return perturbed(model).eval()
+        return perturb(model).eval()
 
     def inputs():
         torch.manual_seed(1)
@@ -587,36 +581,14 @@ def block_of(c) -> Optional[tuple[str, int]]:
 
 
 def check_exact(model, kwargs, sim, loss_of, output_of) -> tuple[bool, str]:
-    ref = copy.deepcopy(model)
-    res = ref(**kwargs)
-    want_out, want_loss = output_of(res).detach(), loss_of(res)
-    want_loss.backward()
-    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    missing = [n for n, g in want.items() if g is None]
-    want = {n: g for n, g in want.items() if g is not None}
-    largest = max(g.abs().max().item() for g in want.values())
-
-    def step(rank):
-        r = rank(**kwargs)
-        loss = loss_of(r)
-        loss.backward()
-        return output_of(r).detach(), loss.detach(), autotp.full_state_dict(rank, grads=True)
-
-    worst_out, worst_grad, worst_name = 0.0, 0.0, ""
-    for out, loss, grads in sim.run(step):
-        worst_out = max(worst_out, (out - want_out).abs().max().item()
-                        / want_out.abs().max().item(),
-                        abs(loss.item() - want_loss.item()) / abs(want_loss.item()))
-        for n, g in want.items():
-            scale = max(g.abs().max().item(), ZERO_FLOOR * largest)
-            d = (grads[n] - g).abs().max().item() / scale
-            if d > worst_grad:
-                worst_grad, worst_name = d, n
-    ok = worst_out <= RTOL and worst_grad <= RTOL
-    note = f"out {worst_out:.0e}, grad {worst_grad:.0e}" + \
-        (f" ({worst_name})" if worst_grad > RTOL else "") + \
-        (f"; {len(missing)} params without ref grad" if missing else "")
-    return ok, note
+    """The equivalence check's verdict and a note: the largest differences, or what differs."""
+    results = measure_equivalence(model, sim, kwargs=kwargs, loss_fn=loss_of, pick=output_of)
+    failures = [line for r in results for line in r.failures(TOL, TOL)]
+    if failures:
+        return False, "; ".join(failures)
+    return True, (f"out {max(r.step.output_diff for r in results):.0e}, "
+                  f"grad {max(r.step.grad_rel for r in results):.0e}, after a step "
+                  f"{max(r.after_step.output_diff for r in results):.0e}")
 
 
 # where measure records an exception under row[key], it also calls on_error(row, key, exc)

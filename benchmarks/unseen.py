@@ -71,13 +71,14 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 import peers  # noqa: E402
-from peers import B, Case, counts_text, measure, perturbed  # noqa: E402
+from peers import B, Case, counts_text, measure  # noqa: E402
 
 # benchmarks/ off the path again: its coverage.py would shadow the coverage package, which
 # numba (imported by whisper) reads
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import autotp  # noqa: E402
+from autotp.features.verify import perturb  # noqa: E402
 
 T = 16  # tokens of the text models
 
@@ -125,7 +126,7 @@ def on_device(meta: bool):
 def ready(model: nn.Module, meta: bool) -> nn.Module:
     """Small models: weights perturbed off their init (so norms, biases, zero-init layers are
     generic), eval mode. Meta models: eval mode only."""
-    return model.eval() if meta else perturbed(model).eval()
+    return model.eval() if meta else perturb(model).eval()
 
 
 def tokens(vocab: int = 128, t: int = T) -> Callable[[], dict]:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autotp.features.verify import perturb
+
 VOCAB = 128
 
 
@@ -19,14 +21,6 @@ def _tf() -> Any:
 
     transformers.logging.set_verbosity_error()
     return transformers
-
-
-def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
-    return model
 
 
 def gpt2() -> Any:
@@ -94,7 +88,7 @@ def save_hf(name: str, directory: str, seed: int = 0, max_shard_size: str = "40K
             dtype: torch.dtype = torch.float32) -> None:
     """A transformers model with perturbed weights, saved by transformers in several files."""
     torch.manual_seed(seed)
-    model = perturb(BUILDERS[name](), seed + 1).to(dtype)
+    model = perturb(BUILDERS[name](), seed=seed + 1, std=0.05).to(dtype)
     model.save_pretrained(directory, max_shard_size=max_shard_size)
 
 

@@ -173,9 +173,9 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
     if experts:
-        from test_experts import _qwen3_moe
+        from models import qwen3_moe
 
-        model = _qwen3_moe().train()
+        model = qwen3_moe().train()
     else:
         model = mqa_llama()
     reference = copy.deepcopy(model)
@@ -193,7 +193,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     fully_shard(sharded, mesh=mesh["dp"], ignored_params=ignored)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    losses, ref_losses, grad_diff = [], [], 0.0
+    losses, ref_losses, grad_diff, norm_diff = [], [], 0.0, 0.0
     for step in range(steps):
         loss = sharded(input_ids=mine, labels=mine).loss
         loss.backward()
@@ -204,6 +204,12 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
             grads = autotp.full_state_dict(sharded, grads=True)
             grad_diff = max(float((grads[n] - p.grad).abs().max())
                             for n, p in reference.named_parameters())
+        # both clipped to half the whole model's norm: the norm over tp, ep and FSDP2's dp
+        # shards must be the unsharded model's, or the steps below differ
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), float(want) / 2)
+        got = autotp.clip_grad_norm_(sharded, float(want) / 2)
+        norm_diff = max(norm_diff, abs(float(got) - float(want)) / float(want))
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
@@ -216,6 +222,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "grad_diff": grad_diff,
+        "norm_diff": norm_diff,
         "losses": losses,
         "param_diff": max(float((full[k] - want[k]).abs().max()) for k in want),
         "names": sorted(full) == sorted(want),
@@ -423,12 +430,12 @@ def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str
     from torch.distributed.pipelining import Schedule1F1B
 
     import autotp
-    from test_experts import _qwen3_moe
+    from models import qwen3_moe
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
-    original = _qwen3_moe()
+    original = qwen3_moe()
     ids, labels = _token_batch()
     mine, my_labels = ids.chunk(2)[dp_rank], labels.chunk(2)[dp_rank]
     ref_losses, ref_grads = _reference_training(original, ids, labels, steps)

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import torch
 
-from ckpt_cases import VOCAB, bigcode, gpt2, llama, perturb
+from autotp.features.verify import perturb
+from ckpt_cases import VOCAB, bigcode, gpt2, llama
 
 
 def qwen2() -> Any:
@@ -38,7 +39,7 @@ NEW_TOKENS = 6
 
 def model(name: str) -> Any:
     torch.manual_seed(0)
-    return perturb(BUILDERS[name](), 1).eval()
+    return perturb(BUILDERS[name](), seed=1, std=0.05).eval()
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 Every builder takes ``tp`` only to pick head counts that the degree divides; the weights come
 from a fixed seed, so every process builds the same model. The libraries initialise biases to
 zero and norm scales to one, under which a bias added on every rank or a norm scale sliced
-wrong cannot show: every builder perturbs them (``randomize_vectors``), from the same seed.
+wrong cannot show: every builder perturbs them (``VECTOR_NOISE``), from the same seed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from autotp.features.verify import main_output, perturb
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
@@ -21,17 +23,10 @@ if EXAMPLES not in sys.path:
 VOCAB = 128
 
 
-def randomize_vectors(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Biases += N(0, 0.05), other 1-D parameters (norm scales) += N(0, 0.1): deterministic in
-    ``seed`` and the parameter order, so every process builds the same model."""
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() != 1:
-                continue  # matrices and embeddings are random already
-            std = 0.05 if name.endswith("bias") else 0.1
-            param.add_(std * torch.randn(param.shape, generator=generator).to(param.dtype))
-    return model
+# biases += N(0, 0.05), other 1-D parameters (norm scales) += N(0, 0.1); matrices and
+# embeddings are random already. With ``seed=10_000 + seed``: deterministic in the seed and the
+# parameter order, so every process builds the same model.
+VECTOR_NOISE: dict[str, float] = {"std": 0.0, "bias_std": 0.05, "norm_std": 0.1}
 
 
 def _quiet_transformers() -> Any:
@@ -47,7 +42,7 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB, n_positions=64,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                            bos_token_id=0, eos_token_id=0)
-    return randomize_vectors(tf.GPT2LMHeadModel(config), seed)
+    return perturb(tf.GPT2LMHeadModel(config), seed=10_000 + seed, **VECTOR_NOISE)
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -57,7 +52,7 @@ def llama(seed: int = 0) -> torch.nn.Module:
     config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=160,
                             num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB,
                             max_position_embeddings=64)
-    return randomize_vectors(tf.LlamaForCausalLM(config), seed)
+    return perturb(tf.LlamaForCausalLM(config), seed=10_000 + seed, **VECTOR_NOISE)
 
 
 def bert(seed: int = 0) -> torch.nn.Module:
@@ -66,7 +61,7 @@ def bert(seed: int = 0) -> torch.nn.Module:
     config = tf.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                            num_attention_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return randomize_vectors(tf.BertModel(config), seed)
+    return perturb(tf.BertModel(config), seed=10_000 + seed, **VECTOR_NOISE)
 
 
 def nanogpt(seed: int = 0) -> torch.nn.Module:
@@ -75,7 +70,7 @@ def nanogpt(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = nano.GPT(nano.GPTConfig(n_layer=2, n_head=8, n_embd=64, vocab_size=VOCAB,
                                     block_size=64, dropout=0.0))
-    return randomize_vectors(model, seed)
+    return perturb(model, seed=10_000 + seed, **VECTOR_NOISE)
 
 
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
@@ -99,14 +94,6 @@ def batch(seed: int = 2, b: int = 3, t: int = 11) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def main_output(out: Any) -> torch.Tensor:
-    if isinstance(out, tuple):
-        return out[0]
-    if hasattr(out, "logits"):
-        return out.logits
-    return out.last_hidden_state
-
-
 def loss_of(out: Any, ids: torch.Tensor) -> torch.Tensor:
     """A scalar that touches every output: next-token cross-entropy for LMs, a regression of
     the hidden states for encoders."""
@@ -116,3 +103,43 @@ def loss_of(out: Any, ids: torch.Tensor) -> torch.Tensor:
                                                  ids[:, 1:].reshape(-1))
     pooled = out.pooler_output if hasattr(out, "pooler_output") else 0.0
     return x.pow(2).mean() + (pooled.pow(2).mean() if torch.is_tensor(pooled) else 0.0)
+
+
+# ---- a mixture of experts: tests/test_experts.py, test_render.py, test_clipping.py --------
+
+
+def qwen3_moe(top_k: int = 2, experts: int = 4) -> torch.nn.Module:
+    """transformers' Qwen3-MoE, small: 2 layers of 4 heads of 16, each with one block of
+    ``experts`` experts (gate_up_proj and down_proj stacked), ``top_k`` per token; every
+    weight perturbed (0.02), in eval mode."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return perturb(transformers.Qwen3MoeForCausalLM(config).eval())
+
+
+# ---- diffusers' DiT: tests/test_peers.py and benchmarks/peers.py ---------------------------
+
+
+def dit(seed: int = 0) -> torch.nn.Module:
+    """diffusers' DiT, small: 2 blocks of 4 heads of 16, 8 x 8 latents of 4 channels in 2 x 2
+    patches, 10 classes, every weight perturbed (0.02). As built it is in train mode, where it
+    drops class labels at random."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    return perturb(diffusers.DiTTransformer2DModel(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+        num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
+        norm_num_groups=32))
+
+
+def dit_inputs() -> dict[str, Any]:
+    """A batch of 2 for ``dit()``: latents, timesteps, class labels."""
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    return {"hidden_states": latents, "timestep": torch.tensor([3, 7]),
+            "class_labels": torch.tensor([1, 4]), "return_dict": False}

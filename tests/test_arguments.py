@@ -17,7 +17,7 @@ from torch import nn
 import autotp
 from autotp.capture.trace import make_call
 from autotp.features.testing import build_call
-from autotp.features.verify import assert_simulation_matches
+from autotp.features.verify import assert_equivalent
 from autotp.rules.registry import Registry, argument
 
 from test_rules import SAMPLES, _clone, _resolve
@@ -152,4 +152,6 @@ def test_normalize_after_a_whole_projection_plans_and_is_exact(tp: int) -> None:
 
     sim = autotp.simulate(model, tp, example_args=(x,))
     assert sim.plan.params["layers.0.o.weight"].layout != "R"
-    assert_simulation_matches(model, sim, lambda m: m(x), loss)
+    # after the step the loss, a sum of 512 terms, is -90, where float32's spacing is 7.6e-6:
+    # the ranks' sums land 2 spacings from the unsharded one (1.5e-5 at tp 4), outputs 3e-7
+    assert_equivalent(model, sim, args=(x,), loss_fn=loss, atol=1e-4)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_simulation_matches
+from autotp.features.verify import assert_equivalent
 
 
 class Branchy(nn.Module):
@@ -97,8 +97,9 @@ def test_a_size_comparison_the_sizes_leave_open_is_refused_with_ways_forward() -
 
 
 def _exact(model: nn.Module, kwargs: dict[str, Any], sim: Any) -> None:
-    """Outputs, loss and every gradient of ``sim``'s ranks against ``model`` on ``kwargs``."""
-    assert_simulation_matches(model, sim, lambda m: m(**kwargs), grad_rtol=1e-5)
+    """Outputs, loss, every gradient and one SGD step of ``sim``'s ranks against ``model`` on
+    ``kwargs``."""
+    assert_equivalent(model, sim, kwargs=kwargs, grad_rtol=1e-5)
 
 
 def test_a_size_comparison_every_size_decides_traces_as_a_bool() -> None:

@@ -16,7 +16,7 @@ import torch
 
 import autotp
 from autotp.features.verify import StepResult, compare, reference_step
-from models import BUILDERS, batch, loss_of
+from models import BUILDERS, batch, loss_of, qwen3_moe
 
 RTOL = 1e-5
 
@@ -100,13 +100,8 @@ def test_no_clipping_below_the_limit_and_the_local_norm_differs() -> None:
 def test_experts_split_over_expert_parallel_ranks() -> None:
     """Qwen3-MoE at tp 2 x ep 2: the experts' shards differ over ep as well as tp; the dense
     gradients, averaged over the ep (data-parallel) ranks, count once."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    model = qwen3_moe()
     tp, ep, rows = 2, 2, 2
     ids = torch.randint(0, 128, (ep * rows, 8), generator=torch.Generator().manual_seed(3))
 

@@ -167,22 +167,18 @@ def test_deepseek_routing_weights_join_the_experts_input_gradient() -> None:
     import warnings
 
     import autotp
-    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.features.verify import assert_equivalent, layer_counts
     from autotp.planner.cost import CostModel
-    from family_cases import ATOL, build, caller, logits, next_token_loss
+    from family_cases import ATOL, build, next_token_loss
 
     model, kwargs = build("DeepSeek-V3 (MLA, MoE)")
-    call, loss = caller(kwargs), next_token_loss(kwargs["input_ids"])
-    reference = reference_step(model, call, loss, logits)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sim = autotp.simulate(model, 2, example_kwargs=kwargs,
                               cost_model=CostModel(bandwidth=1e6, batch=1, seq=1))
-        results = sim.run(lambda m: sharded_step(m, call, loss, logits))
-    for rank, result in enumerate(results):
-        cmp = compare(reference, result)
-        assert cmp.output_diff <= ATOL and cmp.loss_diff <= ATOL, (rank, cmp)
-        assert cmp.grad_rel <= ATOL, (rank, cmp.worst_param, cmp.grad_rel)
+        assert_equivalent(model, sim, kwargs=kwargs,
+                          loss_fn=next_token_loss(kwargs["input_ids"]), atol=ATOL,
+                          grad_rtol=ATOL)
     joined = [e.label for e in sim.ranks[0].comm.log.events
               if e.layer == 1 and e.label.startswith("joined: ")]
     assert len(joined) == 2 and any(label.count("R->R*") == 2 for label in joined), joined

@@ -13,13 +13,15 @@ def test_fsdp2_per_layer_on_a_2d_mesh() -> None:
     layer wrapped in activation checkpointing first; one k/v head (whole k/v projections:
     their partial gradients are summed at each use when FSDP2 holds the parameters). The
     first step's gradients (FSDP2's mean over dp) within 1e-5 of the unsharded model's on
-    the whole batch; over 3 AdamW steps (lr 1e-3) the dp-mean loss within 1e-5 and the
-    parameters within 1e-4 (Adam's normalized update magnifies round-off where a gradient
-    is ~0)."""
+    the whole batch; over 3 AdamW steps (lr 1e-3) after clipping to half the model's
+    gradient norm (``autotp.clip_grad_norm_``: the norm within 1e-5 relative of the
+    unsharded model's), the dp-mean loss within 1e-5 and the parameters within 1e-4 (Adam's
+    normalized update magnifies round-off where a gradient is ~0)."""
     for rank, per_variant in enumerate(run_processes(fsdp_case, 4, timeout=300)):
         for checkpointing, r in per_variant.items():
             where = (rank, checkpointing, r)
             assert r["grad_diff"] < 1e-5, where
+            assert r["norm_diff"] < 1e-5, where
             assert r["loss_diff"] < 1e-5, where
             assert r["param_diff"] < 1e-4, where
             assert r["names"], where

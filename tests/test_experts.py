@@ -4,9 +4,9 @@ The stacked expert weights of transformers' grouped mixture-of-experts blocks ar
 along the experts: each rank multiplies the rows routed to the experts it owns
 (``S(0)@experts``, bounds known at run time), and the rows come back to token order as a
 partial sum that the layer's all-reduce completes. Checked against the unsharded model on
-the same weights and inputs, forward and every gradient (the router's included), for
-routings that reach every expert, only some ranks' experts, or one expert; and at a
-published shape planned on meta.
+the same weights and inputs, forward and every gradient (the router's included; within one
+tensor-parallel group one SGD step too), for routings that reach every expert, only some
+ranks' experts, or one expert; and at a published shape planned on meta.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import torch
 import autotp
 from autotp.errors import PlanError
 from autotp.api import full_state_dict
-from autotp.features.verify import (StepResult, compare, layer_counts, reference_step,
-                                    sharded_step)
+from autotp.features.verify import (StepResult, assert_equivalent, compare, layer_counts,
+                                    perturb, reference_step)
 from autotp.layout import ROUTED, R, R_STAR, Shard, parse_layout
 from autotp.planner.transitions import Collective, transition
 from autotp.features.report import to_dict, to_table
 from autotp.planner.cost import CostModel
 from autotp.runtime import routing
 from autotp.runtime.launch import run_processes
+from models import qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,30 +38,13 @@ ATOL = 1e-4  # logits, loss: max abs; gradients relative to each parameter's lar
 ROWS = Shard(0, ROUTED)
 
 
-def _perturbed(cls: type, config: object) -> torch.nn.Module:
-    """``cls(config)`` seeded, in eval mode, every weight perturbed (biases and norms too)."""
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.02 * torch.randn_like(param))
-    return model
-
-
-def _qwen3_moe(top_k: int = 2, experts: int = 4) -> torch.nn.Module:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=experts,
-        num_experts_per_tok=top_k, moe_intermediate_size=32, max_position_embeddings=64)
-    return _perturbed(transformers.Qwen3MoeForCausalLM, config)
-
-
 def _gpt_oss() -> torch.nn.Module:
     config = transformers.GptOssConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, head_dim=16, intermediate_size=32, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64)
-    return _perturbed(transformers.GptOssForCausalLM, config)
+    torch.manual_seed(0)
+    return perturb(transformers.GptOssForCausalLM(config).eval())
 
 
 def _route_to_first_experts(model: torch.nn.Module) -> None:
@@ -72,24 +56,13 @@ def _route_to_first_experts(model: torch.nn.Module) -> None:
 
 
 def _check(model: torch.nn.Module, tp: int) -> tuple[autotp.Simulation, dict]:
+    """``model`` at ``tp`` against the unsharded model: logits, their mean square as the loss,
+    every gradient, one SGD step (``assert_equivalent``)."""
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
-
-    def call(module: torch.nn.Module):
-        return module(input_ids=ids)
-
-    def loss(out) -> torch.Tensor:
-        return out.logits.float().pow(2).mean()
-
-    def pick(out) -> torch.Tensor:
-        return out.logits
-
-    reference = reference_step(model, call, loss, pick)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sim = autotp.simulate(model, tp, example_kwargs={"input_ids": ids})
-    for result in sim.run(lambda m: sharded_step(m, call, loss, pick)):
-        diff = compare(reference, result)
-        assert diff.ok(ATOL, ATOL), (diff, sim.plan.summary())
+    assert_equivalent(model, sim, kwargs={"input_ids": ids}, atol=ATOL, grad_rtol=ATOL)
     return sim, layer_counts(sim.ranks[0].comm.log)
 
 
@@ -100,7 +73,7 @@ def test_experts_whole_exact(tp: int, routing_kind: str, top_k: int) -> None:
     routing leaves a rank (all rows, none); per layer Megatron's 2 all-reduces forward, and
     backward at most one more: the routing weights' gradient (B x T x top_k floats), summed
     where the router's weight gradient would otherwise be."""
-    model = _qwen3_moe(top_k)
+    model = qwen3_moe(top_k)
     if routing_kind != "learned":
         _route_to_first_experts(model)
     sim, counts = _check(model, tp)
@@ -177,7 +150,7 @@ def test_expert_parallel_over_data_parallel_ranks(tp: int, ep: int, routing_kind
     uneven counts, no rows at all (zero routers: every row goes to experts 0 and 1), one
     expert. Per MoE layer: forward the counts, the dispatch(es) and the combine; backward
     the reverse moves; within the tp group, Megatron's 2 all-reduces forward."""
-    model = _qwen3_moe(top_k)
+    model = qwen3_moe(top_k)
     if routing_kind != "learned":
         _route_to_first_experts(model)
     sim, _, events = _data_parallel_step(model, tp, ep)
@@ -223,8 +196,9 @@ def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
       and a (dp 4, tp 1) DeviceMesh (ep 2 and 4, one of 4 experts per rank): the first
       step's gradients (dense: FSDP2's mean over dp; experts: summed by the dispatch's
       backward, scaled by ``finish_expert_gradients``) within 1e-5 of the unsharded model's
-      on the whole batch, and over 2 AdamW steps the dp-mean loss within 1e-5 and every
-      parameter within 1e-4;
+      on the whole batch, and over 2 AdamW steps after ``autotp.clip_grad_norm_`` to half
+      the model's norm (the norm within 1e-5 relative) the dp-mean loss within 1e-5 and
+      every parameter within 1e-4;
     - pipeline stages, pp 2 x dp 2 (ep 2), FSDP2 over dp and Schedule1F1B: every gradient,
       relative to its largest, within 1e-5 on the first step and 3e-3 on the second (AdamW
       magnifies rounding where a gradient is near zero, as in tests/test_pipeline.py; a
@@ -237,6 +211,7 @@ def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
         for dp in (2, 4):
             r = runs[f"fsdp dp {dp}"]
             assert r["grad_diff"] < 1e-5 and r["loss_diff"] < 1e-5, (rank, dp, r)
+            assert r["norm_diff"] < 1e-5, (rank, dp, r)  # clipped as in test_composition
             assert r["param_diff"] < 1e-4 and r["names"], (rank, dp, r)
             assert r["experts_held"] == [1] and r["expert_moves"] > 0, (rank, dp, r)
         got = runs["pipeline"]
@@ -266,7 +241,7 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
     with pytest.raises(PlanError, match=r"ep in \[1, 2, 4\] divide them"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            autotp.simulate(_qwen3_moe(), 1, ep=3,
+            autotp.simulate(qwen3_moe(), 1, ep=3,
                             example_kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)})
 
 
@@ -449,7 +424,7 @@ def test_generate_with_experts_whole() -> None:
     reads only its own experts)."""
     from autotp.features.generate import decoder_of
 
-    model = _qwen3_moe()
+    model = qwen3_moe()
     ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0

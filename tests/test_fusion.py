@@ -62,7 +62,7 @@ def _check_compiled(compile: object, sequence_parallel: bool = False) -> None:
     products save their gathered inputs as shards too: backward gathers each again."""
     from torch._dynamo.utils import counters
 
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import assert_equivalent
 
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))
@@ -70,14 +70,7 @@ def _check_compiled(compile: object, sequence_parallel: bool = False) -> None:
     sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile=compile,
                           sequence_parallel=sequence_parallel)
     counters.clear()
-
-    def call(m: torch.nn.Module) -> object:
-        return m(**kwargs)
-
-    reference = reference_step(model, call, lambda o: o.loss, lambda o: o.logits)
-    for rank, result in enumerate(sim.run(
-            lambda m: sharded_step(m, call, lambda o: o.loss, lambda o: o.logits))):
-        assert compare(reference, result).ok(), rank
+    assert_equivalent(model, sim, kwargs=kwargs, loss_fn=lambda o: o.loss, atol=1e-4)
     counts = [len(r.comm.log.events) for r in sim.ranks]
     assert counts[0] > 0 and len(set(counts)) == 1  # the collectives ran, on every rank
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"

@@ -1,8 +1,9 @@
 """Idioms of other codebases' model code that broke autotp, against the unsharded model.
 
 Each model is small and written here in the style of the codebase it follows; each is run in
-simulation and compared on the same weights and inputs: every output and every parameter's
-gradient, within 1e-5 relative to the largest entry (fp32).
+simulation and compared on the same weights and inputs (``assert_equivalent``, fp32): the
+output and the loss (the output's mean square) within 1e-5, every parameter's gradient within
+1e-5 of its largest entry, and the same after one SGD step on both.
 
 - a module list whose entries hold no parameters (x-transformers keeps ``[norm, block,
   residual]`` per layer; its Residual holds nothing)
@@ -17,7 +18,6 @@ gradient, within 1e-5 relative to the largest entry (fp32).
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import pytest
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
+from autotp.features.verify import assert_equivalent
 
-RTOL = 1e-5
+ATOL, RTOL = 1e-5, 1e-5  # outputs and loss: max abs; gradients: of each one's largest entry
 
 
 class ParameterFreeEntries(nn.Module):
@@ -75,25 +76,12 @@ class ReusedSubmodule(nn.Module):
 
 def check_exact(model: nn.Module, args: tuple, tp: int, kwargs: Any = None,
                 **options: Any) -> autotp.Simulation:
-    """The sharded model's output and gradients equal the unsharded model's."""
+    """The sharded model's output, loss, gradients and one SGD step equal the unsharded
+    model's (``assert_equivalent``)."""
     kwargs = kwargs or {}
-    reference = copy.deepcopy(model)
-    want = reference(*args, **kwargs)
-    want.square().sum().backward()
     sim = autotp.simulate(model, tp, example_args=args or None, example_kwargs=kwargs or None,
                           **options)
-
-    def step(rank: nn.Module) -> tuple[torch.Tensor, dict]:
-        out = rank(*args, **kwargs)
-        out.square().sum().backward()
-        return out.detach(), autotp.full_state_dict(rank, grads=True)
-
-    for out, grads in sim.run(step):
-        scale = want.abs().max().item()
-        assert (out - want).abs().max().item() <= RTOL * scale
-        for name, param in reference.named_parameters():
-            diff = (grads[name] - param.grad).abs().max().item()
-            assert diff <= RTOL * param.grad.abs().max().item(), f"{name}: off by {diff:.1e}"
+    assert_equivalent(model, sim, args=args, kwargs=kwargs, atol=ATOL, grad_rtol=RTOL)
     return sim
 
 
@@ -147,9 +135,8 @@ def test_a_tensor_through_kwargs_is_an_input(tp: int) -> None:
     assert not sim.plan.fallbacks
     # other batch and context lengths than the traced ones, the context by keyword
     x, context = torch.randn(3, 5, 64), torch.randn(3, 7, 64)
-    want = model(x, context=context)
-    for out in sim.run(lambda rank: rank(x, context=context)):
-        assert (out - want).abs().max().item() <= RTOL * want.abs().max().item()
+    assert_equivalent(model, sim, args=(x,), kwargs={"context": context}, atol=ATOL,
+                      grad_rtol=RTOL)
 
 
 def test_a_dict_input_without_tensors_is_accepted() -> None:

@@ -1,14 +1,12 @@
 """Other libraries' own model code, sharded in simulation, against the unsharded model.
 
 Each model is small (hidden 64, 2 layers) and every weight is moved off its initial value by
-noise of 0.02, so zero-initialised biases and LoRA's B are not zero. The same weights and
-inputs go through the unsharded model and through every rank at tp 2 and 4; compared (fp32):
-
-- the output, within 1e-5 of its largest entry;
-- every trained parameter's gradient, within 1e-5 of its largest entry. A gradient that is
-  zero in exact arithmetic is left with rounding noise only (an attention key's bias: softmax
-  ignores a shift shared by all keys), so the scale is at least 0.1% of the model's largest
-  gradient.
+noise of 0.02 (``perturb``), so zero-initialised biases and LoRA's B are not zero. The same
+weights and inputs go through the unsharded model and through every rank at tp 2 and 4
+(``assert_equivalent``, fp32): the output and the loss within 1e-5, every parameter's gradient
+within 1e-5 of its largest entry (at least 1% of the model's largest gradient: one that is
+zero in exact arithmetic, an attention key's bias, is rounding noise only), and one SGD step
+taken on both: the next output and loss within 1e-5, every parameter within 1e-5.
 
 Skipped without the library (they are in the ``test`` extra). Left out: timm (its torchvision
 has no CPU wheel for torch 2.13 here; the CUDA one fails to load and breaks ``import
@@ -17,63 +15,28 @@ transformers``) and torchtitan (its model code imports triton, which CPU torch l
 
 from __future__ import annotations
 
-import copy
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 from torch import nn
 
 import autotp
+from autotp.features.verify import assert_equivalent, perturb
+from models import dit, dit_inputs
 
-RTOL = 1e-5
-ZERO_GRADIENT_FLOOR = 1e-3  # of the largest gradient: the scale of one that is 0
-
-
-def perturbed(model: nn.Module, std: float = 0.02) -> nn.Module:
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * std)
-    return model
+TOL = 1e-5
 
 
 def check_exact(model: nn.Module, kwargs: dict[str, Any], tp: int,
-                loss_of: Callable[[Any], torch.Tensor],
-                output_of: Callable[[Any], torch.Tensor]) -> autotp.Simulation:
-    """Output, loss and every trained parameter's gradient equal the unsharded model's."""
-    reference = copy.deepcopy(model)
-    result = reference(**kwargs)
-    want_out, want_loss = output_of(result).detach(), loss_of(result)
-    want_loss.backward()
-    want = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
-    assert all(grad is not None for grad in want.values())
-    largest = max(grad.abs().max().item() for grad in want.values())
-
+                loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> autotp.Simulation:
+    """``model`` at ``tp`` against the unsharded model (``assert_equivalent``): its main
+    output, the loss (``loss_fn``, by default the mean square of that output), every
+    gradient and one SGD step."""
     sim = autotp.simulate(model, tp, example_kwargs=kwargs)
-
-    def step(rank: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        result = rank(**kwargs)
-        loss = loss_of(result)
-        loss.backward()
-        return output_of(result).detach(), loss.detach(), autotp.full_state_dict(rank, grads=True)
-
-    for out, loss, grads in sim.run(step):
-        assert (out - want_out).abs().max().item() <= RTOL * want_out.abs().max().item()
-        assert abs(loss.item() - want_loss.item()) <= RTOL * abs(want_loss.item())
-        for name, grad in want.items():
-            scale = max(grad.abs().max().item(), ZERO_GRADIENT_FLOOR * largest)
-            diff = (grads[name] - grad).abs().max().item()
-            assert diff <= RTOL * scale, f"{name}: off by {diff:.1e} (scale {scale:.1e})"
+    assert_equivalent(model, sim, kwargs=kwargs, loss_fn=loss_fn, atol=TOL, grad_rtol=TOL)
     return sim
-
-
-def square_loss(out: Any) -> torch.Tensor:
-    return first(out).square().mean()
-
-
-def first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 # x-transformers ------------------------------------------------------------------------------
@@ -83,11 +46,11 @@ def first(out: Any) -> torch.Tensor:
 def test_x_transformers_decoder_with_rotary(tp: int) -> None:
     xt = pytest.importorskip("x_transformers")
     torch.manual_seed(0)
-    model = perturbed(xt.TransformerWrapper(
+    model = perturb(xt.TransformerWrapper(
         num_tokens=128, max_seq_len=32,
         attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
     tokens = torch.randint(0, 128, (2, 16))
-    sim = check_exact(model, {"x": tokens}, tp, square_loss, first)
+    sim = check_exact(model, {"x": tokens}, tp)
     at_megatrons_bound(sim.plan)
 
 
@@ -106,11 +69,11 @@ def at_megatrons_bound(plan: autotp.Plan) -> None:
 def test_x_transformers_encoder_takes_context_through_kwargs(tp: int) -> None:
     xt = pytest.importorskip("x_transformers")
     torch.manual_seed(0)
-    model = perturbed(xt.TransformerWrapper(
+    model = perturb(xt.TransformerWrapper(
         num_tokens=128, max_seq_len=32,
         attn_layers=xt.Encoder(dim=64, depth=2, heads=4, cross_attend=True)))
     kwargs = {"x": torch.randint(0, 128, (2, 16)), "context": torch.randn(2, 8, 64)}
-    sim = check_exact(model, kwargs, tp, square_loss, first)
+    sim = check_exact(model, kwargs, tp)
     at_megatrons_bound(sim.plan)
 
 
@@ -127,7 +90,7 @@ def lora_llama(targets: tuple[str, ...] = ("q_proj", "v_proj")) -> nn.Module:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64)
     lora = peft.LoraConfig(r=4, target_modules=list(targets))
-    return perturbed(peft.get_peft_model(LlamaForCausalLM(config), lora))
+    return perturb(peft.get_peft_model(LlamaForCausalLM(config), lora))
 
 
 def lm_inputs() -> dict[str, Any]:
@@ -141,7 +104,7 @@ def test_peft_lora_llama_called_with_inputs(tp: int) -> None:
     # PeftModel.forward has no use_cache argument (it passes **kwargs on to the LLaMA): autotp
     # turns the cache off for the trace as it does for a transformers model
     kwargs = lm_inputs()
-    sim = check_exact(model, kwargs, tp, lambda out: out.loss, lambda out: out.logits)
+    sim = check_exact(model, kwargs, tp, lambda out: out.loss)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in name for name in trained)
     layouts = sim.plan.params
@@ -164,7 +127,7 @@ def test_peft_lora_on_every_linear_costs_no_collective(tp: int) -> None:
     stay where they cost nothing, at Megatron's 2 + 2 per layer."""
     model = lora_llama(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj"))
-    sim = check_exact(model, lm_inputs(), tp, lambda out: out.loss, lambda out: out.logits)
+    sim = check_exact(model, lm_inputs(), tp, lambda out: out.loss)
     for layer, counts in sim.plan.per_layer().items():
         if layer is not None:  # at tp 4 a k/v slice's gradient may be gathered, not summed
             assert {kind: n for (phase, kind), n in counts.items() if phase == "forward"} == \
@@ -182,23 +145,14 @@ def test_peft_lora_llama_traces_without_its_cache() -> None:
 
 
 def tiny_dit() -> nn.Module:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    return perturbed(diffusers.DiTTransformer2DModel(
-        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
-        num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
-        norm_num_groups=32))
-
-
-def dit_inputs() -> dict[str, Any]:
-    return {"hidden_states": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([3, 7]),
-            "class_labels": torch.tensor([1, 4]), "return_dict": False}
+    pytest.importorskip("diffusers")
+    return dit()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_diffusers_dit(tp: int) -> None:
     model = tiny_dit().eval()  # eval: no random class-label dropout
-    check_exact(model, dit_inputs(), tp, square_loss, first)
+    check_exact(model, dit_inputs(), tp)
 
 
 def test_diffusers_dit_training_label_dropout_is_refused_clearly() -> None:
@@ -221,7 +175,7 @@ def test_diffusers_sd3_joint_blocks_at_megatrons_count(tp: int) -> None:
     block 0's program, is joined with the others in the one gather before the blocks."""
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model = perturbed(diffusers.SD3Transformer2DModel(
+    model = perturb(diffusers.SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
         pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8)).eval()
@@ -229,7 +183,7 @@ def test_diffusers_sd3_joint_blocks_at_megatrons_count(tp: int) -> None:
               "encoder_hidden_states": torch.randn(2, 6, 32),
               "pooled_projections": torch.randn(2, 32), "timestep": torch.tensor([3.0, 7.0]),
               "return_dict": False}
-    sim = check_exact(model, inputs, tp, square_loss, first)
+    sim = check_exact(model, inputs, tp)
     per = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}
     assert per[0].get(("forward", "all_reduce")) == 2 and len(per[0]) == 2, per
     joined = [c for c in sim.plan.collectives if c.layer == 0 and c.phase == "forward"]
@@ -247,7 +201,7 @@ def test_diffusers_flux_double_and_single_stream_blocks_at_megatrons_count() -> 
     proportion 1:4: one all-reduce each way. Exact at tp 2."""
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model = perturbed(diffusers.FluxTransformer2DModel(
+    model = perturb(diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
         attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
         pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))).eval()
@@ -257,7 +211,7 @@ def test_diffusers_flux_double_and_single_stream_blocks_at_megatrons_count() -> 
               torch.randn(2, 6, 32), "pooled_projections": torch.randn(2, 32),
               "timestep": torch.tensor([0.3, 0.7]), "img_ids": ids,
               "txt_ids": torch.zeros(6, 3), "return_dict": False}
-    sim = check_exact(model, inputs, 2, square_loss, first)
+    sim = check_exact(model, inputs, 2)
     per_block: dict[tuple[str, str], int] = {}
     for c in sim.plan.collectives:
         block = re.match(r"^(\w+\.\d+)", c.module or "")
@@ -276,7 +230,7 @@ def test_diffusers_flux_double_and_single_stream_blocks_at_megatrons_count() -> 
 def test_diffusers_pixart_with_a_dict_of_none(tp: int) -> None:
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
-    model = perturbed(diffusers.PixArtTransformer2DModel(
+    model = perturb(diffusers.PixArtTransformer2DModel(
         num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
         num_layers=2, sample_size=8, patch_size=2, cross_attention_dim=64,
         caption_channels=32, norm_num_groups=32))
@@ -284,4 +238,4 @@ def test_diffusers_pixart_with_a_dict_of_none(tp: int) -> None:
               "encoder_hidden_states": torch.randn(2, 6, 32),
               "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
               "return_dict": False}
-    check_exact(model, kwargs, tp, square_loss, first)
+    check_exact(model, kwargs, tp)

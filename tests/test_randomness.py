@@ -11,7 +11,8 @@ import torch
 
 import autotp
 from autotp.runtime.layers import program_nodes
-from models import VOCAB, batch, randomize_vectors
+from autotp.features.verify import perturb
+from models import VECTOR_NOISE, VOCAB, batch
 
 
 def _gpt2_with_dropout(p: float):
@@ -22,7 +23,7 @@ def _gpt2_with_dropout(p: float):
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB,
                                      n_positions=64, resid_pdrop=p, embd_pdrop=p,
                                      attn_pdrop=p)
-    return randomize_vectors(transformers.GPT2LMHeadModel(config), 0).train()
+    return perturb(transformers.GPT2LMHeadModel(config), seed=10_000, **VECTOR_NOISE).train()
 
 
 def _step(sim, ids):
@@ -175,10 +176,8 @@ class _DropoutNet(torch.nn.Module):
 
 
 def _dropout_net():
-    from models import randomize_vectors
-
     torch.manual_seed(0)
-    return randomize_vectors(_DropoutNet(), 0).train()
+    return perturb(_DropoutNet(), seed=10_000, **VECTOR_NOISE).train()
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
@@ -227,14 +226,13 @@ def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch
 
     from autotp.layout import parse_layout, unshard_tensor
     from autotp.features.verify import compare, reference_step, sharded_step
-    from models import randomize_vectors
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB,
                                      n_positions=64, resid_pdrop=0.5, embd_pdrop=0.5,
                                      attn_pdrop=0.5, attn_implementation="eager")
-    model = randomize_vectors(transformers.GPT2LMHeadModel(config), 0).train()
+    model = perturb(transformers.GPT2LMHeadModel(config), seed=10_000, **VECTOR_NOISE).train()
     ids = batch(b=4, t=16)
     sim = autotp.simulate(model, 2, example_kwargs={"input_ids": ids, "labels": ids},
                           sequence_parallel=True, gather_outputs=False)

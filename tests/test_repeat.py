@@ -26,7 +26,7 @@ import torch.nn as nn
 import autotp
 from autotp.capture.trace import capture
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.features.verify import compare, reference_step, sharded_step
+from autotp.features.verify import assert_equivalent
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
@@ -171,28 +171,20 @@ def _ids(seed: int = 0, shape: tuple[int, int] = (2, 12)) -> torch.Tensor:
 
 
 def test_a_stamped_model_trains_exactly_at_tp_2() -> None:
-    """Three of eight layers traced; logits, loss and every gradient of the sharded model
-    against the unsharded one (a batch and length other than the traced example's)."""
+    """Three of eight layers traced; logits, loss, every gradient and one SGD step of the
+    sharded model against the unsharded one (a batch and length other than the traced
+    example's)."""
     model = _llama(8)
     sim = autotp.simulate(model, 2, example_kwargs={"input_ids": _ids()})
     assert sim.captured.traced_layers == {"model.layers": (3, 8)}
     ids = _ids(1, (3, 9))
 
-    def call(m: nn.Module) -> Any:
-        return m(input_ids=ids)
-
     def loss(out: Any) -> torch.Tensor:
         logits = out.logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
-    def pick(out: Any) -> torch.Tensor:
-        return out.logits
-
-    reference = reference_step(model, call, loss, pick)
-    for rank, result in enumerate(sim.run(lambda m: sharded_step(m, call, loss, pick))):
-        cmp = compare(reference, result)
-        assert cmp.output_diff <= ATOL and cmp.loss_diff <= ATOL, (rank, cmp)
-        assert cmp.grad_diff <= ATOL and cmp.grad_rel <= ATOL, (rank, cmp.worst_param)
+    assert_equivalent(model, sim, kwargs={"input_ids": ids}, loss_fn=loss, atol=ATOL,
+                      grad_rtol=ATOL)
 
 
 # ---- layers that look alike but are not ----------------------------------------------------

@@ -825,17 +825,15 @@ class RepeatedKVAttention(torch.nn.Module):
 def test_repeated_kv_heads_stay_sharded(expand: bool) -> None:
     """Both GQA idioms at tp=2: Megatron's plan (the heads sharded through the repeat, one
     all-reduce after the output projection; the input needs no gradient, so none backward),
-    outputs and every gradient equal to the unsharded module's."""
-    import copy
-
+    outputs, every gradient and one SGD step equal to the unsharded module's (float64, to
+    1e-10: k's bias gets a gradient of 0 in exact arithmetic, softmax ignoring a shift shared
+    by every key, and float64 keeps its rounding far below the other gradients)."""
     import autotp
+    from autotp.features.verify import assert_equivalent
 
     torch.manual_seed(0)
     model = RepeatedKVAttention(expand).double()
     x = torch.randn(2, 6, 64, dtype=torch.float64)
-    reference = copy.deepcopy(model)
-    want = reference(x)
-    want.square().sum().backward()
     sim = autotp.simulate(model, 2, example_args=(x,))
     plan = sim.plan
     assert not plan.fallbacks, plan.fallbacks
@@ -843,21 +841,7 @@ def test_repeated_kv_heads_stay_sharded(expand: bool) -> None:
     assert len(repeats) == 2 and all(c.output.startswith("S(") for c in repeats), repeats
     assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "forward")], \
         plan.collectives
-
-    def step(rank: torch.nn.Module) -> tuple[torch.Tensor, dict]:
-        out = rank(x)
-        out.square().sum().backward()
-        return out.detach(), autotp.full_state_dict(rank, grads=True)
-
-    # k's bias gets a gradient of 0 in exact arithmetic (softmax ignores a shift shared by
-    # every key): float64 keeps its rounding far below the other gradients
-    largest = max(p.grad.abs().max().item() for p in reference.parameters())
-    for out, grads in sim.run(step):
-        assert (out - want).abs().max().item() <= 1e-10 * want.abs().max().item()
-        for name, param in reference.named_parameters():
-            diff = (grads[name] - param.grad).abs().max().item()
-            scale = max(param.grad.abs().max().item(), 1e-3 * largest)
-            assert diff <= 1e-10 * scale, f"{name}: off by {diff:.1e}"
+    assert_equivalent(model, sim, args=(x,), atol=1e-10, grad_rtol=1e-10)
 
 
 # ---- grouped convolutions: whole groups per rank --------------------------------------------
@@ -946,35 +930,20 @@ class _GroupedConvMLP(torch.nn.Module):
 
 
 def _simulated_against_unsharded(model: torch.nn.Module, tp: int) -> dict[str, str]:
-    """Output and every parameter's gradient of the simulated ranks against the unsharded
-    module (relative 1e-5, fp32), on inputs of another batch than the traced example's;
-    returns the plan's parameter layouts."""
-    import copy
+    """The simulated ranks against the unsharded module on inputs of another batch than the
+    traced example's (``assert_equivalent``: output, every gradient, one SGD step; fp32,
+    1e-5); returns the plan's parameter layouts."""
     import warnings
 
     import autotp
+    from autotp.features.verify import assert_equivalent
 
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a replicated kernel is reported, not an error
         sim = autotp.simulate(model, tp, example_args=(torch.randn(2, 16, 4, 4),),
                               strict=False)
-    x = torch.randn(3, 16, 4, 4)
-    reference = copy.deepcopy(model)
-    want_out = reference(x)
-    want_out.square().sum().backward()
-
-    def step(rank: torch.nn.Module) -> tuple[torch.Tensor, dict]:
-        out = rank(x)
-        out.square().sum().backward()
-        return out.detach(), autotp.full_state_dict(rank, grads=True)
-
-    for out, grads in sim.run(step):
-        assert (out - want_out).abs().max().item() <= 1e-5 * want_out.abs().max().item()
-        for name, param in reference.named_parameters():
-            assert param.grad is not None
-            rel = ((grads[name] - param.grad).norm() / param.grad.norm()).item()
-            assert rel <= 1e-5, f"{name}: gradient off by {rel:.1e} (relative)"
+    assert_equivalent(model, sim, args=(torch.randn(3, 16, 4, 4),), atol=1e-5, grad_rtol=1e-5)
     return {name: p.layout for name, p in sim.plan.params.items()}
 
 

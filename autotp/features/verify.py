@@ -1,17 +1,23 @@
 """Equivalence checks: run the unsharded and the sharded model on the same weights and inputs,
 forward and backward, and report the largest differences and the collectives executed.
+
+``assert_equivalent`` is the one check of a simulation against the unsharded model: outputs,
+loss, every gradient, and one optimizer step (``measure_equivalence``: the same numbers, for a
+report); ``perturb`` moves weights off their initial values first, so that zeros and ones
+cannot hide a wrong sharding.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from autotp.api import ShardedModule, full_state_dict
+from autotp.api import ShardedModule, Simulation, full_state_dict, simulate
 from autotp.runtime.comm import CollectiveLog
 
 Call = Callable[[nn.Module], Any]  # runs the model on the inputs, returns its output
@@ -188,18 +194,208 @@ def worst_outcome(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def assert_simulation_matches(model: nn.Module, sim: Any, call: Call,
-                              loss_fn: Optional[LossFn] = None, *, atol: float = 1e-5,
-                              grad_rtol: float = 1e-4) -> list[Comparison]:
-    """Every rank of ``sim`` (``autotp.simulate``) against ``model`` on one step: outputs
-    (``call``'s result), the loss (``loss_fn``, by default the mean square of the output) and
-    every parameter's gradient, within ``atol`` and ``grad_rtol`` (``Comparison.ok``).
-    Raises AssertionError naming the worst difference; returns each rank's comparison."""
-    loss_fn = loss_fn or (lambda out: out.float().square().mean())
-    reference = reference_step(model, call, loss_fn, lambda out: out)
-    results = [compare(reference, got) for got in
-               sim.run(lambda module: sharded_step(module, call, loss_fn, lambda out: out))]
-    for rank, result in enumerate(results):
-        if not result.ok(atol, grad_rtol):
-            raise AssertionError(f"rank {rank} differs from the unsharded model: {result}")
+# ---- one check of a simulation against the unsharded model --------------------------------
+
+
+def main_output(out: Any) -> torch.Tensor:
+    """The tensor a model's call is judged by: the output itself, the first entry of a tuple
+    (``return_dict=False``), or a model output's ``logits``, ``last_hidden_state`` or
+    ``sample`` (transformers, diffusers)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out:
+        return main_output(out[0])
+    for key in ("logits", "last_hidden_state", "sample"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"no tensor to compare in a {type(out).__name__}: pass pick=")
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """One simulated rank against the unsharded model.
+
+    ``step``: one forward and backward (outputs, loss, every parameter's gradient).
+    ``after_step``: the same SGD step taken on both, then a second forward: its outputs and
+    loss, and in the gradient fields every parameter after the step, relative to its own
+    largest entry (floor 1% of the model's largest): a gradient applied to the wrong piece of
+    a parameter, or to a parameter that two ranks share, shows there and nowhere before."""
+
+    rank: int
+    step: Comparison
+    after_step: Comparison
+    lr: float  # the step's
+
+    def failures(self, atol: float, grad_rtol: float) -> list[str]:
+        """What differs beyond the tolerances: a line per phase that does (none: nothing)."""
+        lines = []
+        for when, cmp, what in (("forward and backward", self.step, "gradient"),
+                                (f"after one SGD step (lr {self.lr:g})", self.after_step,
+                                 "parameter")):
+            found = []
+            if cmp.output_diff > atol:
+                found.append(f"output off by {cmp.output_diff:.2e} (atol {atol:g})")
+            if cmp.loss_diff > atol:
+                found.append(f"loss off by {cmp.loss_diff:.2e} (atol {atol:g})")
+            if cmp.grad_rel > grad_rtol:
+                found.append(f"{what}s off by {cmp.grad_rel:.2e} relative "
+                             f"(grad_rtol {grad_rtol:g})")
+            if found:
+                lines.append(f"rank {self.rank}, {when}: " + ", ".join(found) +
+                             f"; worst {what}: {cmp.worst_param} ({cmp.grad_rel:.2e} relative)")
+        return lines
+
+
+def assert_equivalent(
+    model: nn.Module,
+    tp: Union[int, Simulation],
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: Optional[dict[str, Any]] = None,
+    call: Optional[Call] = None,
+    loss_fn: Optional[LossFn] = None,
+    pick: Pick = main_output,
+    atol: float = 1e-5,
+    grad_rtol: float = 1e-4,
+    lr: float = 0.1,
+    **simulate_options: Any,
+) -> list[Equivalence]:
+    """Every rank of ``model`` sharded at ``tp`` (``autotp.simulate(model, tp, example_args=args,
+    example_kwargs=kwargs, **simulate_options)``, or a Simulation of it made before) against
+    an unsharded copy, on the inputs ``args`` and ``kwargs`` (or ``call(module)``, which runs
+    the model however it is run: by default ``module(*args, **kwargs)``):
+
+    - the output (``pick`` of the call's result) and the loss (``loss_fn`` of the result; by
+      default the mean square of the picked output), within ``atol`` (max abs);
+    - every parameter's gradient, within ``grad_rtol`` of its largest entry (``compare``);
+    - one plain SGD step (``p -= lr * p.grad``) on the copy and on every rank, then the call
+      again: its output and loss within ``atol``, every parameter within ``grad_rtol`` of its
+      largest entry.
+
+    Raises AssertionError naming each failing rank, quantity and worst parameter; returns
+    every rank's Equivalence. ``model`` is not changed; the ranks' parameters are restored
+    after the step and their gradients cleared, and their collective logs hold the one
+    forward and backward. ``measure_equivalence`` measures the same without judging."""
+    results = measure_equivalence(model, tp, args=args, kwargs=kwargs, call=call,
+                                  loss_fn=loss_fn, pick=pick, lr=lr, **simulate_options)
+    lines = [line for r in results for line in r.failures(atol, grad_rtol)]
+    if lines:
+        raise AssertionError("the sharded model differs from the unsharded one:\n" +
+                             "\n".join(lines))
     return results
+
+
+def measure_equivalence(
+    model: nn.Module,
+    tp: Union[int, Simulation],
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: Optional[dict[str, Any]] = None,
+    call: Optional[Call] = None,
+    loss_fn: Optional[LossFn] = None,
+    pick: Pick = main_output,
+    lr: float = 0.1,
+    **simulate_options: Any,
+) -> list[Equivalence]:
+    """``assert_equivalent``'s measurements, every rank's, without tolerances: for a report
+    (``Equivalence.failures`` judges them)."""
+    kwargs = dict(kwargs or {})
+    run: Call = call if call is not None else (lambda module: module(*args, **kwargs))
+    loss = loss_fn or (lambda out: _mean_square(pick(out)))
+    reference = copy.deepcopy(model)  # before simulate sees the model
+    if isinstance(tp, Simulation):
+        if simulate_options:
+            raise TypeError(f"{sorted(simulate_options)} are options of autotp.simulate; "
+                            "this simulation is built already")
+        sim = tp
+    else:
+        if not args and not kwargs:
+            raise TypeError("pass the inputs (args=, kwargs=): the model is traced on them")
+        sim = simulate(model, tp, example_args=tuple(args) or None,
+                       example_kwargs=kwargs or None, **simulate_options)
+    if sim.plan.ep != 1:
+        raise ValueError("the equivalence check runs every rank on the same inputs: with expert "
+                         "parallelism each data-parallel rank needs its own batch")
+
+    want = reference_step(reference, run, loss, pick)
+    got = sim.run(lambda module: sharded_step(module, run, loss, pick))
+    saved = sim.run(lambda module: [p.detach().clone() for p in module.parameters()])
+    try:
+        # every rank steps before any calls again: a parameter two ranks share would move
+        # twice, as it would under a real optimizer
+        sim.run(lambda module: _sgd_step(module, lr))
+        got_after = sim.run(lambda module: _quietly(module, lambda: _second_step(
+            module, run, loss, pick, full_state_dict(module))))
+    finally:
+        for module, params in zip(sim.ranks, saved):
+            _restore(module, params)
+    _sgd_step(reference, lr)
+    want_after = _second_step(reference, run, loss, pick,
+                              dict(reference.named_parameters(remove_duplicate=False)))
+    return [Equivalence(rank, compare(want, got[rank]), compare(want_after, got_after[rank]), lr)
+            for rank in range(len(got))]
+
+
+def _mean_square(x: torch.Tensor) -> torch.Tensor:
+    """In float32 at least: a bfloat16 output's squares are summed in float32, a float64
+    output's in float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32)).square().mean()
+
+
+def _sgd_step(module: nn.Module, lr: float) -> None:
+    with torch.no_grad():
+        for param in module.parameters():  # a tied parameter once, with its summed gradient
+            if param.grad is not None:
+                param.add_(param.grad, alpha=-lr)
+
+
+def _restore(module: nn.Module, params: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for param, before in zip(module.parameters(), params):
+            param.copy_(before)
+    module.zero_grad(set_to_none=True)
+
+
+def _second_step(module: nn.Module, call: Call, loss_fn: LossFn, pick: Pick,
+                 params: dict[str, torch.Tensor]) -> StepResult:
+    """The call after the step; the parameters (whole) in the gradients' place. Gradients
+    stay on: the same program as the first call (a compiled one is not compiled again)."""
+    out = call(module)
+    return StepResult(pick(out).detach().clone(), float(loss_fn(out).detach()),
+                      {name: p.detach().clone() for name, p in params.items()})
+
+
+def _quietly(module: ShardedModule, fn: Callable[[], StepResult]) -> StepResult:
+    """``fn()`` with the rank's collectives left out of its logs."""
+    logs = [c.log for c in (module.comm, module.ep_comm) if c is not None]
+    enabled = [log.enabled for log in logs]
+    for log in logs:
+        log.enabled = False
+    try:
+        return fn()
+    finally:
+        for log, was in zip(logs, enabled):
+            log.enabled = was
+
+
+def perturb(model: nn.Module, *, seed: Optional[int] = None, std: float = 0.02,
+            bias_std: Optional[float] = None, norm_std: Optional[float] = None) -> nn.Module:
+    """Add N(0, std^2) noise to every parameter of ``model`` (in place; returns it), so that
+    zero biases, unit norm scales and zero-initialised layers cannot hide a bias added on
+    every rank, a norm scale sliced wrong or a gradient path that is never taken.
+
+    Biases (1-D parameters named ``*bias``) take ``bias_std``, other 1-D parameters (norm
+    scales) ``norm_std``, both ``std`` unless given; a parameter whose std is 0 is left as it
+    is and draws nothing. ``seed``: noise from a generator of its own (the same model in
+    every process, whatever was drawn before); None draws from torch's global generator."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            vector_std = bias_std if name.endswith("bias") else norm_std
+            sigma = vector_std if param.dim() == 1 and vector_std is not None else std
+            if sigma == 0:
+                continue
+            noise = torch.randn(param.shape, generator=generator)
+            param.add_(sigma * noise.to(param.device, param.dtype))
+    return model
