@@ -5,9 +5,9 @@
 
 1. Activation memory per rank at tp=2, with and without ``checkpoint_wrapper`` around each
    of the sharded model's layers: the bytes kept from one training forward for backward,
-   each storage once, parameters not counted. Without checkpointing that is what autograd
-   saves (``saved_tensors_hooks``); with it, what autograd saves outside the checkpointed
-   layers plus the inputs each layer keeps for its recomputation.
+   each storage once, parameters not counted (``autotp.features.saved_tensors``). Without
+   checkpointing that is what autograd saves; with it, what autograd saves outside the
+   checkpointed layers plus the inputs each layer keeps for its recomputation.
 2. Training step time on 4 gloo processes (informative on a CPU machine where the ranks
    share its cores): ``dp4`` (FSDP2 per layer on the unsharded model), ``tp4`` (autotp),
    ``dp2xtp2`` (autotp over "tp", FSDP2 per layer over "dp"), the same global batch, AdamW;
@@ -49,6 +49,7 @@ def activation_bytes(args: argparse.Namespace) -> dict[str, int]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     import autotp
+    from autotp.features.saved_tensors import count_saved
 
     model = build(args)
     ids = batch(args)
@@ -56,31 +57,19 @@ def activation_bytes(args: argparse.Namespace) -> dict[str, int]:
                                                    "labels": ids[:2, :16]})
 
     def measure(m: Any) -> int:
-        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-        kept: dict[int, int] = {}
+        with count_saved(exclude=m.parameters()) as saved:
+            def inputs_kept(_module: Any, inputs: tuple[Any, ...]) -> None:
+                for t in inputs:  # what a checkpointed layer keeps to recompute from
+                    if isinstance(t, torch.Tensor):
+                        saved.add(t)
 
-        def keep(t: Any) -> None:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in params:
-                    kept[storage.data_ptr()] = storage.nbytes()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            keep(t)
-            return t
-
-        def inputs_kept(_module: Any, inputs: tuple[Any, ...]) -> None:
-            for t in inputs:  # what a checkpointed layer keeps to recompute from
-                keep(t)
-
-        hooks = [layer.register_forward_pre_hook(inputs_kept) for layer in m.model.layers
-                 if hasattr(layer, "_checkpoint_wrapped_module")]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hooks = [layer.register_forward_pre_hook(inputs_kept) for layer in m.model.layers
+                     if hasattr(layer, "_checkpoint_wrapped_module")]
             loss = m(input_ids=ids, labels=ids).loss
         for hook in hooks:
             hook.remove()
         del loss
-        return sum(kept.values())
+        return saved.nbytes
 
     plain = max(sim.run(measure))
 

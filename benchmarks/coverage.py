@@ -1,7 +1,8 @@
 """Which transformers families autotp runs exactly, and at which cost: the README's table.
 
     python benchmarks/coverage.py                       # print the table (tp 2 and 4)
-    python benchmarks/coverage.py --write-readme        # and replace it in README.md
+    python benchmarks/coverage.py --record              # and write benchmarks/coverage.json
+    python benchmarks/coverage.py --write-readme        # README's table from coverage.json
     python benchmarks/coverage.py --families Mixtral,T5 --tp 2 --json rows.json
 
 Each family is a small model from its transformers config (hidden 64, 2 layers, 8 heads,
@@ -36,13 +37,28 @@ is listed, and where the tps differ, each tp's in tp order ("a / b"):
   bytes, no matrix above h x h/2 replicated, no fallback), the collectives and bytes per
   layer, the largest matrix kept whole. ``--no-published`` leaves it out.
 
-tests/test_coverage.py reruns families at tp = 2 and checks the README's status words.
+The record, benchmarks/coverage.json (schema ``autotp.coverage/1``), holds every row of a
+run with the numbers behind it, and the published shapes' rows; README.md's table is its
+rendering (``--write-readme``), and tests/test_coverage.py reruns families at tp = 2 and
+checks each against its recorded row: the same plan (``planned``) and still exact.
+
+    {"schema": "autotp.coverage/1", "tps": [int],
+     "rows": [{"family": str, "tp": int, "model": str, "status": str, "detail": str,
+               "fallbacks": int, "largest_replicated": [int, int] | null,
+               "largest_replicated_param": str | null, "experts": str,
+               "per_layer": [[fwd, bwd]], "bytes_ratio": [[fwd, bwd]], "megatron_bytes": int,
+               "layers": {"model.layers.0": {"forward": int, "backward": int, ...}},
+               "output_diff": float, "loss_diff": float, "grad_rel": float,
+               "worst_param": str}],  # a refused or crashed row stops at what it reached
+     "published": {family: {"name": str, "tp": int, "status": str, "counts": [[fwd, bwd]],
+                            "ratios": [[fwd, bwd]], "largest": str, "fallbacks": int}}}
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -59,6 +75,10 @@ sys.path.insert(0, str(ROOT))
 
 ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.features.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+RECORD = ROOT / "benchmarks" / "coverage.json"
+SCHEMA = "autotp.coverage/1"
+# What a row measures rather than plans: it moves from run to run (rounding, the clock).
+MEASURED = frozenset({"output_diff", "loss_diff", "grad_rel", "worst_param", "seconds"})
 VOCAB = 128
 BATCH, TOKENS = 2, 12
 IMAGE, PATCH = 32, 8  # ViT: (32/8)^2 = 16 patches and the class token
@@ -107,6 +127,14 @@ class Family:
     build: Callable[[], Any]
     inputs: Callable[[], dict[str, Any]] = text  # the example kwargs (fresh tensors each call)
     tokens: tuple[int, int] = (BATCH, TOKENS)  # B and T of those inputs, for the bytes column
+
+    def model(self) -> torch.nn.Module:
+        """Built from seed 0, every weight perturbed (0.05, seed 1), in eval mode: the same in
+        every process."""
+        from autotp.features.verify import perturb
+
+        torch.manual_seed(0)
+        return perturb(self.build(), seed=1, std=0.05).eval()
 
 
 def _family(cls: str, config: str, inputs: Callable[[], dict[str, Any]] = text,
@@ -191,14 +219,6 @@ FAMILIES: dict[str, Family] = {
                    num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                    num_attention_heads=8, image_size=IMAGE, patch_size=PATCH),
 }
-
-
-def perturb(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=generator))
-    return model
 
 
 def status_word(status: str) -> str:
@@ -324,8 +344,7 @@ def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
             for tp in tps]
     started = time.perf_counter()
     try:  # the model, its example and the unsharded step: the same at every tp
-        torch.manual_seed(0)
-        model = perturb(family.build()).eval()
+        model = family.model()
         for row in rows:
             row["model"] = type(model).__name__
         kwargs = family.inputs()
@@ -423,8 +442,9 @@ PUBLISHED = {"LLaMA (GQA)": "LLaMA-3-8B", "Mistral": "Mistral-7B", "Qwen2": "Qwe
              "DeepSeek-V3 (MLA, MoE)": "DeepSeek-V3"}
 
 
-def published_rows(names: list[str]) -> dict[str, Any]:
-    """family -> its published shape's row (benchmarks/published.py), for ``names``."""
+def published_rows(names: list[str]) -> dict[str, dict[str, Any]]:
+    """family -> its published shape's row (benchmarks/published.py's ``Row`` as a dict),
+    for ``names``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import published
 
@@ -432,21 +452,23 @@ def published_rows(names: list[str]) -> dict[str, Any]:
     for family in names:
         if family in PUBLISHED:
             name = PUBLISHED[family]
-            out[family] = published.plan_row(name, published.SHAPES[name])
-            print(f"{family:32s} {name} at tp {out[family].tp}: {out[family].status} "
-                  f"({out[family].seconds:.1f} s)", flush=True)
+            row = published.plan_row(name, published.SHAPES[name])
+            print(f"{family:32s} {name} at tp {row.tp}: {row.status} ({row.seconds:.1f} s)",
+                  flush=True)
+            out[family] = dataclasses.asdict(row)
     return out
 
 
-def published_cell(row: Any) -> str:
+def published_cell(row: Optional[dict[str, Any]]) -> str:
     if row is None:
         return "-"
-    if not row.counts:
-        return _short(f"{row.name}, tp {row.tp}: {row.status}")
-    counts = " ".join(dict.fromkeys(f"({f}, {b})" for f, b in row.counts))
-    ratios = " ".join(dict.fromkeys(f"({f:.2f}, {b:.2f})" for f, b in row.ratios))
-    whole = f", {row.largest} whole" if row.largest != "-" else ""
-    return f"{row.name}, tp {row.tp}: {row.status}, {counts}, {ratios} x Megatron{whole}"
+    head = f"{row['name']}, tp {row['tp']}: {row['status']}"
+    if not row["counts"]:
+        return _short(head)
+    counts = " ".join(dict.fromkeys(f"({f}, {b})" for f, b in row["counts"]))
+    ratios = " ".join(dict.fromkeys(f"({f:.2f}, {b:.2f})" for f, b in row["ratios"]))
+    whole = f", {row['largest']} whole" if row["largest"] != "-" else ""
+    return f"{head}, {counts}, {ratios} x Megatron{whole}"
 
 
 def _short(text: str, limit: int = 100) -> str:
@@ -455,7 +477,7 @@ def _short(text: str, limit: int = 100) -> str:
 
 
 def table(rows: list[dict[str, Any]], tps: list[int],
-          published: Optional[dict[str, Any]] = None) -> str:
+          published: Optional[dict[str, dict[str, Any]]] = None) -> str:
     by = {(r["family"], r["tp"]): r for r in rows}
     head = HEADER.format(tps=" | ".join(f"tp = {tp}" for tp in tps))
     lines = [head, "|" + "---|" * (8 + len(tps))]
@@ -498,20 +520,53 @@ def table(rows: list[dict[str, Any]], tps: list[int],
     return "\n".join(lines)
 
 
-def readme_rows(readme: str) -> dict[str, list[str]]:
-    """family -> the status words of each tp column in the README's generated table."""
-    section = readme[readme.index(BEGIN):readme.index(END)]
-    out: dict[str, list[str]] = {}
-    columns: list[int] = []
-    for line in section.splitlines():
-        if not line.strip().startswith("|"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[0] == "family":
-            columns = [i for i, c in enumerate(cells) if c.startswith("tp = ")]
-        elif columns and not set(cells[0]) <= set("-:"):
-            out[cells[0]] = [status_word(cells[i]) for i in columns]
-    return out
+# ---- the record --------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON gives it back (tuples become lists)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def record(rows: list[dict[str, Any]], tps: list[int],
+           published: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A run as benchmarks/coverage.json holds it: every row and published row, without the
+    seconds each took (the machine's, not autotp's)."""
+    def drop_seconds(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if k != "seconds"}
+
+    return _plain({"schema": SCHEMA, "tps": tps, "rows": [drop_seconds(r) for r in rows],
+                   "published": {f: drop_seconds(r) for f, r in published.items()}})
+
+
+def read_record(path: Path = RECORD) -> dict[str, Any]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("schema") != SCHEMA:
+        raise SystemExit(f"{path}: schema {data.get('schema')!r}, not {SCHEMA!r}")
+    return data
+
+
+def planned(row: dict[str, Any]) -> dict[str, Any]:
+    """What a row says of the plan and its program: everything but what is ``MEASURED``
+    (the status words, the reason of a refusal, the collectives and bytes of each layer, what
+    is left replicated, the experts)."""
+    return _plain({k: v for k, v in row.items() if k not in MEASURED})
+
+
+def render(data: dict[str, Any]) -> str:
+    """The README's table of a record."""
+    return table(data["rows"], data["tps"], data["published"])
+
+
+def write_readme(data: dict[str, Any]) -> None:
+    path = ROOT / "README.md"
+    readme = path.read_text()
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    note = ("\n<!-- generated from benchmarks/coverage.json by python benchmarks/coverage.py "
+            "--write-readme; status: (max abs diff of outputs and loss, max relative gradient "
+            "diff); bytes: per layer, over Megatron's two all-reduces of B x T x h -->\n")
+    path.write_text(readme[:start] + note + render(data) + "\n" + readme[end:])
+    print(f"wrote the table of {RECORD.name} into {path}")
 
 
 def select(spec: Optional[str]) -> list[str]:
@@ -544,16 +599,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", default="2,4")
     parser.add_argument("--families", help="comma-separated names (default: all)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows there as JSON")
-    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the run there, as benchmarks/coverage.json holds it")
+    parser.add_argument("--record", action="store_true",
+                        help=f"write the run to {RECORD.relative_to(ROOT)} (every family)")
+    parser.add_argument("--write-readme", action="store_true",
+                        help=f"replace README.md's table with {RECORD.relative_to(ROOT)}'s "
+                             "(after --record, the new one's); alone, it runs nothing")
     parser.add_argument("--no-published", action="store_true",
                         help="leave out the published shapes' column (about 2 minutes)")
     args = parser.parse_args()
+    if args.write_readme and not args.record:
+        write_readme(read_record())
+        return
     torch.set_num_threads(1)
     tps = [int(x) for x in args.tp.split(",")]
     names = select(args.families)
-    if args.write_readme and names != list(FAMILIES):
-        raise SystemExit("--write-readme writes the whole table: run it without --families")
+    if args.record and (names != list(FAMILIES) or args.no_published):
+        raise SystemExit("--record writes the whole table: run it without --families and "
+                         "--no-published")
     rows = []
     started = time.perf_counter()
     for name in names:
@@ -562,23 +626,15 @@ def main() -> None:
             print(f"{name:32s} tp={r['tp']}: {r['status'][:70]:40s} {r['seconds']:5.1f} s "
                   f"{r['detail'][:80] if r['status'] == 'refused' else ''}", flush=True)
     print(f"{len(names)} families, tp {args.tp}: {time.perf_counter() - started:.0f} s")
-    if args.write_readme and args.no_published:
-        raise SystemExit("--write-readme writes the published shapes' column too")
-    text = table(rows, tps, None if args.no_published else published_rows(names))
+    data = record(rows, tps, {} if args.no_published else published_rows(names))
     print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
-        print(f"wrote {len(rows)} rows to {args.json}")
+    print(render(data))
+    text = json.dumps(data, indent=1) + "\n"
+    for path in ([Path(args.json)] if args.json else []) + ([RECORD] if args.record else []):
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {len(rows)} rows to {path}")
     if args.write_readme:
-        path = ROOT / "README.md"
-        readme = path.read_text()
-        start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-        note = ("\n<!-- generated by python benchmarks/coverage.py --write-readme; status: "
-                "(max abs diff of outputs and loss, max relative gradient diff); bytes: per "
-                "layer, over Megatron's two all-reduces of B x T x h -->\n")
-        path.write_text(readme[:start] + note + text + "\n" + readme[end:])
-        print(f"wrote the table into {path}")
+        write_readme(data)
 
 
 if __name__ == "__main__":

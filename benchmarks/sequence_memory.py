@@ -3,8 +3,8 @@
     python benchmarks/sequence_memory.py [--tp 2 4] [--layers 4] [--hidden 512] [--seq 256]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
-tensor saved for backward, counted once per storage (``saved_tensors_hooks``) while one
-training forward runs (HF models with ``labels=``, dropout on). Parameters are not counted.
+tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``) while
+one training forward runs (HF models with ``labels=``, dropout on). Parameters are not counted.
 The sharded runs use the in-process simulation (the same per-rank programs as
 ``autotp.parallelize``); each rank is measured in its own thread. The counting hooks are set
 around the call, outside the program's own (which store each gathered input of a product as
@@ -43,32 +43,24 @@ def build(kind: str, layers: int, hidden: int, vocab: int) -> torch.nn.Module:
 
 def measure(kind: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     import autotp
+    from autotp.features.saved_tensors import count_saved
 
     model = build(kind, args.layers, args.hidden, args.vocab)
     model.train()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(1))
     example = {"input_ids": ids[:2, :16], "labels": ids[:2, :16]}
-    params = {p.data_ptr() for p in model.parameters()}
+    params = list(model.parameters())
 
     def forward(m: torch.nn.Module) -> Any:
         return m(input_ids=ids, labels=ids).loss
 
     def activations(m: torch.nn.Module) -> int:
         # parameters are saved for backward too (by the matmuls): not activations
-        local = {p.data_ptr() for p in m.parameters()} | params
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in local:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with count_saved(exclude=[*m.parameters(), *params]) as saved:
             loss = forward(m)
         del loss
-        return sum(seen.values())
+        return saved.nbytes
 
     row: dict[str, Any] = {"model": kind, "tp": tp, "layers": args.layers,
                            "hidden": args.hidden, "batch": args.batch, "seq": args.seq,

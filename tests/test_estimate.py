@@ -1,7 +1,7 @@
 """The time and memory model against what autograd really keeps and what a hand count says.
 
 Activation bytes are measured on each rank of the sharded program with
-``torch.autograd.graph.saved_tensors_hooks`` (each storage once, parameters excluded), with
+``autotp.features.saved_tensors.count_saved`` (each storage once, parameters excluded), with
 and without sequence parallelism and full recomputation (each layer wrapped in a reentrant
 checkpoint, which keeps only the layer's inputs), and compared with ``profile.py``'s count
 read off the plan: within 10 %. On CPU a dropout keeps a mask of the input's dtype
@@ -17,7 +17,7 @@ import sys
 import json
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterable
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 import autotp
 from autotp.errors import ConfigError
+from autotp.features.saved_tensors import count_saved
 from autotp.capture.trace import capture
 from autotp.planner.configure import Planner, Request, estimate, parse_mesh, search
 from autotp.planner.hardware import PRESETS, Hardware, hardware, load, save
@@ -45,20 +46,12 @@ def _model(dropout: float = 0.1) -> nn.Module:
     return model.train()
 
 
-def _saved_bytes(module: nn.Module, ids: torch.Tensor, exclude: set[int]) -> int:
-    own = {p.untyped_storage().data_ptr() for p in module.parameters()} | exclude
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+def _saved_bytes(module: nn.Module, ids: torch.Tensor,
+                 exclude: Iterable[torch.Tensor] = ()) -> int:
+    with count_saved(exclude=[*module.parameters(), *exclude]) as saved:
         out = module(ids)
     del out
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def _checkpointed(module: nn.Module) -> nn.Module:
@@ -90,13 +83,13 @@ def test_activation_bytes_match_what_autograd_saves(tp: int, sp: bool) -> None:
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(2))
     example = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
     model = _model()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = list(model.parameters())
     for policy in ("none", "full"):
         if tp == 1:
             module = _model()
             if policy == "full":
                 _checkpointed(module)
-            measured = [_saved_bytes(module, ids, set())]
+            measured = [_saved_bytes(module, ids)]
         else:
             sim = autotp.simulate(model, tp, example_args=example, sequence_parallel=sp)
             if policy == "full":
@@ -124,17 +117,9 @@ def test_float32_inside_a_bfloat16_model_counts_four_bytes() -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(3))
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in own:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with count_saved(exclude=model.parameters()) as saved:
         loss = model(input_ids=ids, labels=ids).loss
-    measured = sum(seen.values())
+    measured = saved.nbytes
     assert loss.requires_grad
 
     with torch.device("meta"):

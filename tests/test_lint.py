@@ -11,7 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPED = ["autotp/layout.py", "rules", "planner/plan.py", "planner/transitions.py",
          "planner/cost.py", "planner/gradflow.py", "planner/coalesce.py", "planner/blockers.py",
-         "autotp/capture/sums.py", "autotp/capture/branches.py"]
+         "autotp/capture/sums.py", "autotp/capture/branches.py", "autotp/features/verify.py",
+         "autotp/features/clipping.py", "autotp/features/saved_tensors.py"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

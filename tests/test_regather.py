@@ -1,9 +1,10 @@
 """Sequence parallelism keeps the sequence shard of every gathered input autograd saves and
 gathers it again in backward (``autotp.runtime.regather``), as Megatron-LM does.
 
-Memory is counted as ``benchmarks/sequence_memory.py`` counts it: a saved-tensor hook pair
-set around the forward sees every tensor autograd keeps, once per storage, parameters
-excluded. That pair is the outer one; the program's own pair hands it what it really keeps.
+Memory is counted as ``benchmarks/sequence_memory.py`` counts it, with
+``autotp.features.saved_tensors.count_saved``: a saved-tensor hook pair set around the forward
+sees every tensor autograd keeps, once per storage, parameters excluded. That pair is the
+outer one; the program's own pair hands it what it really keeps.
 Numbers are compared with ``keep_gathered=True`` (the gathered inputs kept whole) and with the
 unsharded model (tolerances as in test_vocab_sequence.py).
 """
@@ -18,6 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import autotp
+from autotp.features.saved_tensors import count_saved
 from autotp.runtime.collectives import Redistribute
 from autotp.layout import Replicate, Shard, parse_layout, unshard_tensor
 from autotp.runtime.regather import ShardKeeper
@@ -52,8 +54,6 @@ class Saved:
 def _saved(module: torch.nn.Module, call: Callable[[torch.nn.Module], Any]) -> Saved:
     """What one forward leaves for backward on this rank. The weak storage references are
     held to the end, so that no storage address is reused within the count."""
-    params = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
-    seen: dict[StorageWeakRef, int] = {}
     gathered: dict[StorageWeakRef, int] = {}
     shards: dict[StorageWeakRef, int] = {}
 
@@ -61,23 +61,16 @@ def _saved(module: torch.nn.Module, call: Callable[[torch.nn.Module], Any]) -> S
         gathered[StorageWeakRef(output.untyped_storage())] = output.untyped_storage().nbytes()
         shards[StorageWeakRef(inputs[0].untyped_storage())] = inputs[0].untyped_storage().nbytes()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = StorageWeakRef(t.untyped_storage())
-        if key not in params:
-            seen[key] = t.untyped_storage().nbytes()
-        return t.detach()
-
     handles = [m.register_forward_hook(note) for m in _gathers(module)]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with count_saved(exclude=module.parameters()) as saved:
             out = call(module)
     finally:
         for handle in handles:
             handle.remove()
     del out
-    return Saved(sum(seen.values()), sum(1 for k in seen if k in gathered),
-                 sum(gathered.values()), sum(shards.values()),
-                 sum(1 for k in seen if k in shards))
+    return Saved(saved.nbytes, len(saved.storages & gathered.keys()), sum(gathered.values()),
+                 sum(shards.values()), len(saved.storages & shards.keys()))
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -3,7 +3,8 @@
 The DOT is checked structurally (and with Graphviz's ``dot`` when it is installed), the HTML
 without a browser (self-contained, escaped, the embedded JSON round-trips to
 ``report.to_dict``) and, when Chromium is installed, in a real headless browser (its JS ran,
-and it renders to a PNG). Both tools are optional: their tests skip cleanly without them.
+and its screenshot, decoded here, shows the plan's rows in their layouts' colours). Both tools
+are optional: their tests skip cleanly without them.
 A tiny Qwen3-MoE (4 experts) planned at tp 2 and 4 checks the page's mixture-of-experts rows.
 """
 
@@ -15,9 +16,11 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -29,14 +32,16 @@ from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.features.render import (
     CHECK_OPS,
+    FILL,
     dot_quote,
     execution_order,
     experts_per_rank,
+    layout_class,
     to_dot,
     to_html,
 )
 from autotp.features.report import fold_layers, group_names, human_bytes, to_dict, to_table
-from models import BUILDERS
+from models import BUILDERS, qwen3_moe
 
 COST = CostModel()
 
@@ -55,13 +60,8 @@ def gpt2_plan() -> Plan:
 def moe_plan(request: pytest.FixtureRequest) -> Plan:
     """A tiny Qwen3-MoE: 2 layers, each with one block of 4 experts (gate_up_proj and
     down_proj stacked)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    model = qwen3_moe()
     ids = torch.zeros(1, 8, dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -538,11 +538,97 @@ def test_browser_filters_parameter_rows(llama_plan: Plan, page_file: Path,
         n for n, p in llama_plan.params.items() if p.layer in (0, None) and "mlp" in n)
 
 
+def decode_png(data: bytes) -> torch.Tensor:
+    """The pixels (height, width, RGB) of an 8-bit, non-interlaced RGB or RGBA PNG, the kind
+    Chromium writes: the chunks' zlib stream, unfiltered row by row (PNG spec, section 9)."""
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    pos, header, compressed = 8, None, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            compressed.append(body)
+        pos += 12 + length
+    assert header is not None
+    width, height, depth, colour, _, _, interlace = header
+    assert depth == 8 and colour in (2, 6) and interlace == 0, header
+    bpp = 3 if colour == 2 else 4  # bytes per pixel
+    stride = width * bpp
+    raw = zlib.decompress(b"".join(compressed))
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, row = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        # each byte adds a guess from the byte one pixel to the left (0 in the first pixel),
+        # the one above (0 in the first row) or both
+        if kind == 1:  # Sub: left
+            for i in range(bpp, stride):
+                row[i] = (row[i] + row[i - bpp]) & 0xFF
+        elif kind == 2:  # Up: above
+            row = bytearray((x + up) & 0xFF for x, up in zip(row, prev))
+        elif kind == 3:  # Average: their mean
+            for i in range(stride):
+                left = row[i - bpp] if i >= bpp else 0
+                row[i] = (row[i] + (left + prev[i]) // 2) & 0xFF
+        elif kind == 4:  # Paeth: whichever of left, above, above-left is nearest to
+            for i in range(bpp):  # left + above - above-left
+                row[i] = (row[i] + prev[i]) & 0xFF
+            for i in range(bpp, stride):
+                left, up, corner = row[i - bpp], prev[i], prev[i - bpp]
+                to_left, to_up = abs(up - corner), abs(left - corner)
+                to_corner = abs(left + up - 2 * corner)
+                if to_left <= to_up and to_left <= to_corner:
+                    row[i] = (row[i] + left) & 0xFF
+                elif to_up <= to_corner:
+                    row[i] = (row[i] + up) & 0xFF
+                else:
+                    row[i] = (row[i] + corner) & 0xFF
+        rows.append(bytes(row))
+        prev = row
+    pixels = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
+    return pixels.view(height, width, bpp)[..., :3]
+
+
+def colour_bands(pixels: torch.Tensor, colours: dict[str, str]) -> list[set[str]]:
+    """Top to bottom, each run of pixel rows where some of ``colours`` (name -> "#rrggbb")
+    is drawn: the names drawn in it. A badge's flat fill is exact; its text and rounded
+    corners blend, and the rows between two table rows hold none."""
+    drawn = {name: (pixels == torch.tensor(list(bytes.fromhex(hex_[1:])), dtype=torch.uint8))
+             .all(-1).any(-1).tolist() for name, hex_ in colours.items()}
+    bands: list[set[str]] = []
+    previous: set[str] = set()
+    for y in range(pixels.shape[0]):
+        here = {name for name, rows in drawn.items() if rows[y]}
+        if here and not previous:
+            bands.append(set())
+        if here:
+            bands[-1] |= here
+        previous = here
+    return bands
+
+
 @needs_chromium
-def test_browser_renders_a_screenshot(page_file: Path, tmp_path: Path) -> None:
+def test_browser_draws_the_plans_rows_in_their_layouts_colours(
+        llama_plan: Plan, page_file: Path, tmp_path: Path) -> None:
+    """The screenshot, decoded: top to bottom, the layout badges of layer 0's parameter
+    table (one band of colour per row, the parameters in name order) and then of its
+    collectives (from and to), each in its layout's fill (sharded, replicated, partial)."""
     png = tmp_path / "plan.png"
     done = run_chromium([f"--screenshot={png}", "--window-size=1280,2000", page_file.as_uri()],
                         tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    data = png.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    pixels = decode_png(png.read_bytes())
+    assert pixels.shape == (2000, 1280, 3)
+    # the fill of "none" (no layout) is also the strategy tags' background: not a layout's
+    bands = colour_bands(pixels, {k: v for k, v in FILL.items() if k != "none"})
+    params = [{layout_class(p.layout)} for _, p in sorted(llama_plan.params.items())
+              if p.layer == 0]
+    collectives = [{layout_class(c["from"]), layout_class(c["to"])}
+                   for c in to_dict(llama_plan, COST)["collectives"] if c["layer"] == 0]
+    assert {"sharded"} in params and {"replicated"} in params
+    assert {"partial", "replicated"} in collectives  # the o_proj's and down_proj's sums
+    expected = params + collectives
+    assert any(bands[i:i + len(expected)] == expected for i in range(len(bands))), \
+        (expected, bands)

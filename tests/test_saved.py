@@ -1,6 +1,6 @@
 """planner/saved.py against autograd: which inputs an op keeps for backward.
 
-Each case runs the ATen op eagerly under ``torch.autograd.graph.saved_tensors_hooks`` and
+Each case runs the ATen op eagerly under ``autotp.features.saved_tensors.count_saved`` and
 records the storages autograd packs; the rule must say "saved" exactly for the inputs whose
 storage was packed (sequence parallelism charges activation memory by it).
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autotp.features.saved_tensors import SavedTensors, count_saved
 from autotp.planner.saved import saved_values, saves_input
 
 aten = torch.ops.aten
@@ -36,16 +37,10 @@ CASES: list[tuple[str, Any, tuple[bool, ...], Any]] = [
 ]
 
 
-def _packed(op: Any, tensors: list[torch.Tensor], extra: tuple) -> set[int]:
-    storages: set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages.add(t.untyped_storage().data_ptr())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+def _packed(op: Any, tensors: list[torch.Tensor], extra: tuple) -> SavedTensors:
+    with count_saved() as saved:
         op(*tensors, *extra)
-    return storages
+    return saved
 
 
 @pytest.mark.parametrize("name,op,grads,extra", CASES, ids=[c[0] for c in CASES])
@@ -64,7 +59,24 @@ def test_saved_inputs_match_autograd(name: str, op: Any, grads: tuple[bool, ...]
         return requires[n.name]
 
     for value, tensor in zip(inputs, tensors):
-        expected = tensor.untyped_storage().data_ptr() in packed
-        assert saves_input(node, value, requires_grad) == expected, (name, value.name)
-    output_kept = len(packed - {t.untyped_storage().data_ptr() for t in tensors}) > 0
+        assert saves_input(node, value, requires_grad) == packed.holds(tensor), (name, value.name)
+    output_kept = len(packed) > sum(1 for t in tensors if packed.holds(t))
     assert (node.name in saved_values(graph, requires_grad)) == output_kept, name
+
+
+def test_count_saved_counts_each_storage_once_and_never_the_excluded() -> None:
+    """``count_saved``: a saved view counts its whole storage, once; an excluded tensor's
+    storage (here a weight, saved by the product as its transpose) never; two storages are
+    never taken for one, even where the first is freed and its memory could be reused."""
+    weight = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with count_saved(exclude=[weight]) as saved:
+        x @ weight.t()  # saves x and the weight's transpose
+        y = x[:2].exp()  # saves its output, a storage of its own
+        x[:2] * x[2:]  # saves two views of x
+    assert saved.holds(x) and saved.holds(y) and not saved.holds(weight)
+    assert len(saved) == 2 and saved.nbytes == x.nbytes + y.nbytes
+    with count_saved() as saved:
+        for _ in range(3):  # each output, and the graph that saved it, freed at once (at
+            torch.randn(1024, requires_grad=True).exp()  # this size, malloc reuses the memory)
+    assert len(saved) == 3 and saved.nbytes == 3 * 1024 * 4

@@ -1,3 +1,3 @@
 """Features built on the plan and the rank program: generation with a sharded KV cache,
 pipeline stages, verification against the unsharded model, the plan's reports and pages,
-and the testing helpers."""
+what autograd keeps for backward (measured), and the testing helpers."""
