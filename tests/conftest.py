@@ -20,7 +20,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker: workers shar
 # `python -m pytest -q -n auto` runs the default tier; `python -m pytest -q -n auto -m slow`
 # runs the slow tier (CI, .ci/run, runs both). The split is measured, not kept by hand: the
 # tests that took at least SLOW_SECONDS (setup, call and teardown) in the full run recorded in
-# tests/durations.json are slow; a test the file does not know yet is in the default tier.
+# tests/durations.json are slow (recorded with -n 2 on 2 cores: each test's seconds include
+# sharing the cores with the other worker); a test the file does not know yet is in the
+# default tier.
 # Re-record after adding slow tests:
 #   python -m pytest -q -n auto -m "slow or not slow" --record-durations tests/durations.json
 SLOW_SECONDS = 8.0
@@ -54,9 +56,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
         if DURATIONS.get(item.nodeid, 0.0) >= SLOW_SECONDS:
             item.add_marker(pytest.mark.slow)
     yield  # the other plugins: -m deselects the other tier
-    # the files with the most recorded seconds first, each file's tests together (its module
-    # fixtures are made once): workers (`-n`, a file at a time) that take the longest first
-    # end together
+    # the files with the most recorded seconds first, each file's tests in a row: the workers
+    # (`-n`) take the longest work first, and a worker that runs several tests of a file in a
+    # row makes its module fixtures once
     per_file: dict[str, float] = {}
     for item in items:
         path = item.nodeid.split("::")[0]
