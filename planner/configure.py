@@ -68,11 +68,11 @@ class Config:
         """The ``autotp estimate`` options that evaluate this configuration's mesh only."""
         return f"--mesh {self.mesh}" + (f" --ep {self.ep}" if self.ep > 1 else "")
 
-    @property
-    def mesh_shape(self) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
-        """``init_device_mesh("cuda", *config.mesh_shape)``: (pp, dp, tp), tp innermost; an
-        ep group is ep consecutive ranks of the dp dim (all of it where ep = dp)."""
-        return (self.pp, self.dp, self.tp), ("pp", "dp", "tp")
+    def device_mesh_kwargs(self) -> dict[str, tuple]:
+        """``init_device_mesh("cuda", **config.device_mesh_kwargs())``: the mesh (pp, dp, tp),
+        tp innermost, with those dim names; an ep group is ep consecutive ranks of the dp dim
+        (all of it where ep = dp)."""
+        return {"mesh_shape": (self.pp, self.dp, self.tp), "mesh_dim_names": ("pp", "dp", "tp")}
 
     def parallelize_kwargs(self) -> dict[str, Any]:
         """What ``autotp.parallelize`` takes from this configuration."""

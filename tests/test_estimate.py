@@ -10,6 +10,8 @@ read off the plan: within 10 %. On CPU a dropout keeps a mask of the input's dty
 
 from __future__ import annotations
 
+import inspect
+
 import math
 import os
 import subprocess
@@ -237,6 +239,12 @@ def test_search_finds_the_answer_known_by_hand() -> None:
     best = next(c for c in configs if c.fits)
     assert (best.tp, best.pp, best.dp) == (2, 1, 1)
     assert best.parallelize_kwargs() == {"tp": 2, "sequence_parallel": False}
+    # the README's hand-off: init_device_mesh("cuda", **best.device_mesh_kwargs()) binds
+    from torch.distributed.device_mesh import init_device_mesh
+
+    bound = inspect.signature(init_device_mesh).bind("cuda", **best.device_mesh_kwargs())
+    assert bound.arguments["mesh_shape"] == (1, 1, 2)
+    assert bound.arguments["mesh_dim_names"] == ("pp", "dp", "tp")
     refused = {(c.tp, c.pp, c.dp): c.why for c in configs if not c.fits}
     assert "usable" in refused[(1, 1, 2)]
     roomy = search(planner, _tiny_hw(1e12), req)
