@@ -197,12 +197,34 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
                 counts.add(proportions(sizes))  # Flux's cat([attention, mlp], -1): (1, 4)
         if node.op == "call_function" and node.target == aten.unbind.int:
             counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
+        counts.add(_selected_parts(node))
         if node.op == "call_function" and node.target in _VIEWS:
             counts.update(_merged_periods(node))
     counts.discard(None)
     counts.discard(0)
     return tuple(sorted(counts, key=lambda b: (isinstance(b, Period), isinstance(b, tuple),
                                                b.length if isinstance(b, Period) else b)))
+
+
+def _selected_parts(node: fx.Node) -> Optional[int]:
+    """k when ``node`` is taken apart along a static dim of size k by a ``select`` of each
+    index, as ``unbind`` does (torch's attention: ``proj[0], proj[1], proj[2]`` of a fused
+    projection unflattened into (3, h)); None otherwise."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    taken: dict[int, set] = {}
+    for user in node.users:
+        if user.target == aten.select.int and user.args[0] is node:
+            dim = node_arg(user, "dim", 0) % val.ndim
+            index = node_arg(user, "index")
+            size = val.shape[dim]
+            if isinstance(size, int) and isinstance(index, int):
+                taken.setdefault(dim, set()).add(index % size)
+    for dim, indices in taken.items():
+        if val.shape[dim] >= 2 and indices == set(range(val.shape[dim])):
+            return val.shape[dim]
+    return None
 
 
 def _merged_periods(node: fx.Node) -> set[Period]:

@@ -116,7 +116,8 @@ def map_shard_through_view(
         if not major_in or not major_out:
             return None
         if major_in[0] != layout.dim:
-            return _merged_into_period(layout, src, dst, major_in, major_out, tp)
+            merged = _merged_into_period(layout, src, dst, major_in, major_out, tp)
+            return merged or _strided_shard(layout, src, dst, major_in, major_out, tp)
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
         if isinstance(layout.blocks, Period) and not identity:
@@ -125,12 +126,13 @@ def map_shard_through_view(
             if trailing is None:
                 return None
             return _period_split(Period(layout.blocks.length * trailing), dst, major_out, tp)
-        # k equal blocks split into (k, heads, hs): the blocks become the leading dim and
-        # each block's slice is a slice of the heads (timm's qkv.reshape(B, N, 3, nh, hs)).
-        # Only a split into three or more: (k, n) would shard within a head's features.
+        # k equal blocks split into (k, n, ...): the blocks become the leading dim and each
+        # block's slice is a slice of n (timm's qkv.reshape(B, N, 3, nh, hs): the heads;
+        # torch's attention's proj.unflatten(-1, (3, h)): the features, whose later view
+        # into heads keeps the shard only where it holds whole heads).
         blocks = layout.blocks
         if isinstance(blocks, int) and blocks > 1 and len(major_in) == 1 and \
-                len(major_out) >= 3 and dst.static(out_dim) == blocks:
+                len(major_out) >= 2 and dst.static(out_dim) == blocks:
             inner = major_out[1]
             return Shard(inner) if dst.shardable(inner, tp) else None
         # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
@@ -156,6 +158,47 @@ def _merged_into_period(layout: Shard, src: TensorMeta, dst: TensorMeta,
         return None
     period = Period(inner)
     return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
+
+
+def _whole(expr: sympy.Expr) -> bool:
+    """Whether a size ratio is a whole number for every value of its symbols."""
+    numerator, denominator = sympy.fraction(sympy.cancel(expr))
+    return denominator == 1 and bool(numerator.is_integer) and bool(numerator.is_positive)
+
+
+def _strided_shard(layout: Shard, src: TensorMeta, dst: TensorMeta,
+                   major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
+    """A shard of any dim of a group, found among the group's output dims by strides.
+
+    In the group's flat index the sharded dim spans ``extent`` (its size times the sizes
+    after it) and each rank one ``extent / tp`` of it. The output dim that holds the shard
+    is the innermost whose stride divides a rank's span and whose size is a whole number of
+    spans: each run of ``extent / stride`` of its indices is one segment, split across the
+    ranks (fairseq's ``[T, B, h] -> [T, B*heads, d]``: heads sharded inside the batch and
+    heads dim, a segment of ``heads`` per batch index; whole heads when tp divides heads).
+    A periodic shard is the same with one segment as the extent (torch's attention
+    ``[T, B*heads, d] -> [T*B, h]``: heads sharded again, in the features)."""
+    if isinstance(layout.blocks, Period):  # one segment is what the ranks split
+        extent = sympy.Integer(layout.blocks.length)
+    elif layout.blocks == 1:
+        extent = _expr(src.shape[layout.dim])
+    else:
+        return None
+    for d in major_in[major_in.index(layout.dim) + 1:]:
+        extent = extent * _expr(src.shape[d])
+    stride = sympy.Integer(1)
+    for out_dim in reversed(major_out):
+        size = _expr(dst.shape[out_dim])
+        if _whole(extent / (tp * stride)) and _whole(size * stride / extent):
+            segment = sympy.cancel(extent / stride)
+            if sympy.simplify(segment - size) == 0:
+                return Shard(out_dim) if dst.shardable(out_dim, tp) else None
+            if not segment.is_Integer or int(segment) < 2:
+                return None
+            period = Period(int(segment))
+            return Shard(out_dim, period) if dst.shardable(out_dim, tp, period) else None
+        stride = stride * size
+    return None
 
 
 def _static_product(meta: TensorMeta, dims: Sequence[int]) -> Optional[int]:

@@ -573,3 +573,84 @@ def test_inputs_of_one_batch_share_its_symbol() -> None:
                                             mask), 2)
     assert not sim.plan.fallbacks, sim.plan.fallbacks
     assert [c.kind for c in sim.plan.collectives if c.phase == "forward"] == ["all_reduce"]
+
+
+class SequenceFirstAttention(nn.Module):
+    """fairseq's (and ESM's) attention: [T, B, h] with the heads merged into the batch
+    after the sequence (``view(T, B * heads, d)``), a padding mask applied through
+    ``view(B, heads, T, S)``, and back through ``view(T, B, h)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        t, b, h = x.shape
+        q, k, v = (lin(x).contiguous().view(t, b * 8, 8).transpose(0, 1)
+                   for lin in (self.q, self.k, self.v))
+        scores = torch.bmm(q * 8 ** -0.5, k.transpose(1, 2)).view(b, 8, t, t)
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        y = torch.bmm(scores.view(b * 8, t, t).softmax(-1), v)
+        x = x + self.o(y.transpose(0, 1).contiguous().view(t, b, h))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def _layer_collectives(plan: autotp.Plan, phase: str) -> dict:
+    counts: dict = {}
+    for c in plan.collectives:
+        if c.phase == phase and c.layer is not None:
+            counts[c.layer] = counts.get(c.layer, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_heads_merged_into_the_batch_after_the_sequence_stay_sharded(tp: int) -> None:
+    """[T, B, h] -> [T, B*heads, d] puts each rank's heads in one segment of every batch
+    index (``S(1)%8``): q, k, v column-parallel, o row-parallel, one all-reduce forward."""
+    torch.manual_seed(0)
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, -3:] = True
+    sim = check_exact(SequenceFirstAttention(), (torch.randn(12, 2, 64), padding), tp)
+    layouts = {name: p.layout for name, p in sim.plan.params.items() if name.endswith("weight")}
+    assert layouts == {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)",
+                       "o.weight": "S(1)", "fc1.weight": "S(0)", "fc2.weight": "S(1)"}, layouts
+    assert not sim.plan.fallbacks, sim.plan.fallbacks
+    forward = [c.kind for c in sim.plan.collectives if c.phase == "forward"]
+    assert forward == ["all_reduce", "all_reduce"], sim.plan.summary()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kdim", [None, 32])
+def test_torch_transformer_layers_are_megatron_parallel(tp: int, kdim: Any) -> None:
+    """torch's own ``nn.TransformerEncoder`` (one packed in_proj_weight, unflattened into
+    (3, h) and taken apart by index) and ``nn.MultiheadAttention`` with a k/v width of its
+    own (three projection weights): every matrix sharded, Megatron's two all-reduces per
+    layer forward, with a padding mask."""
+    torch.manual_seed(0)
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, -3:] = True
+    if kdim is None:
+        layer = nn.TransformerEncoderLayer(64, 8, 256, dropout=0.0, batch_first=True)
+        model: nn.Module = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        args: tuple = (torch.randn(2, 12, 64),)
+        kwargs = {"src_key_padding_mask": padding}
+    else:
+        model = CrossAttention(kdim)
+        args, kwargs = (torch.randn(2, 12, 64), torch.randn(2, 12, kdim), padding), {}
+    sim = check_exact(model, args, tp, kwargs)
+    replicated = [name for name, p in sim.plan.params.items()
+                  if p.layout == "R" and len(p.global_shape) == 2]
+    assert replicated == [] and not sim.plan.fallbacks, sim.plan.summary()
+    if kdim is None:
+        assert _layer_collectives(sim.plan, "forward") == {0: 2, 1: 2}, sim.plan.summary()
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, kdim: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(64, 8, kdim=kdim, vdim=kdim, batch_first=True)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor,
+                padding: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x, context, context, key_padding_mask=padding)[0]

@@ -640,12 +640,12 @@ SHARD_THROUGH_VIEW = [
     ((S0, S1, 192), (S0 * S1, 192), Shard(2), 4, Shard(1)),
     ((S0, S1, 192), (S0 * S1, 192), Shard(1), 2, None),
     # blocked shards pass through one-to-one groups, and k blocks split into (k, heads, hs)
-    # put the shard on the heads (timm's fused qkv); (k, n) or a split whose leading dim is
-    # not the blocks does not keep it
+    # put the shard on the heads (timm's fused qkv), into (k, n) on n (torch's attention's
+    # unflatten(-1, (3, h))); a split whose leading dim is not the blocks does not keep it
     ((4, 24), (4, 24), Shard(1, 3), 2, Shard(1, 3)),
     ((4, 24), (4, 3, 2, 4), Shard(1, 3), 2, Shard(2)),
     ((4, 48), (4, 3, 4, 4), Shard(1, 3), 4, Shard(2)),
-    ((4, 24), (4, 3, 8), Shard(1, 3), 2, None),
+    ((4, 24), (4, 3, 8), Shard(1, 3), 2, Shard(2)),
     ((4, 24), (4, 2, 3, 4), Shard(1, 3), 2, None),
     # heads merged after a symbolic batch: B segments of the heads, each sliced (Bloom)
     ((S0, 8, S1, 16), (S0 * 8, S1, 16), Shard(1), 4, Shard(0, Period(8))),
@@ -661,6 +661,20 @@ SHARD_THROUGH_VIEW = [
     ((S0 * 8, 2), (S0, 2, 8), Shard(0, Period(8)), 2, Shard(1)),
     ((S0 * 8, 8), (S0 * 2, 8, 4), Shard(0, Period(4)), 2, Shard(1)),
     ((S0 * 8, S1), (S0, 8 * S1), Shard(0, Period(8)), 2, None),
+    # a shard merged into an output dim after outer dims, found by strides: fairseq's
+    # [T, B, h] -> [T, B*heads, d] (a segment of the heads per batch index), whole heads only
+    ((S1, S0, 64), (S1, S0 * 8, 8), Shard(2), 2, Shard(1, Period(8))),
+    ((S1, S0, 64), (S1, S0 * 8, 8), Shard(2), 8, Shard(1, Period(8))),
+    ((S1, S0, 64), (S1, S0 * 8, 8), Shard(2), 16, None),
+    ((S1, S0, 64), (S1 * S0 * 8, 8), Shard(2), 2, Shard(0, Period(8))),
+    # ... and back, the segment with the dims after it in the group (torch's attention
+    # [T, B*heads, d] -> [T*B, h]; fairseq's -> [T, B, h])
+    ((S1, S0 * 8, 8), (S1 * S0, 64), Shard(1, Period(8)), 2, Shard(1)),
+    ((S1, S0 * 8, 8), (S1, S0, 64), Shard(1, Period(8)), 4, Shard(2)),
+    ((S1, S0 * 8, 8), (S1 * S0, 2, 32), Shard(1, Period(8)), 2, Shard(1)),
+    ((S1, S0 * 8, 8), (S1 * S0 * 16, 4), Shard(1, Period(8)), 2, Shard(0, Period(16))),
+    ((S1, S0 * 8, 8), (S1 * S0 * 32, 2), Shard(1, Period(8)), 2, Shard(0, Period(32))),
+    ((S1, S0 * 8, 8), (S1 * S0 * 8, 8), Shard(1, Period(8)), 16, None),  # splits a head
     # size-1 dims are skipped on either side
     ((4, 1, 8), (4, 8), Shard(2), 2, Shard(1)),
     ((8,), (1, 8), Shard(0), 4, Shard(1)),
@@ -692,6 +706,28 @@ def test_map_shard_through_view(src: tuple, dst: tuple, shard: Shard, tp: int,
                                 expected: Optional[Shard]) -> None:
     src_meta, dst_meta = TensorMeta(src, torch.float32), TensorMeta(dst, torch.float32)
     assert map_shard_through_view(shard, src_meta, dst_meta, tp) == expected
+
+
+@pytest.mark.parametrize(("src", "dst", "shard", "tp", "expected"), [
+    pytest.param(*case, id=f"{_shape_id(case[0])}->{_shape_id(case[1])}-{case[2]}-tp{case[3]}")
+    for case in SHARD_THROUGH_VIEW if case[4] is not None
+])
+def test_view_of_a_shard_is_the_shard_of_the_view(src: tuple, dst: tuple, shard: Shard,
+                                                  tp: int, expected: Shard) -> None:
+    """Each mapping holds on values: a rank's piece viewed at its local size is its piece of
+    the viewed tensor (symbolic sizes at two values each)."""
+    from autotp.layout import shard_tensor
+
+    for s0, s1 in ((3, 5), (2, 1)):
+        sizes = {S0: s0, S1: s1}
+        concrete = [tuple(int(sympy.sympify(d).subs(sizes)) for d in shape) for shape in (src, dst)]
+        full = torch.arange(torch.Size(concrete[0]).numel(), dtype=torch.float32)
+        full = full.reshape(concrete[0])
+        local_dst = list(concrete[1])
+        local_dst[expected.dim] //= tp
+        for rank in range(tp):
+            piece = shard_tensor(full, shard, rank, tp).reshape(local_dst)
+            assert torch.equal(piece, shard_tensor(full.reshape(concrete[1]), expected, rank, tp))
 
 
 # ---- gradient semantics of the registry ----------------------------------------------------
