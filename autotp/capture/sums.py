@@ -75,8 +75,10 @@ def _broadcasts(node: fx.Node, out: torch.Tensor) -> bool:
                                                                reversed(out.shape)))
 
 
-def _is_weight(node: fx.Node) -> bool:
-    for _ in range(3):
+def _is_weight(node: fx.Node, hops: int = 6) -> bool:
+    """A parameter, or a view of one (TransformerLens' ``rearrange(W_O, "h d m -> m (h d)")
+    .contiguous()``: permute, view, clone)."""
+    for _ in range(hops):
         if node.op == "get_attr":
             return True
         if node.op != "call_function" or node.target not in _WEIGHT_VIEWS or \

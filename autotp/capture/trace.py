@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
                                      size_comparison_as_bool, ways_forward)
+from autotp.capture.identities import drop_identities
 from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
@@ -282,6 +283,7 @@ def capture(
         gm = export([])
     with _recompiled_once(gm):
         detach_factories(gm)
+        drop_identities(gm)
         split_biases(gm)
         sink_bias_adds(gm)
         products_summed_first(gm)
@@ -1058,11 +1060,12 @@ def layer_of(node: fx.Node) -> Optional[int]:
 
 
 def torch_leaf(cls: Any) -> bool:
-    """One of torch.nn's own layers (``nn.Linear``, ``nn.SiLU``), not a container: an entry
-    of ``nn.Sequential(nn.Linear, nn.SiLU, nn.Linear)`` (a timestep MLP) is no layer."""
+    """One of torch.nn's own layers (``nn.Linear``, ``nn.SiLU``), not a container or a
+    whole block: an entry of ``nn.Sequential(nn.Linear, nn.SiLU, nn.Linear)`` (a timestep
+    MLP) is no layer; an ``nn.TransformerEncoderLayer`` of ``encoder.layers`` is one."""
     name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
     return name.startswith("torch.nn.modules.") and not name.startswith(
-        "torch.nn.modules.container.")
+        ("torch.nn.modules.container.", "torch.nn.modules.transformer."))
 
 
 def source_of(node: fx.Node) -> Optional[str]:
