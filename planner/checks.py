@@ -90,6 +90,13 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         return  # nothing is sharded at tp = 1
     trained = {name: p.requires_grad for name, p in gm.named_parameters(remove_duplicate=False)}
     flow = dataflow(plan)
+    # the matrices the planner prices as vectors (narrow by the model's own widths): whole
+    # by the same measure that made the plan keep them whole
+    narrow_by_width = narrow_matrices({node.target: tuple(node.meta["val"].shape)
+                                       for node in gm.graph.nodes if node.op == "get_attr"
+                                       and node.target in trained
+                                       and isinstance(node.meta.get("val"), torch.Tensor)
+                                       and node.meta["val"].ndim == 2})
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in plan.params:
             continue
@@ -112,7 +119,8 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         if not products or (by_design and not odd and not (
                 wide_heads and 2 * min(param.global_shape) > max(param.global_shape))):
             continue
-        if narrow(param.global_shape, plan.tp) or _routes(plan, products, flow):
+        if narrow(param.global_shape, plan.tp) or node.target in narrow_by_width or \
+                _routes(plan, products, flow):
             # A narrow matrix (a router over a few experts, a scalar gate), or a router
             # whose scores pick the experts (a top-k over its output): replicated by
             # design, as in Megatron; sharding it would cost more communication than the
