@@ -108,3 +108,17 @@ def test_untraced_input_is_refused_with_a_fix() -> None:
     ids = kwargs["input_ids"]
     with pytest.raises(autotp.ConfigError, match=r"traced without \['labels'\]"):
         sim.ranks[0](input_ids=ids, labels=ids)
+
+
+def test_an_equivalence_check_of_a_model_that_draws_random_numbers_says_to_use_eval() -> None:
+    """Training-mode dropout draws other masks on the ranks than on the unsharded model: the
+    check refuses with what to do, rather than reporting a difference; in eval mode the
+    dropout is the identity and the same model passes."""
+    from autotp.features.verify import assert_equivalent
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8))
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"draws random numbers \(dropout.*model\.eval\(\)"):
+        assert_equivalent(model, 2, args=(x,))
+    assert_equivalent(model.eval(), 2, args=(x,))

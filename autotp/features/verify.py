@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autotp.api import ShardedModule, Simulation, full_state_dict, simulate
+from autotp.capture.trace import node_arg, source_of
 from autotp.runtime.comm import CollectiveLog
 
 Call = Callable[[nn.Module], Any]  # runs the model on the inputs, returns its output
@@ -317,6 +318,12 @@ def measure_equivalence(
     if sim.plan.ep != 1:
         raise ValueError("the equivalence check runs every rank on the same inputs: with expert "
                          "parallelism each data-parallel rank needs its own batch")
+    draws = _random_draws(sim.captured.gm) if sim.captured is not None else []
+    if draws:
+        raise ValueError(f"{type(model).__name__} draws random numbers ({'; '.join(draws[:3])}): "
+                         "the sharded ranks draw their own dropout masks, so no run can match "
+                         "the unsharded model's. Compare in eval mode (model.eval()) or with "
+                         "dropout probabilities of 0")
 
     want = reference_step(reference, run, loss, pick)
     got = sim.run(lambda module: sharded_step(module, run, loss, pick))
@@ -335,6 +342,21 @@ def measure_equivalence(
                               dict(reference.named_parameters(remove_duplicate=False)))
     return [Equivalence(rank, compare(want, got[rank]), compare(want_after, got_after[rank]), lr)
             for rank in range(len(got))]
+
+
+def _random_draws(gm: torch.fx.GraphModule) -> list[str]:
+    """The dropouts the traced program runs (capture drops the inactive ones: eval mode, a
+    probability of 0), each as ``op at file:line``."""
+    aten = torch.ops.aten
+    found = []
+    for node in gm.graph.nodes:
+        active = node.target in (aten.dropout.default, aten.native_dropout.default,
+                                 aten.bernoulli.p, aten.bernoulli.default) or (
+            node.target == aten.scaled_dot_product_attention.default
+            and node_arg(node, "dropout_p", 0.0))
+        if node.op == "call_function" and active:
+            found.append(f"{node.target.__name__} at {source_of(node) or node.name}")
+    return found
 
 
 def _mean_square(x: torch.Tensor) -> torch.Tensor:
