@@ -1,4 +1,4 @@
-"""``autotp`` command line: plan, explain and verify a tensor-parallel plan.
+"""autotp command line: plan, explain, verify and estimate tensor-parallel jobs.
 
     autotp plan hf:llama --tp 8                         # the 7B shape, on the meta device
     autotp plan hf:gpt2 --tp 4 --format json -o plan.json
@@ -60,27 +60,41 @@ def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
                        expert_parallel=getattr(args, "ep", 1), **kwargs)
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+SEQ = 2048  # the sequence length bytes and times are counted at, in every subcommand
+
+
+def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> None:
+    """The model and the plan: every subcommand but ``estimate``. ``costs``: the sizes and
+    the link its collectives are counted at (``plan`` and ``explain``; ``verify`` runs the
+    model instead)."""
     parser.add_argument("model", help="hf:<model_type>, a directory with config.json, or "
                                       "file.py:factory / package.module:factory")
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config field (repeatable)")
+    parser.add_argument("--non-strict", dest="strict", action="store_false",
+                        help="replicate ops without a rule (recorded) instead of failing")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="shard the activations between blocks along the sequence "
+                             "(default: off)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    if not costs:
+        return
     parser.add_argument("--ep", type=int, default=1,
                         help="expert parallelism: experts also split over this many "
                              "data-parallel ranks (default 1)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config field (repeatable)")
-    parser.add_argument("--batch", type=int, default=8, help="batch size B for byte counts")
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length T")
-    parser.add_argument("--bandwidth", type=float, default=100.0, help="link GB/s per rank")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="batch size B the bytes are counted at (default 8)")
+    parser.add_argument("--seq", type=int, default=SEQ,
+                        help=f"sequence length T the bytes are counted at (default {SEQ})")
+    parser.add_argument("--bandwidth", type=float, default=100.0,
+                        help="link GB/s per rank (default 100)")
     parser.add_argument("--latency", type=float, default=10.0,
-                        help="a collective's launch latency, us")
+                        help="a collective's launch latency, us (default 10)")
     parser.add_argument("--step-latency", type=float, default=3.4,
-                        help="latency per ring step, us (an all-reduce has 2(tp-1) steps)")
-    parser.add_argument("--non-strict", dest="strict", action="store_false",
-                        help="replicate ops without a rule (recorded) instead of failing")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="shard the activations between blocks along the sequence")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+                        help="latency per ring step, us (an all-reduce has 2(tp-1) steps; "
+                             "default 3.4)")
 
 
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
@@ -300,7 +314,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
     print(found if found else "no forward value diverges: the difference is in the backward "
           "pass (gradients)")
-    return 1
+    return EXIT_NEGATIVE
 
 
 def _example(loaded: Any, sim: Any) -> tuple[tuple, dict]:
@@ -385,7 +399,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             measured, _ = hw_module.calibrate(base, dtype=args.dtype)
         path = args.output or f"{measured.name}.json"
         hw_module.save(measured, path)
-        print(f"autotp: wrote {path} (use --hardware {path})", file=sys.stderr)
+        if not args.quiet:
+            print(f"autotp: wrote {path} (use --hardware {path})", file=sys.stderr)
         return 0
     if args.model is None:
         raise ConfigError("autotp estimate needs a MODEL (or --calibrate)")
@@ -404,8 +419,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
         gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
         mesh=parse_mesh(args.mesh) if args.mesh else None, checkpointing=args.checkpointing,
-        sequence_parallel=None if args.sequence_parallel is None
-        else args.sequence_parallel == "on",
+        sequence_parallel=args.sequence_parallel,
         dtype=args.dtype, precision=args.precision, optimizer=args.optimizer,
         dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
         max_micro_batch=args.max_micro_batch, ep=args.ep)
@@ -418,11 +432,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                    seconds=time.perf_counter() - start)
     text = write(est, args.format, top=args.top)
     _emit(text, args)
-    return 0 if est.best is not None else 1
+    return 0 if est.best is not None else EXIT_NEGATIVE
 
 
 def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     from autotp.planner.hardware import PRESETS
+    from autotp.planner.memory import OPTIMIZER_MOMENTS, PRECISIONS
 
     s.add_argument("model", nargs="?", help="hf:<model_type>, a directory with config.json, "
                                             "or file.py:factory / package.module:factory")
@@ -436,12 +451,14 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--micro-batch", type=int, help="sequences per micro-batch (searched)")
     s.add_argument("--max-micro-batch", type=int, default=8,
                    help="the largest micro-batch searched (default 8)")
-    s.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    s.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
-    s.add_argument("--precision", default="bf16-mixed",
+    s.add_argument("--seq", type=int, default=SEQ, help=f"sequence length (default {SEQ})")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="compute dtype (default bfloat16)")
+    s.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS),
                    help="bf16-mixed (16-bit weights and grads, float32 master and moments), "
                         "fp16-mixed, bf16 (everything in bfloat16, the moments too) or fp32")
-    s.add_argument("--optimizer", default="adam", help="adam, sgd or sgd-nomomentum")
+    s.add_argument("--optimizer", default="adam", choices=list(OPTIMIZER_MOMENTS),
+                   help="the optimizer whose state is counted (default adam)")
     s.add_argument("--dp-shard", default="fsdp", choices=["fsdp", "optimizer", "none"],
                    help="what data parallelism shards: everything (FSDP2, default), the "
                         "optimizer state, or nothing (DDP)")
@@ -451,10 +468,12 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
                         "(searched for a mixture of experts; 1 otherwise)")
     s.add_argument("--checkpointing", choices=["none", "selective", "full"],
                    help="activation recomputation (searched)")
-    s.add_argument("--sequence-parallel", choices=["on", "off"], help="(searched)")
+    s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="with or without sequence parallelism (default: both searched)")
     s.add_argument("--tp-across-nodes", action="store_true",
                    help="also try tp larger than a node")
-    s.add_argument("--format", choices=["table", "json", "html"], default="table")
+    s.add_argument("--format", choices=["table", "json", "html"], default="table",
+                   help="a ranked table (default), JSON, or one self-contained HTML page")
     s.add_argument("--top", type=int, default=20, help="rows of the table (default 20)")
     s.add_argument("-o", "--output", help="write to this file instead of stdout")
     s.add_argument("--calibrate", action="store_true",
@@ -475,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
     _add_model_args(p)
-    p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table")
+    p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table",
+                   help="a table (default), JSON (schema autotp.plan/1), Graphviz DOT, or one "
+                        "self-contained HTML page")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--sharded-outputs", action="store_true",
                    help="return sharded outputs (e.g. vocabulary-sharded logits) ungathered")
@@ -485,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("target", help="a parameter name or a graph node name")
     e.set_defaults(func=cmd_explain)
     v = sub.add_parser("verify", help="compare the sharded model with the unsharded one")
-    _add_model_args(v)
+    _add_model_args(v, costs=False)
     v.add_argument("--procs", action="store_true", help="real gloo processes, not simulation")
     v.add_argument("--atol", type=float, default=1e-4, help="tolerance (outputs, gradients)")
     v.set_defaults(func=cmd_verify)
@@ -495,13 +516,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# exit codes: 0 done; 1 a negative answer (verify: a mismatch; estimate: nothing fits);
+# 2 the command line itself is wrong (argparse); 3 autotp refuses the input (an AutotpError
+# that says what to change); 4 an internal error (a bug in autotp)
+EXIT_NEGATIVE, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERNAL = 1, 2, 3, 4
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except AutotpError as exc:
         print(f"autotp: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        raise
+    except Exception:  # noqa: BLE001 - anything else is autotp's bug: say so, with its trace
+        import traceback
+
+        traceback.print_exc()
+        print("autotp: internal error (a bug in autotp, not in your command): please report "
+              "it with the command line and the trace above", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -126,9 +126,10 @@ def test_plan_json_is_megatron_for_gpt2() -> None:
     for c in data["collectives"]:
         assert c["bytes"] > 0 and c["phase"] in ("forward", "backward")
     per_layer = [c for c in data["collectives"] if c["layer"] == 0]
-    # 2 all-reduces of B*T*C fp32 values each way: 8*1024*64*4 bytes
+    # 2 all-reduces of B*T*C fp32 values each way, at the default B = 8 and T = 2048
+    row = 8 * 2048 * 64 * 4
     assert sorted((c["phase"], c["kind"], c["bytes"]) for c in per_layer) == [
-        ("backward", "all_reduce", 2097152)] * 2 + [("forward", "all_reduce", 2097152)] * 2
+        ("backward", "all_reduce", row)] * 2 + [("forward", "all_reduce", row)] * 2
 
 
 def test_plan_table_folds_identical_layers_and_reports_the_bound() -> None:
@@ -157,7 +158,7 @@ def test_plan_writes_a_file(tmp_path) -> None:
 
 def test_unknown_model_type_lists_the_known_ones() -> None:
     result = autotp_process("plan", "hf:not_a_model", "--tp", "2", check=False)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert "unknown model type 'not_a_model'" in result.stderr and "llama" in result.stderr
 
 
@@ -169,12 +170,12 @@ def test_unknown_model_type_lists_the_known_ones() -> None:
 ])
 def test_bad_factories_say_what_is_wrong(spec: str, message: str) -> None:
     result = autotp("plan", spec, "--tp", "2", check=False)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.returncode == 3 and message in result.stderr, result.stderr
 
 
 def test_tp_not_dividing_heads_names_valid_values() -> None:
     result = autotp("plan", *SMALL_GPT2, "--tp", "3", check=False)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert "tp=3 does not divide the 4 attention heads; use tp in {1, 2, 4}" in result.stderr
 
 
@@ -223,3 +224,41 @@ def test_version_is_the_installed_distributions() -> None:
     assert result.returncode == 0
     assert result.stdout.strip() == f"autotp {version('autotp')}" == \
         f"autotp {package.__version__}"
+
+
+def test_subcommands_share_their_flags_and_take_only_what_they_use() -> None:
+    """One spelling and one default per flag across subcommands; verify takes no byte-count
+    or link flags it would ignore; choices are checked by the parser (exit code 2)."""
+    from autotp.cli import SEQ, build_parser
+
+    parser = build_parser()
+    plan = parser.parse_args(["plan", "hf:gpt2", "--tp", "2"])
+    estimate = parser.parse_args(["estimate", "hf:gpt2"])
+    assert plan.seq == estimate.seq == SEQ
+    assert plan.sequence_parallel is False and estimate.sequence_parallel is None
+    for command in (["plan", "hf:gpt2", "--tp", "2"], ["estimate", "hf:gpt2"]):
+        assert parser.parse_args([*command, "--sequence-parallel"]).sequence_parallel is True
+        assert parser.parse_args([*command, "--no-sequence-parallel"]).sequence_parallel is False
+    for ignored in ("--ep", "--batch", "--seq", "--bandwidth", "--latency"):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["verify", "hf:gpt2", "--tp", "2", ignored, "1"])
+        assert exc.value.code == 2
+    for bad in (["--dtype", "float8"], ["--precision", "bf17"], ["--optimizer", "adagrad"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["estimate", "hf:gpt2", *bad])
+        assert exc.value.code == 2
+    helps = [action.help for sub in parser._subparsers._group_actions[0].choices.values()
+             for action in sub._actions if action.dest == "format"]
+    assert len(helps) == 2 and all(helps), helps
+    assert "``" not in parser.format_help() and "estimate" in parser.format_help()
+
+
+def test_an_internal_error_exits_4_and_says_it_is_a_bug(monkeypatch) -> None:
+    import autotp.cli as cli
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_plan", broken)
+    result = autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", check=False)
+    assert result.returncode == 4 and "internal error" in result.stderr, result.stderr
