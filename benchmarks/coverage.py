@@ -1,8 +1,8 @@
-"""Which transformers families autotp runs exactly, and at which cost: the README's table.
+"""Which transformers families autotp runs exactly, and at which cost: docs/coverage.md's table.
 
     python benchmarks/coverage.py                       # print the table (tp 2 and 4)
     python benchmarks/coverage.py --record              # and write benchmarks/coverage.json
-    python benchmarks/coverage.py --write-readme        # README's table from coverage.json
+    python benchmarks/coverage.py --write-docs          # docs/coverage.md's table, from the record
     python benchmarks/coverage.py --families Mixtral,T5 --tp 2 --json rows.json
 
 Each family is a small model from its transformers config (hidden 64, 2 layers, 8 heads,
@@ -38,8 +38,8 @@ is listed, and where the tps differ, each tp's in tp order ("a / b"):
   layer, the largest matrix kept whole. ``--no-published`` leaves it out.
 
 The record, benchmarks/coverage.json (schema ``autotp.coverage/1``), holds every row of a
-run with the numbers behind it, and the published shapes' rows; README.md's table is its
-rendering (``--write-readme``), and tests/test_coverage.py reruns families at tp = 2 and
+run with the numbers behind it, and the published shapes' rows; docs/coverage.md's table is
+its rendering (``--write-docs``), and tests/test_coverage.py reruns families at tp = 2 and
 checks each against its recorded row: the same plan (``planned``) and still exact.
 
     {"schema": "autotp.coverage/1", "tps": [int],
@@ -554,18 +554,18 @@ def planned(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> str:
-    """The README's table of a record."""
+    """docs/coverage.md's table of a record."""
     return table(data["rows"], data["tps"], data["published"])
 
 
-def write_readme(data: dict[str, Any]) -> None:
-    path = ROOT / "README.md"
-    readme = path.read_text()
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+def write_docs(data: dict[str, Any]) -> None:
+    path = ROOT / "docs" / "coverage.md"
+    page = path.read_text()
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
     note = ("\n<!-- generated from benchmarks/coverage.json by python benchmarks/coverage.py "
-            "--write-readme; status: (max abs diff of outputs and loss, max relative gradient "
+            "--write-docs; status: (max abs diff of outputs and loss, max relative gradient "
             "diff); bytes: per layer, over Megatron's two all-reduces of B x T x h -->\n")
-    path.write_text(readme[:start] + note + render(data) + "\n" + readme[end:])
+    path.write_text(page[:start] + note + render(data) + "\n" + page[end:])
     print(f"wrote the table of {RECORD.name} into {path}")
 
 
@@ -603,14 +603,14 @@ def main() -> None:
                         help="also write the run there, as benchmarks/coverage.json holds it")
     parser.add_argument("--record", action="store_true",
                         help=f"write the run to {RECORD.relative_to(ROOT)} (every family)")
-    parser.add_argument("--write-readme", action="store_true",
-                        help=f"replace README.md's table with {RECORD.relative_to(ROOT)}'s "
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"replace docs/coverage.md's table with {RECORD.relative_to(ROOT)}'s "
                              "(after --record, the new one's); alone, it runs nothing")
     parser.add_argument("--no-published", action="store_true",
                         help="leave out the published shapes' column (about 2 minutes)")
     args = parser.parse_args()
-    if args.write_readme and not args.record:
-        write_readme(read_record())
+    if args.write_docs and not args.record:
+        write_docs(read_record())
         return
     torch.set_num_threads(1)
     tps = [int(x) for x in args.tp.split(",")]
@@ -633,8 +633,8 @@ def main() -> None:
     for path in ([Path(args.json)] if args.json else []) + ([RECORD] if args.record else []):
         path.write_text(text, encoding="utf-8")
         print(f"wrote {len(rows)} rows to {path}")
-    if args.write_readme:
-        write_readme(data)
+    if args.write_docs:
+        write_docs(data)
 
 
 if __name__ == "__main__":

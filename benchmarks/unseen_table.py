@@ -1,4 +1,4 @@
-"""The unseen-code sweep before and after, as one markdown table (the README's).
+"""The unseen-code sweep before and after, as one markdown table (docs/coverage.md's).
 
     python benchmarks/unseen_table.py benchmarks/unseen_baseline.json benchmarks/unseen_after.json
 

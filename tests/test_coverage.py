@@ -1,11 +1,11 @@
 """The coverage record is what the families do: they run at tp = 2 here.
 
-benchmarks/coverage.json is written by ``python benchmarks/coverage.py --record`` (README.md's
-coverage table is its rendering, ``--write-readme``). This test reruns families at tp = 2 and
-checks each against its recorded row: the same plan and program (``coverage.planned``: the
-status, a refusal's reason, the collectives and bytes of every layer, what is left
-replicated, the experts), and, where the record says exact, exact still (within 1e-4 abs on
-outputs and loss and 1e-4 relative on gradients).
+benchmarks/coverage.json is written by ``python benchmarks/coverage.py --record``
+(docs/coverage.md's coverage table is its rendering, ``--write-docs``). This test reruns
+families at tp = 2 and checks each against its recorded row: the same plan and program
+(``coverage.planned``: the status, a refusal's reason, the collectives and bytes of every
+layer, what is left replicated, the experts), and, where the record says exact, exact still
+(within 1e-4 abs on outputs and loss and 1e-4 relative on gradients).
 
 Every family runs but those in ``LIKE`` and ``IN_FAMILY_TESTS`` (run by
 tests/test_families.py): near copies of a family that does run (the same
@@ -34,7 +34,7 @@ import coverage as cov  # noqa: E402
 
 RECORD = cov.read_record()
 RECORDED = {row["family"]: row for row in RECORD["rows"] if row["tp"] == 2}
-RERECORD = "re-record: python benchmarks/coverage.py --record --write-readme"
+RERECORD = "re-record: python benchmarks/coverage.py --record --write-docs"
 ALL = os.environ.get("AUTOTP_COVERAGE_ALL", "") not in ("", "0")
 
 # skipped family -> the family it is a near copy of (which runs)
@@ -73,7 +73,7 @@ def _family(name: str) -> object:
 
 def test_the_record_lists_every_family() -> None:
     """Every family at every tp of the record, in FAMILIES order; its rendering (the
-    README's table) has a row for each."""
+    docs/coverage.md's table) has a row for each."""
     assert [(r["family"], r["tp"]) for r in RECORD["rows"]] == \
         [(name, tp) for name in cov.FAMILIES for tp in RECORD["tps"]], RERECORD
     assert 2 in RECORD["tps"]
@@ -98,7 +98,7 @@ def test_family_matches_its_recorded_row(family: str) -> None:
         assert row["output_diff"] <= cov.ATOL and row["grad_rel"] <= cov.ATOL, row
     if status == "exact,":  # matrices left replicated are listed in the plan
         assert row["fallbacks"] > 0, row
-    if status == "refused":  # with the reason, as the README row shows it
+    if status == "refused":  # with the reason, as the docs' row shows it
         assert row["detail"], row
 
 

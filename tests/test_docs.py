@@ -1,0 +1,220 @@
+"""What README.md and docs/*.md show runs, or at least calls what exists the way it exists.
+
+Every ```python block carries a marker on the line before it:
+
+- ``<!-- docs-test: run -->``: executed here, as written (CPU, one process);
+- ``<!-- docs-test: check -->``: a fragment of a program that needs GPUs or a process group
+  (``model``, ``ids`` are the reader's): it must compile, every ``autotp.…`` it calls must
+  exist, and each call's arguments must bind to that function's signature (and those of
+  the functions it imports by name: ``init_device_mesh``, ``fully_shard``, ...).
+
+Every command line in a ```bash block that runs ``autotp`` must parse with autotp's own
+parser, and every flag given to an ``examples/*.py`` script must be one its parser defines.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import shlex
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+import autotp
+from autotp.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"<!-- docs-test: (run|check) -->")
+
+
+class Block:
+    def __init__(self, page: Path, line: int, lang: str, code: str, mark: Optional[str]):
+        self.page, self.line, self.lang, self.code, self.mark = page, line, lang, code, mark
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> Iterator[Block]:
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        opening = re.match(r"^```(\w*)\s*$", lines[i])
+        if not opening:
+            i += 1
+            continue
+        start, lang = i, opening.group(1)
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mark = MARK.search(before)
+        yield Block(page, start + 1, lang, "\n".join(lines[start + 1:end]),
+                    mark.group(1) if mark else None)
+        i = end + 1
+
+
+ALL = [b for page in PAGES for b in blocks(page)]
+PYTHON = [b for b in ALL if b.lang == "python"]
+
+
+def test_the_pages_have_blocks() -> None:
+    assert len(PAGES) >= 10 and len(PYTHON) >= 8, [str(p) for p in PAGES]
+
+
+def test_every_python_block_is_marked() -> None:
+    unmarked = [b.where for b in PYTHON if b.mark is None]
+    assert not unmarked, f"python blocks without a docs-test marker: {unmarked}"
+
+
+@pytest.mark.parametrize("block", [b for b in PYTHON if b.mark == "run"],
+                         ids=lambda b: b.where)
+def test_block_runs(block: Block) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(block.code, block.where, "exec"), {"__name__": "__docs__"})
+
+
+def _imported(tree: ast.AST) -> dict[str, Any]:
+    """The names a fragment imports (``from m import f``; ``import m``), resolved."""
+    names: dict[str, Any] = {"autotp": autotp}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            try:
+                module = importlib.import_module(node.module)
+            except ImportError:
+                continue
+            for alias in node.names:
+                if hasattr(module, alias.name):
+                    names[alias.asname or alias.name] = getattr(module, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                module_name = alias.name if alias.asname else alias.name.split(".")[0]
+                try:
+                    names[alias.asname or module_name] = importlib.import_module(module_name)
+                except ImportError:
+                    continue
+    return names
+
+
+def _resolve(func: ast.expr, names: dict[str, Any]) -> Optional[tuple[str, Any]]:
+    """The object a call's function names, when it is rooted at an imported name."""
+    parts: list[str] = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name) or func.id not in names:
+        return None
+    obj = names[func.id]
+    path = func.id
+    for part in reversed(parts):
+        path += "." + part
+        if not hasattr(obj, part):
+            raise AssertionError(f"{path} does not exist")
+        obj = getattr(obj, part)
+    return path, obj
+
+
+@pytest.mark.parametrize("block", [b for b in PYTHON if b.mark == "check"],
+                         ids=lambda b: b.where)
+def test_fragment_calls_what_exists(block: Block) -> None:
+    tree = ast.parse(block.code, block.where)
+    names = _imported(tree)
+    checked = 0
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        try:
+            found = _resolve(call.func, names)
+        except AssertionError as exc:
+            raise AssertionError(f"{block.where}: {exc}") from None
+        if found is None or not callable(found[1]) or inspect.ismodule(found[1]):
+            continue
+        path, fn = found
+        if any(isinstance(a, ast.Starred) for a in call.args) or \
+                any(k.arg is None for k in call.keywords):
+            continue  # *args / **kwargs: nothing to bind statically
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(*call.args, **{k.arg: k.value for k in call.keywords if k.arg})
+        except TypeError as exc:
+            raise AssertionError(f"{block.where}: {path}(...) does not bind to "
+                                 f"{path}{signature}: {exc}") from None
+        checked += 1
+    assert checked, f"{block.where}: no call of autotp or an imported function to check"
+
+
+def _command_lines(block: Block) -> Iterator[list[str]]:
+    text = re.sub(r"\\\n\s*", " ", block.code)
+    for line in text.splitlines():
+        line = line.split(" #")[0].strip()
+        if line and not line.startswith("#"):
+            yield shlex.split(line.replace("[", "").replace("]", ""))
+
+
+SHELL = [b for b in ALL if b.lang == "bash"]
+AUTOTP_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
+                if argv and argv[0] == "autotp"]
+EXAMPLE_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
+                 if any(a.startswith("examples/") and a.endswith(".py") for a in argv)]
+
+
+def test_the_pages_show_commands() -> None:
+    assert len(AUTOTP_LINES) >= 5 and len(EXAMPLE_LINES) >= 5
+
+
+@pytest.mark.parametrize(("block", "argv"), AUTOTP_LINES,
+                         ids=[f"{b.where}:{' '.join(a[1:3])}" for b, a in AUTOTP_LINES])
+def test_command_line_parses(block: Block, argv: list[str]) -> None:
+    try:
+        build_parser().parse_args(argv[1:])
+    except SystemExit as exc:
+        raise AssertionError(f"{block.where}: {' '.join(argv)} does not parse") from exc
+
+
+def _flags(script: str) -> set[str]:
+    """The flags ``script``'s argument parser defines: the ``--`` strings of its
+    ``add_argument`` calls (read from the source, without starting a process)."""
+    tree = ast.parse((ROOT / script).read_text(), script)
+    flags = set()
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument":
+            flags |= {a.value for a in call.args if isinstance(a, ast.Constant)
+                      and isinstance(a.value, str) and a.value.startswith("--")}
+            if any(k.arg == "action" and isinstance(k.value, ast.Attribute)
+                   and k.value.attr == "BooleanOptionalAction" for k in call.keywords):
+                flags |= {"--no-" + f[2:] for f in flags}
+    assert flags, f"{script} defines no flags"
+    return flags | {"--help"}
+
+
+def test_example_flags_exist() -> None:
+    wrong = []
+    for block, argv in EXAMPLE_LINES:
+        script = next(a for a in argv if a.startswith("examples/") and a.endswith(".py"))
+        flags = [a.split("=")[0] for a in argv[argv.index(script) + 1:] if a.startswith("--")]
+        listed = _flags(script)
+        wrong += [f"{block.where}: {script} {flag}" for flag in flags if flag not in listed]
+    assert not wrong, f"flags the examples do not take: {wrong}"
+
+
+def test_the_json_schema_lists_every_key_the_plan_writes() -> None:
+    """docs/command-line.md's schema against a plan autotp wrote (the golden GPT-2 plan):
+    every key at every level is documented."""
+    import json
+
+    page = (ROOT / "docs" / "command-line.md").read_text()
+    schema = next(b.code for b in blocks(ROOT / "docs" / "command-line.md")
+                  if '"schema": "autotp.plan/1"' in b.code)
+    plan = json.loads((ROOT / "tests" / "golden" / "gpt2_tp2.json").read_text())
+    keys = set(plan) | set(plan["summary"]) | set(next(iter(plan["params"].values()))) | \
+        set(plan["collectives"][0])
+    missing = sorted(k for k in keys if f'"{k}"' not in schema)
+    assert not missing and "why_replicated" in schema and '"experts"' in schema, \
+        (missing, page.count("schema"))
