@@ -314,7 +314,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
     print(found if found else "no forward value diverges: the difference is in the backward "
           "pass (gradients)")
-    return EXIT_NEGATIVE
+    return EXIT_VERDICT
 
 
 def _example(loaded: Any, sim: Any) -> tuple[tuple, dict]:
@@ -432,7 +432,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                    seconds=time.perf_counter() - start)
     text = write(est, args.format, top=args.top)
     _emit(text, args)
-    return 0 if est.best is not None else EXIT_NEGATIVE
+    return 0 if est.best is not None else EXIT_VERDICT
 
 
 def _add_estimate_args(s: argparse.ArgumentParser) -> None:
@@ -489,7 +489,12 @@ def _installed_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autotp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="autotp", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + "\n".join(line for line in __doc__.splitlines()[1:] if line)
+        + "\n\nexit codes: 0 done, 1 a verdict (a mismatch, nothing fits), 2 a wrong "
+          "command line or input, 3 an internal error")
     parser.add_argument("--version", action="version", version=f"autotp {_installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
@@ -516,10 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# exit codes: 0 done; 1 a negative answer (verify: a mismatch; estimate: nothing fits);
-# 2 the command line itself is wrong (argparse); 3 autotp refuses the input (an AutotpError
-# that says what to change); 4 an internal error (a bug in autotp)
-EXIT_NEGATIVE, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERNAL = 1, 2, 3, 4
+# exit codes: 0 done; 1 a verdict (verify: a mismatch; estimate: nothing fits); 2 the
+# command line or the input is wrong (argparse, or an AutotpError that says what to change);
+# 3 an internal error (a bug in autotp)
+EXIT_VERDICT, EXIT_INPUT, EXIT_INTERNAL = 1, 2, 3
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -528,7 +533,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return int(args.func(args))
     except AutotpError as exc:
         print(f"autotp: error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return EXIT_INPUT
     except KeyboardInterrupt:
         raise
     except Exception:  # noqa: BLE001 - anything else is autotp's bug: say so, with its trace

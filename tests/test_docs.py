@@ -218,3 +218,59 @@ def test_the_json_schema_lists_every_key_the_plan_writes() -> None:
     missing = sorted(k for k in keys if f'"{k}"' not in schema)
     assert not missing and "why_replicated" in schema and '"experts"' in schema, \
         (missing, page.count("schema"))
+
+
+def test_usage_shows_parallelize_with_every_parameter() -> None:
+    """docs/usage.md's signature line of ``parallelize`` names every parameter it has."""
+    page = (ROOT / "docs" / "usage.md").read_text()
+    shown = page[page.index("`autotp.parallelize("):]
+    shown = shown[:shown.index(")` returns")]
+    missing = [name for name in inspect.signature(autotp.parallelize).parameters
+               if name not in shown]
+    assert not missing, f"docs/usage.md's parallelize signature lacks {missing}"
+
+
+def _defaults(script: str) -> dict[str, Any]:
+    """``--flag`` -> its default, for the int flags ``script``'s parser defines."""
+    tree = ast.parse((ROOT / script).read_text(), script)
+    found: dict[str, Any] = {}
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument" and \
+                call.args and isinstance(call.args[0], ast.Constant):
+            default = next((k.value for k in call.keywords if k.arg == "default"), None)
+            if isinstance(default, ast.Constant):
+                found[call.args[0].value] = default.value
+    return found
+
+
+def _heads_in_code(script: str) -> Optional[int]:
+    """The head count an example's model is built with where no flag sets it."""
+    sizes = set(re.findall(r"(?:num_attention_heads|n_head)=(\d+)", (ROOT / script).read_text()))
+    return int(sizes.pop()) if len(sizes) == 1 else None
+
+
+def test_documented_launches_divide_the_model() -> None:
+    """Each documented ``torchrun`` of an example: the processes make the mesh its flags ask
+    for (dp x pp x tp = nodes x processes per node), and the tensor-parallel degree divides
+    the model's heads, and the heads its width (a tp that does not is refused at run time:
+    the docs must not show one)."""
+    wrong = []
+    for block, argv in EXAMPLE_LINES:
+        if argv[0] != "torchrun":
+            continue
+        script = next(a for a in argv if a.startswith("examples/") and a.endswith(".py"))
+        launcher = dict(zip(argv[:argv.index(script)], argv[1:argv.index(script)]))
+        world = int(launcher.get("--nproc-per-node", 1)) * int(launcher.get("--nnodes", 1))
+        given = dict(zip(argv[argv.index(script) + 1:], argv[argv.index(script) + 2:]))
+        values = {**_defaults(script), **{k: v for k, v in given.items() if k.startswith("--")}}
+        dp, pp = int(values.get("--dp", 1)), int(values.get("--pp", 1))
+        tp = int(values["--tp"]) if "--tp" in values else world // (dp * pp)
+        if dp * pp * tp != world:
+            wrong.append(f"{block.where}: {world} processes for dp {dp} x pp {pp} x tp {tp}")
+        heads = values.get("--n-head", values.get("--heads")) or _heads_in_code(script)
+        width = values.get("--n-embd", values.get("--hidden"))
+        if heads is not None and int(heads) % tp:
+            wrong.append(f"{block.where}: tp {tp} does not divide {heads} heads")
+        if heads is not None and width is not None and int(width) % int(heads):
+            wrong.append(f"{block.where}: {heads} heads do not divide width {width}")
+    assert not wrong, wrong
