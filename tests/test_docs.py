@@ -274,3 +274,13 @@ def test_documented_launches_divide_the_model() -> None:
         if heads is not None and width is not None and int(width) % int(heads):
             wrong.append(f"{block.where}: {heads} heads do not divide width {width}")
     assert not wrong, wrong
+
+
+def test_every_environment_variable_autotp_reads_is_documented() -> None:
+    read = set()
+    for folder in ("autotp", "planner", "rules"):
+        for path in (ROOT / folder).rglob("*.py"):
+            read |= set(re.findall(r"environ(?:\.get\(|\[)\"(AUTOTP_[A-Z_]+)", path.read_text()))
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    documented = set(re.findall(r"`(AUTOTP_[A-Z_]+)", page))
+    assert read and read == documented, (read, documented)
