@@ -239,7 +239,7 @@ def test_search_finds_the_answer_known_by_hand() -> None:
     best = next(c for c in configs if c.fits)
     assert (best.tp, best.pp, best.dp) == (2, 1, 1)
     assert best.parallelize_kwargs() == {"tp": 2, "sequence_parallel": False}
-    # the README's hand-off: init_device_mesh("cuda", **best.device_mesh_kwargs()) binds
+    # docs/estimate.md's hand-off: init_device_mesh("cuda", **best.device_mesh_kwargs()) binds
     from torch.distributed.device_mesh import init_device_mesh
 
     bound = inspect.signature(init_device_mesh).bind("cuda", **best.device_mesh_kwargs())

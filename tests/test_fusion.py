@@ -89,5 +89,5 @@ def test_compiled_program_matches_the_unsharded_model(sequence_parallel: bool) -
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_compiled_program_matches_the_unsharded_model() -> None:
-    """compile=True (inductor, the backend the README's figures use)."""
+    """compile=True (inductor, the backend docs/performance.md's figures use)."""
     _check_compiled(True)
