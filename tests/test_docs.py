@@ -9,7 +9,8 @@ Every ```python block carries a marker on the line before it:
   the functions it imports by name: ``init_device_mesh``, ``fully_shard``, ...).
 
 Every command line in a ```bash block that runs ``autotp`` must parse with autotp's own
-parser, and every flag given to an ``examples/*.py`` script must be one its parser defines.
+parser, and every flag given to an ``examples/*.py`` or ``benchmarks/*.py`` script must be one
+its parser defines.
 """
 
 from __future__ import annotations
@@ -161,8 +162,9 @@ def _command_lines(block: Block) -> Iterator[list[str]]:
 SHELL = [b for b in ALL if b.lang == "bash"]
 AUTOTP_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
                 if argv and argv[0] == "autotp"]
+SCRIPT = re.compile(r"^(examples|benchmarks)/\w+\.py$")
 EXAMPLE_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
-                 if any(a.startswith("examples/") and a.endswith(".py") for a in argv)]
+                 if any(SCRIPT.match(a) for a in argv)]
 
 
 def test_the_pages_show_commands() -> None:
@@ -197,7 +199,7 @@ def _flags(script: str) -> set[str]:
 def test_example_flags_exist() -> None:
     wrong = []
     for block, argv in EXAMPLE_LINES:
-        script = next(a for a in argv if a.startswith("examples/") and a.endswith(".py"))
+        script = next(a for a in argv if SCRIPT.match(a))
         flags = [a.split("=")[0] for a in argv[argv.index(script) + 1:] if a.startswith("--")]
         listed = _flags(script)
         wrong += [f"{block.where}: {script} {flag}" for flag in flags if flag not in listed]
@@ -258,7 +260,7 @@ def test_documented_launches_divide_the_model() -> None:
     for block, argv in EXAMPLE_LINES:
         if argv[0] != "torchrun":
             continue
-        script = next(a for a in argv if a.startswith("examples/") and a.endswith(".py"))
+        script = next(a for a in argv if SCRIPT.match(a))
         launcher = dict(zip(argv[:argv.index(script)], argv[1:argv.index(script)]))
         world = int(launcher.get("--nproc-per-node", 1)) * int(launcher.get("--nnodes", 1))
         given = dict(zip(argv[argv.index(script) + 1:], argv[argv.index(script) + 2:]))
