@@ -6,7 +6,8 @@
 a chain of products and biases (vit-pytorch's parallel blocks) looks like a chain of opaque
 terms, and ``products_summed_first`` cannot add the partial products before the biases.
 Only an op whose output has its input's shape and dtype is removed (``int_tensor + 0.0``
-promotes, and stays).
+promotes, and stays), and only on a computed value: a parameter's own arithmetic
+(x-transformers' ``gamma + unit_offset``) is how the rules see that parameter, and stays.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _identity_of(node: fx.Node) -> "fx.Node | None":
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     x = node.args[0]
+    if x.op == "get_attr":
+        return None
     if node.target == aten.dropout.default:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else None)
