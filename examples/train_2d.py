@@ -49,6 +49,8 @@ def main() -> None:
                         help="expert parallelism over the dp ranks: 1 (a dense LLaMA) or --dp "
                              "(a mixture-of-experts model, experts split over dp x tp)")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clip by the whole model's gradient norm (autotp.clip_grad_norm_)")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
 
@@ -103,19 +105,21 @@ def main() -> None:
         loss = sharded(input_ids=mine, labels=mine).loss
         loss.backward()
         sharded.finish_expert_gradients()
+        norm = autotp.clip_grad_norm_(sharded, args.max_grad_norm)  # over tp, dp and ep
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=mesh["dp"].get_group())
         mean /= args.dp
-        line = f"step {step}: loss {float(mean):.5f}"
+        line = f"step {step}: loss {float(mean):.5f}, grad norm {float(norm):.5f}"
         if reference is not None and ref_opt is not None:
             ref_loss = reference(input_ids=ids, labels=ids).loss
             ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
             ref_opt.step()
             ref_opt.zero_grad()
             worst = max(worst, abs(float(mean) - float(ref_loss.detach())))
-            line += f" (unsharded {float(ref_loss.detach()):.5f})"
+            line += f" (unsharded {float(ref_loss.detach()):.5f}, norm {float(ref_norm):.5f})"
         if dist.get_rank() == 0:
             print(line)
     if dist.get_rank() == 0:
