@@ -33,9 +33,9 @@ class _ParallelBlock(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block: type = _ParallelBlock) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_ParallelBlock() for _ in range(2))
+        self.blocks = nn.ModuleList(block() for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -77,22 +77,11 @@ class _Branches(nn.Module):
         return sum(branches) + x
 
 
-class _BranchModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Branches() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_branches_summed_from_zero_through_eval_dropout_reduce_once() -> None:
     """``0 + a``, eval-mode dropout and a weight's views hide nothing: the three partial
     products are added first, one forward all-reduce per block."""
     torch.manual_seed(0)
-    model, x = _BranchModel().eval(), torch.randn(2, 16, H)
+    model, x = _Model(_Branches).eval(), torch.randn(2, 16, H)
     sim = autotp.simulate(model, 2, example_args=(x,))
     for layer in (0, 1):
         forward = [c for c in sim.plan.collectives if c.layer == layer and c.phase == "forward"]
