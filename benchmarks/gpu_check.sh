@@ -36,7 +36,7 @@ transformers.__version__, torch.cuda.get_device_name(), 'x', torch.cuda.device_c
 python3 -c "import autotp" 2>/dev/null || python3 -m pip install -q --no-deps \
   --no-build-isolation -e . >"$LOG/install.log" 2>&1
 
-step tests 300 python3 -m pytest -q -p no:cacheprovider -k "cuda or nccl" \
+step tests 300 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" -k "cuda or nccl" \
   tests/test_distributed.py tests/test_equivalence.py tests/test_robustness.py \
   tests/test_generate.py
 step hf_llama 120 torchrun --nproc-per-node "$TP" examples/hf_llama.py
