@@ -40,6 +40,7 @@ from autotp.planner.transitions import Collective
 aten = torch.ops.aten
 
 Entry = tuple[Any, frozenset]
+DEFERRED = "deferred"  # a size read's choice, made once its leaf's layout is known
 Key = frozenset
 States = dict  # Key -> (cost, entries)
 Transition = Callable[[Any, dict, float], Any]  # (pnode, entries, cost) -> [(choice, (c, e))]
@@ -80,9 +81,21 @@ class FrontierSolver:
         self.max_states = max_states
         self.reuse_layers = reuse_layers
         self.index = {pn.node.name: i for i, pn in enumerate(pnodes)}
+        # A leaf enters the states at its first use that is not a size read. A size read
+        # (``sym_size``, a metadata check: no tensor out) takes every layout, so entering
+        # there would carry each of the leaf's candidates along, at equal cost, until its
+        # writer or reader tells them apart: a decoding step reads every layer's cache size
+        # first, and 5 candidates per cache crowd the beam out of the heads-sharded caches.
+        # The read's strategy follows the layout chosen later (``_backtrack``).
+        self.size_reads = {i for i, pn in enumerate(pnodes) if pn.kind == "op" and
+                           pn.strategies and all(s.output is None for s in pn.strategies)}
         self.first_use: dict[str, int] = {}
         for i, pn in enumerate(pnodes):
             for name in pn.inputs:
+                if i not in self.size_reads or by_name[name].kind != "leaf":
+                    self.first_use.setdefault(name, i)
+        for i in sorted(self.size_reads):  # leaves only ever read for their size
+            for name in pnodes[i].inputs:
                 self.first_use.setdefault(name, i)
         self.history: list[Any] = [None] * len(pnodes)
         self.reused_layers = 0
@@ -95,6 +108,10 @@ class FrontierSolver:
         if pn.kind not in ("op", "getitem", "output"):
             return states
         by_name, last_use = self.by_name, self.last_use
+        if i in self.size_reads and any(by_name[n].kind == "leaf" and self.first_use[n] > i
+                                        for n in pn.inputs):
+            self.history[i] = {key: (key, (DEFERRED, ())) for key in states}
+            return states
         entering = [n for n in dict.fromkeys(pn.inputs) if by_name[n].kind == "leaf"]
         dying = [n for n in dict.fromkeys(pn.inputs) if last_use[n] == i]
         record: dict[Key, tuple[Key, Any]] = {}
@@ -186,7 +203,23 @@ class FrontierSolver:
             for name, layout in leaves:
                 decisions.setdefault(name, layout)
             key = prev
+        for i in self.size_reads:
+            pn = self.pnodes[i]
+            if decisions.get(pn.node.name) is DEFERRED:
+                decisions[pn.node.name] = self._size_read_choice(pn, decisions)
         return decisions
+
+    def _size_read_choice(self, pn: Any, decisions: dict[str, Any]) -> Any:
+        """The strategy of a size read whose leaf entered later: the cheapest one that reads
+        the leaf in the layout it was given (a size along a sharded dim is the local size
+        times tp)."""
+        entries = {name: (decisions[name], frozenset()) for name in pn.inputs
+                   if self.by_name[name].kind == "leaf"}
+        options = list(self.transition(pn, entries, 0.0))
+        if not options:
+            raise PlanError(f"no strategy of {pn.node.target} reads {pn.inputs} in the "
+                            f"layouts {[str(decisions[n]) for n in pn.inputs]}{where(pn.node)}")
+        return min(options, key=lambda option: option[1][0])[0]
 
     # ---- repeated layers ---------------------------------------------------------------
 
