@@ -1,7 +1,7 @@
 """Pipeline x data x tensor parallelism on one ("pp", "dp", "tp") DeviceMesh.
 
     torchrun --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --check
-    torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --tp 2 --stages-per-rank 2
+    torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 1 --tp 2 --stages-per-rank 2
     torchrun --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --ep 2 --check
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_3d.py --pp 4 --dp 1 --tp 8 --layers 32
@@ -12,7 +12,9 @@ stage, and the rest of the stage, over "dp" (for the zero-bubble schedules, whos
 is split, the whole stage only); optionally each layer is wrapped in activation
 checkpointing first. torch's own schedules run the stages. Each dp rank trains on its slice
 of the global batch, cut into microbatches. ``--check`` also trains the unsharded model on the
-whole batch on every rank and prints the largest difference of the losses.
+whole batch on every rank and prints the largest difference of the losses. Both clip their
+gradients by the whole model's norm (``--max-grad-norm``): ``autotp.clip_grad_norm_`` over the
+stages sums it over tp, dp (FSDP2's shards), ep and pp, each tied parameter once.
 
 ``--moe`` trains a mixture-of-experts model (Qwen3-MoE) instead of LLaMA, and ``--ep`` (equal
 to ``--dp``) splits its experts over the dp ranks too, as examples/train_2d.py does: FSDP2
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="Qwen3-MoE (8 experts) for LLaMA")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert parallelism over the dp ranks (implies --moe): 1 or --dp")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clip by the whole model's gradient norm (autotp.clip_grad_norm_)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
@@ -152,26 +156,29 @@ def main() -> None:
     opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3) if reference else None
 
-    worst = 0.0
+    worst = worst_norm = 0.0
     for step in range(args.steps):
         losses: list[torch.Tensor] = []
         kwargs = {"target": my_labels, "losses": losses} if last else {}
         schedule.step(*((mine,) if first else ()), **kwargs)
         autotp.finish_expert_gradients(stages)
+        norm = autotp.clip_grad_norm_(stages, args.max_grad_norm)  # over tp, dp, ep and pp
         opt.step()
         opt.zero_grad()
         # the loss is on the last pp rank (every tp rank of it); the mean over dp
         mean = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=device)
         dist.all_reduce(mean)
         mean /= args.dp * args.tp
-        line = f"step {step}: loss {float(mean):.5f}"
+        line = f"step {step}: loss {float(mean):.5f}, grad norm {float(norm):.5f}"
         if reference is not None and ref_opt is not None:
             ref_loss = loss_fn(reference(ids).logits, labels)
             ref_loss.backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_grad_norm)
             ref_opt.step()
             ref_opt.zero_grad()
             worst = max(worst, abs(float(mean) - float(ref_loss.detach())))
-            line += f" (unsharded {float(ref_loss.detach()):.5f})"
+            worst_norm = max(worst_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
+            line += f" (unsharded {float(ref_loss.detach()):.5f}, norm {float(ref_norm):.5f})"
         if dist.get_rank() == 0:
             print(line, flush=True)
     local = sum(getattr(p, "to_local", p.detach)().numel()
@@ -183,7 +190,8 @@ def main() -> None:
               f"{'on' if args.checkpointing else 'off'}; local parameters on rank 0: {local}"
               + (f" of {total}" if total else ""))
         if args.check:
-            print(f"largest loss difference to the unsharded model: {worst:.2e}")
+            print(f"largest loss difference to the unsharded model: {worst:.2e}; "
+                  f"gradient norm: {worst_norm:.2e} relative")
     dist.destroy_process_group()
 
 

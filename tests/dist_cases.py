@@ -320,6 +320,22 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
     return worst
 
 
+def _norm_diff(stages: list[Any], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``autotp.clip_grad_norm_`` over this rank's stages (a limit it does not reach: the
+    gradients stay as they are), of order 2 and infinity, against the unsharded model's
+    gradient norms (each tied parameter once), relative."""
+    import math
+
+    import autotp
+
+    got = {"2": float(autotp.clip_grad_norm_(stages, math.inf)),
+           "inf": float(autotp.clip_grad_norm_(stages, math.inf, math.inf))}
+    grads = list(want.values())
+    norms = {"2": float(torch.stack([g.norm() for g in grads]).norm()),
+             "inf": max(float(g.abs().max()) for g in grads)}
+    return {k: abs(got[k] - norms[k]) / norms[k] for k in norms}
+
+
 def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 3
                   ) -> dict[str, dict[str, Any]]:
     """pp2 x tp2: Schedule1F1B with one stage per rank (LLaMA), ScheduleInterleaved1F1B with
@@ -358,17 +374,18 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 3
             opt = torch.optim.AdamW(params, lr=1e-2)
             schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
                            loss_fn=_next_token_loss)
-            losses, grad_diffs = [], []
+            losses, grad_diffs, norm_diffs = [], [], []
             for step in range(steps):
                 total = _pipeline_step(schedule, stages, ids, labels)
                 torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
                 losses.append(float(total))
                 grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
                                                    mesh["tp"].get_local_rank(), 2))
+                norm_diffs.append(_norm_diff(stages, ref_grads[step]))
                 opt.step()
                 opt.zero_grad()
             out[f"{name}-{kind}"] = {"losses": losses, "reference": ref_losses,
-                                     "grad_diffs": grad_diffs,
+                                     "grad_diffs": grad_diffs, "norm_diffs": norm_diffs,
                                      "stage_params": sum(p.numel() for p in params),
                                      "full_params": sum(p.numel()
                                                         for p in original.parameters())}
@@ -406,17 +423,18 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 3) -> dict[str, An
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=_next_token_loss)
-    losses, grad_diffs = [], []
+    losses, grad_diffs, norm_diffs = [], [], []
     for step in range(steps):
         total = _pipeline_step(schedule, stages, mine, my_labels)
         torch.distributed.all_reduce(total)  # over pp (one rank has it) and dp, and tp
         losses.append(float(total) / 4)  # 2 dp x 2 tp ranks hold the loss
         grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
                                            mesh["tp"].get_local_rank(), 2))
+        norm_diffs.append(_norm_diff(stages, ref_grads[step]))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
-            "fsdp": all(isinstance(p, DTensor) for p in params)}
+            "norm_diffs": norm_diffs, "fsdp": all(isinstance(p, DTensor) for p in params)}
 
 
 def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
@@ -450,17 +468,18 @@ def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str
         fully_shard(stage.submod, mesh=mesh["dp"], ignored_params=set(experts.values()))
     opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-2)
     schedule = Schedule1F1B(stages[0], n_microbatches=2, loss_fn=_next_token_loss)
-    losses, grad_diffs = [], []
+    losses, grad_diffs, norm_diffs = [], [], []
     for step in range(steps):
         total = _pipeline_step(schedule, stages, mine, my_labels)
         autotp.finish_expert_gradients(stages)
         torch.distributed.all_reduce(total)  # one pp rank has it, on each dp rank
         losses.append(float(total) / 2)
         grad_diffs.append(_stage_grad_diff(stages, ref_grads[step], 0, 1, dp_rank, 2))
+        norm_diffs.append(_norm_diff(stages, ref_grads[step]))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
-            "experts_held": held}
+            "norm_diffs": norm_diffs, "experts_held": held}
 
 
 def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: int = 2

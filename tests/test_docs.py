@@ -159,7 +159,23 @@ def _command_lines(block: Block) -> Iterator[list[str]]:
             yield shlex.split(line.replace("[", "").replace("]", ""))
 
 
-SHELL = [b for b in ALL if b.lang == "bash"]
+def usage_blocks(script: Path) -> Iterator[Block]:
+    """The command lines of a script's docstring (indented ``torchrun ...`` or ``python
+    ...`` lines, continued by backslashes), as one shell block each: the usage a reader of
+    the example copies."""
+    doc = ast.get_docstring(ast.parse(script.read_text(), str(script)), clean=False) or ""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s+(torchrun|python3?) ", line) and not lines[i - 1].endswith("\\"):
+            end = i
+            while lines[end].endswith("\\") and end + 1 < len(lines):
+                end += 1
+            yield Block(script, i + 2, "bash", "\n".join(lines[i:end + 1]), None)
+
+
+SCRIPTS = sorted((ROOT / "examples").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+SHELL = [b for b in ALL if b.lang == "bash"] + [b for script in SCRIPTS
+                                                for b in usage_blocks(script)]
 AUTOTP_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
                 if argv and argv[0] == "autotp"]
 SCRIPT = re.compile(r"^(examples|benchmarks)/\w+\.py$")
@@ -192,7 +208,6 @@ def _flags(script: str) -> set[str]:
             if any(k.arg == "action" and isinstance(k.value, ast.Attribute)
                    and k.value.attr == "BooleanOptionalAction" for k in call.keywords):
                 flags |= {"--no-" + f[2:] for f in flags}
-    assert flags, f"{script} defines no flags"
     return flags | {"--help"}
 
 

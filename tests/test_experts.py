@@ -220,6 +220,8 @@ def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
             assert abs(loss - want) < 1e-5, (rank, got)
         first, second = got["grad_diffs"]
         assert first["untied"] < 1e-5 and second["untied"] < 3e-3, (rank, got["grad_diffs"])
+        first, second = got["norm_diffs"]  # autotp.clip_grad_norm_ over pp, dp and ep
+        assert max(first.values()) < 1e-5 and max(second.values()) < 3e-3, (rank, got)
 
 
 def test_expert_parallel_with_grouped_routing_and_a_shared_expert() -> None:

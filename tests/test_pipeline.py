@@ -38,6 +38,7 @@ def test_pipeline_matches_the_unsharded_model() -> None:
                 assert abs(loss - want) < 1e-5, (case, rank, got)
             _check_grads(got["grad_diffs"], tied=case == "gpt2-interleaved" or
                          (case == "gpt2-zbv" and rank < 2))
+            _check_norms(got["norm_diffs"])
             # a quarter of the weights per rank (half the layers, half of each), plus the
             # replicated norms and the embedding or head of the end stages
             assert got["stage_params"] < 0.3 * got["full_params"], (case, rank, got)
@@ -113,6 +114,7 @@ def test_pipeline_with_fsdp_on_a_3d_mesh() -> None:
         for loss, want in zip(got["losses"], got["reference"]):
             assert abs(loss - want) < 1e-5, (rank, got)
         _check_grads(got["grad_diffs"], tied=True)
+        _check_norms(got["norm_diffs"])
 
 
 def test_stages_read_only_their_weights(tmp_path) -> None:
@@ -141,5 +143,14 @@ def _check_grads(diffs: list[dict[str, float]], tied: bool) -> None:
     ones. A tied gradient not summed over the pp ranks, summed over another mesh dim, or
     summed on the first step only is off by O(1); ``tied``: this rank holds one."""
     assert len(diffs) == 3 and all(("tied" in d) == tied for d in diffs), (tied, diffs)
+    for step, diff in enumerate(diffs):
+        assert max(diff.values()) < (FIRST_STEP if step == 0 else LATER_STEPS), (step, diffs)
+
+
+def _check_norms(diffs: list[dict[str, float]]) -> None:
+    """``autotp.clip_grad_norm_`` over the stages against the unsharded model's gradient
+    norm (2 and infinity), relative, with the gradients' own tolerances: a norm not summed
+    over the pp ranks, or counting a tied parameter's copies twice, is off by O(1)."""
+    assert len(diffs) == 3, diffs
     for step, diff in enumerate(diffs):
         assert max(diff.values()) < (FIRST_STEP if step == 0 else LATER_STEPS), (step, diffs)

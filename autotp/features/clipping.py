@@ -10,7 +10,10 @@ each piece counts once in the model's norm:
   backward has summed it): counted on tensor-parallel rank 0 only;
 - experts split over expert-parallel ranks (``ep``): summed over those too;
 - a gradient FSDP2 holds sharded over data-parallel ranks (a DTensor): its local shard,
-  summed over the mesh dims it is sharded on.
+  summed over the mesh dims it is sharded on;
+- pipeline stages (``autotp.pipeline_stages``): each stage's parameters, summed over the
+  pipeline ranks; a parameter several stages read (a tied embedding and head) has a copy in
+  each, holding the same summed gradient, and counts in the first of them only.
 
 Every rank then scales its pieces by the same ``max_norm / total`` (when below 1), so the
 clipped gradients are the unsharded model's clipped gradients, sliced.
@@ -19,7 +22,7 @@ clipped gradients are the unsharded model's clipped gradients, sliced.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -29,29 +32,39 @@ from autotp.errors import ConfigError
 from autotp.layout import Shard
 
 
-def clip_grad_norm_(module: ShardedModule, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip the gradients of ``module`` (what ``autotp.parallelize`` returned) in place so
-    that the whole model's gradient norm is at most ``max_norm``; returns that norm before
-    clipping (the same on every rank), as ``torch.nn.utils.clip_grad_norm_`` does for an
-    unsharded model.
+class _Piece(NamedTuple):
+    grad: torch.Tensor
+    sharded: bool  # the tensor-parallel ranks hold different pieces of it
+    expert: bool  # split over the expert-parallel ranks
 
-    Collective: call it on every rank of the tensor-parallel group (and of the expert- and
-    data-parallel ranks the gradients are spread over) after backward, before the optimizer
-    step. ``norm_type`` is any p > 0 or ``math.inf``."""
-    if not isinstance(module, ShardedModule):
-        raise ConfigError(
-            f"autotp.clip_grad_norm_ takes the module autotp.parallelize returned, got "
-            f"{type(module).__name__}; for an unsharded model use "
-            "torch.nn.utils.clip_grad_norm_")
+
+class _Holder(NamedTuple):
+    """What one rank holds: its pieces and the groups they are spread over."""
+
+    pieces: list[_Piece]
+    comm: Any  # the tensor-parallel communicator
+    ep_comm: Any
+    pp_group: Optional[Any]  # the pipeline ranks, for stages
+
+
+def clip_grad_norm_(module: Any, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of ``module`` in place so that the whole model's gradient norm is
+    at most ``max_norm``; returns that norm before clipping (the same on every rank), as
+    ``torch.nn.utils.clip_grad_norm_`` does for an unsharded model.
+
+    ``module``: what ``autotp.parallelize`` returned, or this rank's stages from
+    ``autotp.pipeline_stages`` (the list, or one stage when the rank holds one).
+
+    Collective: call it on every rank of the tensor-parallel group (and of the expert-,
+    data- and pipeline-parallel ranks the gradients are spread over) after backward, before
+    the optimizer step. ``norm_type`` is any p > 0 or ``math.inf``."""
+    holder = _holder(module)
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ConfigError(f"norm_type must be positive or math.inf, got {norm_type}")
-    pieces = _pieces(module)
-    grads = [grad for grad, _, _ in pieces]
-    if not grads:
-        return torch.tensor(0.0)
-    total = _total_norm(module, pieces, norm_type)
+    grads = [piece.grad for piece in holder.pieces]
+    total = _total_norm(holder, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite "
@@ -62,20 +75,47 @@ def clip_grad_norm_(module: ShardedModule, max_norm: float, norm_type: float = 2
     return total
 
 
-def _pieces(module: ShardedModule) -> list[tuple[torch.Tensor, bool, bool]]:
-    """Each parameter's local gradient tensor (a DTensor's local shard), whether the tensor-
-    parallel ranks hold different pieces of it, and whether it is an expert split over ep."""
-    plan = module.plan
-    experts = set(plan.expert_params) if module.ep_comm is not None else set()
-    out: list[tuple[torch.Tensor, bool, bool]] = []
+def _holder(module: Any) -> _Holder:
+    if isinstance(module, ShardedModule):
+        return _Holder(_module_pieces(module), module.comm, module.ep_comm, None)
+    stages = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not stages or any(getattr(s, "_autotp_plan", None) is None for s in stages):
+        found = ", ".join(sorted({type(s).__name__ for s in stages})) or "an empty list"
+        raise ConfigError(
+            f"autotp.clip_grad_norm_ takes the module autotp.parallelize returned or this "
+            f"rank's stages of autotp.pipeline_stages, got {found}; for an unsharded model "
+            "use torch.nn.utils.clip_grad_norm_")
+    from autotp.features.pipeline import wait_tied_grads
+
+    wait_tied_grads()  # the tied copies' sums over the pipeline ranks (gloo) must be in
+    first = stages[0]
+    pieces = [piece for stage in stages for piece in _stage_pieces(stage)]
+    return _Holder(pieces, first._autotp_comm, first._autotp_ep_comm, first._autotp_pp_group)
+
+
+def _module_pieces(module: ShardedModule) -> list[_Piece]:
+    """Each parameter's local gradient tensor (a DTensor's local shard)."""
     params: list[tuple[str, nn.Parameter]] = list(module.local_parameters().items())
     params += [(name, module.program.get_parameter(name)) for name in module._unused]
-    for target, param in params:
-        if param.grad is None:
-            continue
-        sharded = target in plan.params and isinstance(plan.param_layout(target), Shard)
-        out.append((param.grad, sharded, target in experts))
-    return out
+    return _pieces(module.plan, params, module.ep_comm is not None)
+
+
+def _stage_pieces(stage: Any) -> list[_Piece]:
+    """A stage's parameters, a tied one only in the first stage that holds a copy."""
+    first_holder = stage._autotp_ties.first_holder
+    params = []
+    for name, param in stage.submod.named_parameters():
+        plain = name.replace("_checkpoint_wrapped_module.", "")
+        if first_holder.get(plain, stage.stage_index) == stage.stage_index:
+            params.append((plain, param))
+    return _pieces(stage._autotp_plan, params, stage._autotp_ep_comm is not None)
+
+
+def _pieces(plan: Any, params: list[tuple[str, nn.Parameter]], ep: bool) -> list[_Piece]:
+    experts = set(plan.expert_params) if ep else set()
+    return [_Piece(param.grad, target in plan.params and
+                   isinstance(plan.param_layout(target), Shard), target in experts)
+            for target, param in params if param.grad is not None]
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -94,16 +134,16 @@ def _sharded_mesh_groups(grad: torch.Tensor) -> list[Any]:
             if isinstance(placement, DShard)]
 
 
-def _total_norm(module: ShardedModule, pieces: list[tuple[torch.Tensor, bool, bool]],
-                p: float) -> torch.Tensor:
+def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     import torch.distributed as dist
 
     infinite = math.isinf(p)
-    first_tp_rank = module.comm.rank == 0
-    device = _local(pieces[0][0]).device
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    first_tp_rank = holder.comm.rank == 0
+    device = _local(holder.pieces[0].grad).device if holder.pieces else _device(holder)
     # one running value per set of groups the pieces must still be combined over
     buckets: dict[tuple[bool, tuple[Any, ...]], torch.Tensor] = {}
-    for grad, sharded, expert in pieces:
+    for grad, sharded, expert in holder.pieces:
         local = _local(grad).detach().float()
         if infinite:
             value = local.abs().max() if local.numel() else torch.zeros((), device=device)
@@ -119,18 +159,30 @@ def _total_norm(module: ShardedModule, pieces: list[tuple[torch.Tensor, bool, bo
         else:
             buckets[key] = torch.maximum(held, value) if infinite else held + value
     combined = torch.zeros((), device=device)
-    # every rank walks the same buckets in the same order: the collectives match
+    # the ranks of one tp group (and one pipeline stage) hold the same buckets and walk them
+    # in the same order: their collectives match
     for (expert, groups), value in sorted(buckets.items(), key=lambda kv: (kv[0][0],
                                                                             len(kv[0][1]))):
-        value = _over(module.comm, value, infinite)
+        value = _over(holder.comm, value, infinite)
         if expert:
-            value = _over(module.ep_comm, value, infinite)
+            value = _over(holder.ep_comm, value, infinite)
         for group in groups:
-            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
             value = value.clone()
             dist.all_reduce(value, op=op, group=group)
         combined = torch.maximum(combined, value) if infinite else combined + value
+    if holder.pp_group is not None:  # one collective on every rank, whatever it holds
+        dist.all_reduce(combined, op=op, group=holder.pp_group)
     return combined if infinite else combined.pow(1.0 / p)
+
+
+def _device(holder: _Holder) -> torch.device:
+    """Where the norm is computed when this rank holds no gradient: the pipeline group's
+    device (NCCL's collectives take CUDA tensors only)."""
+    import torch.distributed as dist
+
+    if holder.pp_group is not None and dist.get_backend(holder.pp_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _over(comm: Any, value: torch.Tensor, infinite: bool) -> torch.Tensor:

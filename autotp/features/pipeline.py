@@ -124,6 +124,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
         stage.__class__ = _stage_class(type(stage))
         stage._autotp_ties = ties
         stage._autotp_plan = sharded.plan
+        # the groups its gradients are spread over (autotp.clip_grad_norm_)
+        stage._autotp_comm, stage._autotp_ep_comm = sharded.comm, sharded.ep_comm
+        stage._autotp_pp_group = pp_mesh.get_group()
         stages.append(stage)
     return stages
 
@@ -599,9 +602,13 @@ class _TiedGrads:
         me = dist.get_rank()
         self.count, self.seen = len(mine), 0
         self.ties: list[tuple[str, list[nn.Module], Any]] = []
+        # tied name -> the first stage holding a copy: the one whose copy counts once in
+        # the model's gradient norm (the copies hold the same sum)
+        self.first_holder: dict[str, int] = {}
         for name, stages in sorted(holders.items()):
             if len(stages) < 2:
                 continue
+            self.first_holder[name] = min(stages)
             ranks = sorted({rank_of[s] for s in stages})
             group = None
             if len(ranks) > 1:
