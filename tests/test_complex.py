@@ -64,10 +64,8 @@ def test_complex_rotary_heads_stay_sharded_and_exact(tp: int) -> None:
     assert_equivalent(model, sim, args=(x[:, :12],), atol=TOL, grad_rtol=TOL)
 
 
-def test_a_replicated_complex_region_sums_its_gradients() -> None:
-    """Without the complex rules, strict=False computes the rotation replicated: the q and k
-    gradients that flow back through it must be whole, not 1/tp of the true ones (complex
-    values carry gradients like floats)."""
+def without_complex_rules() -> Registry:
+    """The rules without those of the complex ops: strict=False computes them replicated."""
     complex_ops = {torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_real.default,
                    torch.ops.aten.polar.default}
     pruned = []
@@ -77,12 +75,19 @@ def test_a_replicated_complex_region_sums_its_gradients() -> None:
         kept.rules = {op: r for op, r in rule_set.rules.items() if op not in complex_ops}
         kept.lowerings = dict(rule_set.lowerings)
         pruned.append(kept)
+    return Registry(pruned)
+
+
+def test_a_replicated_complex_region_sums_its_gradients() -> None:
+    """Without the complex rules, strict=False computes the rotation replicated: the q and k
+    gradients that flow back through it must be whole, not 1/tp of the true ones (complex
+    values carry gradients like floats)."""
     torch.manual_seed(0)
     model = ComplexRopeAttention().eval()
     x = torch.randn(2, TOKENS, HIDDEN)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sim = autotp.simulate(model, 2, example_args=(x,), strict=False,
-                              registry=Registry(pruned))
+                              registry=without_complex_rules())
     assert sim.plan.fallbacks, "the complex ops should have been computed replicated"
     assert_equivalent(model, sim, args=(x,), atol=TOL, grad_rtol=TOL)

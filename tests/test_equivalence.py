@@ -119,11 +119,8 @@ def test_other_batch_and_sequence_sizes() -> None:
     model, sim = _simulate("llama", 2)
     for b, t in [(1, 5), (4, 32)]:
         ids = batch(seed=7, b=b, t=t)
-        expected = model(ids).logits
-        outs = sim.run(lambda module, ids=ids: module(ids).logits.detach())
-        for out in outs:
-            assert out.shape == expected.shape
-            assert float((out - expected).abs().max()) <= ATOL
+        assert_equivalent(model, sim, args=(ids,), loss_fn=lambda out, ids=ids: loss_of(out, ids),
+                          atol=ATOL, grad_rtol=ATOL)
 
 
 def test_example_may_be_a_view_or_aliased() -> None:
@@ -145,7 +142,8 @@ def test_output_structure_is_kept() -> None:
     (out,) = sim.run(lambda module: module(input_ids=ids))[:1]
     assert type(out) is type(expected)
     assert list(out.keys()) == list(expected.keys())
-    assert float((out.pooler_output - expected.pooler_output).abs().max()) <= ATOL
+    assert_equivalent(model, sim, kwargs={"input_ids": ids}, pick=lambda o: o.pooler_output,
+                      atol=ATOL, grad_rtol=ATOL)
 
 
 def test_first_divergence_names_the_node_reading_a_corrupted_shard() -> None:
@@ -226,8 +224,8 @@ def test_simulation_runs_again_after_a_failed_run() -> None:
 
     with pytest.raises(ValueError, match="boom"):
         sim.run(fail_on_rank0)
-    outs = sim.run(lambda m: m(ids).logits.detach())
-    assert float((outs[1] - model(ids).logits).abs().max()) <= ATOL
+    assert_equivalent(model, sim, args=(ids,), loss_fn=lambda out: loss_of(out, ids),
+                      atol=ATOL, grad_rtol=ATOL)
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -246,8 +244,8 @@ def test_a_narrow_beam_still_gives_an_exact_plan(beam: int) -> None:
     sim = autotp.Simulation(plan, [_build(captured, plan, c.rank, c)
                                    for c in ThreadHub(2).comms()], captured)
     ids = batch()
-    for out in sim.run(lambda m: m(ids).logits.detach()):
-        assert float((out - model(ids).logits).abs().max()) <= ATOL
+    assert_equivalent(model, sim, args=(ids,), loss_fn=lambda out: loss_of(out, ids),
+                      atol=ATOL, grad_rtol=ATOL)
 
 
 def test_simulated_ranks_run_backward_in_their_own_threads() -> None:

@@ -26,12 +26,10 @@ from autotp.planner.gradflow import (Form, Grad, check_gradient_flow, edge_backw
 from autotp.planner.plan import Edge, Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.planner.transitions import transition
-from autotp.rules import embedding, matmul, misc, norms, pointwise, views
-from autotp.rules.registry import Registry, RuleSet
 from ckpt_cases import BUILDERS as CKPT_BUILDERS
 from ckpt_cases import MQA
 from models import BUILDERS, example
-from test_complex import ComplexRopeAttention, HIDDEN, TOKENS
+from test_complex import HIDDEN, TOKENS, ComplexRopeAttention, without_complex_rules
 
 LAYOUTS: list[Layout] = [R, R_STAR, Shard(1), P, P_LSE]
 OFFERED = [(src, dst, sp) for src in LAYOUTS for dst in LAYOUTS for sp in (False, True)
@@ -195,20 +193,6 @@ def test_g_with_an_all_reduce_in_backward_double_counts() -> None:
     assert f"node: %{edge.consumer} : " in text
 
 
-def _without_complex_rules() -> Registry:
-    """The rules without those of the complex ops: strict=False computes them replicated."""
-    complex_ops = {torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_real.default,
-                   torch.ops.aten.polar.default}
-    pruned = []
-    for rule_set in (matmul.rules, pointwise.rules, views.rules, norms.rules, embedding.rules,
-                     misc.rules):
-        kept = RuleSet()
-        kept.rules = {op: r for op, r in rule_set.rules.items() if op not in complex_ops}
-        kept.lowerings = dict(rule_set.lowerings)
-        pruned.append(kept)
-    return Registry(pruned)
-
-
 def test_complex_values_taken_as_not_differentiable_are_caught(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner once treated complex tensors as carrying no gradient: the R -> R* read
@@ -221,7 +205,7 @@ def test_complex_values_taken_as_not_differentiable_are_caught(
         return isinstance(val, (tuple, list)) and any(floats_only(v) for v in val)
 
     monkeypatch.setattr(problem, "_floating", floats_only)
-    registry = _without_complex_rules()
+    registry = without_complex_rules()
     torch.manual_seed(0)
     model = ComplexRopeAttention().eval()
     with warnings.catch_warnings():
