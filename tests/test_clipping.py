@@ -2,8 +2,10 @@
 the gradients clipped by it, against ``torch.nn.utils.clip_grad_norm_`` on the unsharded
 model (simulated ranks; the FSDP2 case runs in gloo processes in test_composition.py).
 
-Tolerances: the norm and every clipped gradient within 1e-5 relative (``verify.compare``:
-the norm is compared as the loss, each gradient relative to its largest entry).
+Tolerances: the norm and every clipped gradient within 1e-6 relative for norms of order 2
+and infinity, 1e-5 for order 1 (``verify.compare``: the norm is compared as the loss, each
+gradient relative to its largest entry). A 1-norm sums every |g| in float32, in another
+order on the ranks than on the unsharded model: measured 1.1e-6 to 1.5e-6 relative.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import autotp
 from autotp.features.verify import StepResult, compare, reference_step
 from models import BUILDERS, batch, loss_of, qwen3_moe
 
-RTOL = 1e-5
+RTOL = {2.0: 1e-6, 1.0: 1e-5, math.inf: 1e-6}  # by norm order
 
 
 def _clipped_reference(model: torch.nn.Module, call, loss, max_fraction: float,
@@ -67,8 +69,8 @@ def test_norm_and_clipped_gradients_are_the_unsharded_models(name: str, tp: int)
     for rank, got in enumerate(sim.run(step)):
         for p, (want, _), result in zip(NORMS, wanted, got):
             result = compare(want, result)
-            assert result.loss_diff <= RTOL * want.loss, (rank, p, "norm", result)
-            assert result.grad_rel <= RTOL, (rank, p, result)
+            assert result.loss_diff <= RTOL[p] * want.loss, (rank, p, "norm", result)
+            assert result.grad_rel <= RTOL[p], (rank, p, result)
 
 
 def test_no_clipping_below_the_limit_and_the_local_norm_differs() -> None:
@@ -93,7 +95,7 @@ def test_no_clipping_below_the_limit_and_the_local_norm_differs() -> None:
     assert reference.loss > 0
     for norm, local, unchanged in sim.run(step):
         assert unchanged
-        assert abs(norm - whole) <= RTOL * whole
+        assert abs(norm - whole) <= RTOL[2.0] * whole
         assert abs(local - whole) > 1e-3 * whole  # a rank's pieces alone are not the model
 
 
@@ -129,8 +131,8 @@ def test_experts_split_over_expert_parallel_ranks() -> None:
     assert sim.plan.ep == ep and sim.plan.expert_params
     for rank, got in enumerate(sim.run(step)):
         result = compare(want, got)
-        assert result.loss_diff <= RTOL * want.loss, (rank, "norm", result)
-        assert result.grad_rel <= RTOL, (rank, result)
+        assert result.loss_diff <= RTOL[2.0] * want.loss, (rank, "norm", result)
+        assert result.grad_rel <= RTOL[2.0], (rank, result)
 
 
 def test_bad_input_is_refused() -> None:
