@@ -205,7 +205,7 @@ class FrontierSolver:
             key = prev
         for i in self.size_reads:
             pn = self.pnodes[i]
-            if decisions.get(pn.node.name) is DEFERRED:
+            if decisions.get(pn.node.name) == DEFERRED:
                 decisions[pn.node.name] = self._size_read_choice(pn, decisions)
         return decisions
 
@@ -217,8 +217,8 @@ class FrontierSolver:
                    if self.by_name[name].kind == "leaf"}
         options = list(self.transition(pn, entries, 0.0))
         if not options:
-            raise PlanError(f"no strategy of {pn.node.target} reads {pn.inputs} in the "
-                            f"layouts {[str(decisions[n]) for n in pn.inputs]}{where(pn.node)}")
+            raise PlanError(f"no strategy of {pn.node.target} reads {list(entries)} in the "
+                            f"layouts {[str(e[0]) for e in entries.values()]}{where(pn.node)}")
         return min(options, key=lambda option: option[1][0])[0]
 
     # ---- repeated layers ---------------------------------------------------------------
