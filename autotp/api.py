@@ -65,14 +65,17 @@ def prepare(
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
     ep: int = 1,
+    share: Any = None,
 ) -> tuple[Captured, Plan]:
+    """``model`` traced and planned; ``share``: see ``plan_graph`` (one rank of a group
+    plans)."""
     tp = _check_tp(tp)
     ep = _check_ep(ep)
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
                           gather_outputs=bool(gather_outputs), expert_parallel=ep)
     plan = plan_graph(captured, tp, registry=registry, cost_model=cost_model,
-                      options=options, model_name=_model_name(model))
+                      options=options, model_name=_model_name(model), share=share)
     return captured, plan
 
 
@@ -458,13 +461,15 @@ def parallelize(
             f"group of {tp} ranks (e.g. from a DeviceMesh), or tp={world}"
         )
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    comm = ProcessGroupComm(group, timeout=timeout)
+    # the group's rank 0 plans; the others check they traced the same program and receive it
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, sequence_parallel=sequence_parallel,
-                                 gather_outputs=gather_outputs, ep=ep)
+                                 gather_outputs=gather_outputs, ep=ep,
+                                 share=comm.made_once if tp > 1 else None)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
-    comm = ProcessGroupComm(group, timeout=timeout)
     ep_comm = ProcessGroupComm(ep_group, timeout=timeout) if ep > 1 else None
     meta = has_meta_parameters(model)
     if device is None and meta:

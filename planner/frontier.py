@@ -100,6 +100,7 @@ class FrontierSolver:
         self.history: list[Any] = [None] * len(pnodes)
         self.reused_layers = 0
         self.cut = False  # the beam dropped a state (since the flag was last cleared)
+        self.ever_cut = False  # the beam dropped a state anywhere: the search was not exhaustive
 
     # ---- the plain DP step -------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class FrontierSolver:
         for key, (cost, entries) in states.items():
             fresh = [n for n in entering if n not in entries]
             for leaf_choice in itertools.product(*(self.leaf_candidates[n] for n in fresh)):
-                base = dict(entries)
+                base = dict(entries) if fresh else entries  # transitions copy what they change
                 base_cost = cost
                 for name, layout in zip(fresh, leaf_choice):
                     base[name] = (layout, frozenset())
@@ -138,7 +139,7 @@ class FrontierSolver:
         if len(new_states) > self.max_states // 2:  # cheap enough only where it matters
             new_states = _drop_dominated(new_states)
         if len(new_states) > self.max_states:
-            self.cut = True
+            self.cut = self.ever_cut = True
             # a stable sort: ties keep their deterministic insertion order
             kept = sorted(new_states.items(), key=lambda kv: kv[1][0] + self.ahead(i, kv[1][1]))
             new_states = dict(kept[: self.max_states])
@@ -353,7 +354,14 @@ def _same_result(earlier: _Solved, incoming: dict, min_in: float) -> bool:
 
 def _drop_dominated(states: States) -> States:
     """Drop a state when another has the same layouts, has materialized at least the same
-    redistributions, and costs no more: whatever follows, it can do no better."""
+    redistributions, and costs no more: whatever follows, it can do no better.
+
+    Two states never dominate each other (equal layouts, materializations and cost are one
+    state), so what stays is the states no other dominates, whatever the order they are
+    compared in. Within a group of equal layouts they are visited cheapest first, and at
+    equal cost more materialized first: a state's dominators come before it, and one that
+    is dominated is dominated by one that stays (domination is transitive), so each is
+    compared with those kept so far alone."""
     groups: dict[frozenset, list[Key]] = {}
     for key, (_, entries) in states.items():
         layouts = frozenset((name, entry[0]) for name, entry in entries.items())
@@ -362,16 +370,17 @@ def _drop_dominated(states: States) -> States:
     for keys in groups.values():
         if len(keys) < 2:
             continue
-        for a in keys:
-            if a in dropped:
-                continue
-            cost_a, entries_a = states[a]
-            for b in keys:
-                if b is a or b in dropped:
-                    continue
-                cost_b, entries_b = states[b]
-                if cost_a <= cost_b and all(entries_a[n][1] >= entries_b[n][1] for n in entries_b):
-                    dropped.add(b)
+        keys.sort(key=lambda k: (states[k][0],
+                                 -sum(len(entry[1]) for entry in states[k][1].values())))
+        kept: list[tuple[float, dict]] = []
+        for b in keys:
+            cost_b, entries_b = states[b]
+            if any(cost_a <= cost_b and all(entries_a[n][1] >= entries_b[n][1]
+                                            for n in entries_b)
+                   for cost_a, entries_a in kept):
+                dropped.add(b)
+            else:
+                kept.append((cost_b, entries_b))
     if not dropped:
         return states
     return {k: v for k, v in states.items() if k not in dropped}

@@ -54,7 +54,13 @@ class PNode:
     fallback: bool = False
     is_output: bool = False  # the user receives it (gathered there, for the user only)
     live: bool = False  # some later node reads it
-    split: Optional[list[bool]] = None  # per strategy: is the work divided among ranks
+    # the solver's memo of what does not depend on the state: each strategy's own cost and
+    # output entry, and each read (input, have, want, want already materialized, to the
+    # output) -> its outcome (``solve._read``)
+    own: Optional[list[tuple[float, Any]]] = None
+    # strategies with a premium were left out (``PlanOptions.partial_statistics``)
+    premium_dropped: bool = False
+    reads: dict = field(default_factory=dict)
     seq_dims: frozenset = frozenset()  # dims of the sequence (sequence parallelism only)
     is_state: bool = False  # an input the caller keeps per rank in the planned layout (a cache)
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
@@ -348,7 +354,9 @@ def build_problem(
                 if forced is not None:
                     pn.strategies = [pn.strategies[forced]]
                 elif not options.partial_statistics:
-                    pn.strategies = [s for s in pn.strategies if not s.premium]
+                    kept = [s for s in pn.strategies if not s.premium]
+                    pn.premium_dropped = len(kept) < len(pn.strategies)
+                    pn.strategies = kept
             elif _deterministic(node) and all(n.name in constants for n in ins):
                 # a constant (a mask built by a Python loop, a factory with no rule): the
                 # same values on every rank, whatever it computes, so replicated is exact

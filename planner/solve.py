@@ -38,7 +38,7 @@ from autotp.capture.trace import (
     Captured,
 )
 from autotp.layout import R, ROUTED, Partial, Replicate, Shard
-from autotp.planner.cache import cached
+from autotp.planner.cache import cached, plan_key
 from autotp.planner.cost import CostModel, parse_size
 from autotp.planner.assemble import assemble
 from autotp.planner.checks import (
@@ -75,7 +75,11 @@ def plan_graph(
     cost_model: Optional[CostModel] = None,
     options: PlanOptions = PlanOptions(),
     model_name: str = "model",
+    share: Optional[Callable[[str, Callable[[], str]], str]] = None,
 ) -> Plan:
+    """The plan of ``captured`` at degree ``tp``. ``share``: (the program's key, make) -> the
+    plan's JSON as every rank of a group holds it; one rank makes it (searching, or reading
+    the cache) and the others receive it (``ProcessGroupComm.made_once``)."""
     default_rules = registry is None
     registry = registry or Registry.default()
     cost_model = cost_model or CostModel()
@@ -83,11 +87,15 @@ def plan_graph(
     fallbacks = check_heads(gm, tp, options.strict)
     blocks = block_counts(gm)
 
-    def plan_with(options: PlanOptions) -> Plan:
+    def plan_with(options: PlanOptions) -> tuple[Plan, bool]:
+        """The plan under ``options``, and whether its search was exhaustive: the beam cut
+        no state and no strategy was left out that a search with partial statistics
+        offers."""
         pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
-        decisions, total = solve(pnodes, tp, cost_model, options)
-        return assemble(captured, pnodes, decisions, total, tp, cost_model, options,
+        decisions, total, exhaustive = solve(pnodes, tp, cost_model, options)
+        plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options,
                         model_name)
+        return plan, exhaustive and not any(pn.premium_dropped for pn in pnodes)
 
     def search() -> Plan:
         first = options
@@ -96,14 +104,20 @@ def plan_graph(
             # many more plans of equal cost, which crowd a 64-state beam
             first = replace(options, max_states=4 * options.max_states)
         if tp == 1:  # every layout is whole on the one rank: no plan falls short of another
-            return plan_with(first)
-        return _search_further(plan_with(first), gm, first, cost_model, plan_with)
+            return plan_with(first)[0]
+        return _search_further(*plan_with(first), gm, first, cost_model, plan_with)
 
-    if default_rules:  # a registry of the caller's is code the cache key cannot see
-        plan = cached(captured, (tp, _options_key(options), repr(cost_model), model_name),
-                      search)
+    key_parts = (tp, _options_key(options), repr(cost_model), model_name)
+
+    def made() -> Plan:
+        if default_rules:  # a registry of the caller's is code the cache key cannot see
+            return cached(captured, key_parts, search)
+        return search()
+
+    if share is None:
+        plan = made()
     else:
-        plan = search()
+        plan = Plan.from_json(share(plan_key(captured, key_parts), lambda: made().to_json()))
     plan.fallbacks = fallbacks + plan.fallbacks
     check_divisibility(plan, tp, options.strict)
     note_replicated_products(plan, gm, options.strict, options.reported, problem=lambda:
@@ -120,8 +134,8 @@ def _options_key(options: PlanOptions) -> tuple:
                  for f in fields(options) for value in [getattr(options, f.name)])
 
 
-def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostModel,
-                    plan_with: Any) -> Plan:
+def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
+                    cost_model: CostModel, plan_with: Any) -> Plan:
     """A plan that pays a last-resort redistribution or leaves a matrix replicated that tp
     could shard is planned again, with a 4x wider beam and, unless the options say
     otherwise, partial statistics; where that plan still falls short, the wider beam ranked
@@ -145,7 +159,12 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
     Partial statistics: Megatron's plan keeps every norm's dim whole; OLMo2's q/k norms over
     all heads then force o_proj and down_proj whole, while a partial statistic all-reduces
     only a [.., 1] statistic per norm. Their premium keeps the plan from trading Megatron's
-    replicated residual stream for k/v projections narrower than it."""
+    replicated residual stream for k/v projections narrower than it.
+
+    A first search that was exhaustive (its beam cut no state, and the graph has no
+    premium strategy the wider search would add) found the least cost already: the wider
+    searches solve the same problem and would find that cost again, so they are skipped (a
+    k/v projection narrower than tp's heads is whole in every plan)."""
     def shortfalls(plan: Plan) -> tuple[int, int]:
         # wide matrices count even where their replication is Megatron's choice for the
         # plan at hand (OLMoE's q/k projections before norms over all heads): a plan with
@@ -160,14 +179,14 @@ def _search_further(plan: Plan, gm: Any, options: PlanOptions, cost_model: CostM
         return plan.last_resorts, len(stuck) + len(sliced)
 
     before = shortfalls(plan)
-    if before == (0, 0):
+    if before == (0, 0) or exhaustive:
         return plan
     wider = replace(options, max_states=4 * options.max_states,
                     partial_statistics=options.partial_statistics is not False)
-    alt = plan_with(wider)
+    alt = plan_with(wider)[0]
     after = shortfalls(alt)
     if after != (0, 0):
-        ranked = plan_with(replace(wider, lookahead=True))
+        ranked = plan_with(replace(wider, lookahead=True))[0]
         owes = shortfalls(ranked)
         if _fewer(owes, after) or (owes == after and ranked.cost < alt.cost):
             alt, after = ranked, owes
@@ -246,8 +265,9 @@ def _split_cost(strategy: Strategy) -> bool:
 
 def solve(
     pnodes: list[PNode], tp: int, cost_model: CostModel, options: PlanOptions
-) -> tuple[dict[str, Any], float]:
-    """Returns per node: the strategy index (ops) or stored layout (leaves), and the cost."""
+) -> tuple[dict[str, Any], float, bool]:
+    """Returns per node: the strategy index (ops) or stored layout (leaves), the cost, and
+    whether the search was exhaustive (the beam cut no state)."""
     by_name = {pn.node.name: pn for pn in pnodes}
     last_use: dict[str, int] = {}
     for i, pn in enumerate(pnodes):
@@ -270,7 +290,8 @@ def solve(
                             reuse_layers=options.reuse_layers,
                             owed=_owed(pnodes, by_name, tp, cost_model, options)
                             if options.lookahead else None)
-    return solver.run()
+    decisions, cost = solver.run()
+    return decisions, cost, not solver.ever_cut
 
 
 def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: CostModel,
@@ -342,40 +363,52 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         if result is not None:
             yield None, result
         return
-    if pn.split is None:
-        pn.split = [_split_cost(s) for s in pn.strategies]
+    if pn.own is None:
+        pn.own = [_own_cost(pn, strategy, by_name, tp, cost_model, options)
+                  for strategy in pn.strategies]
     for index, strategy in enumerate(pn.strategies):
-        extra = pn.flops / (tp if pn.split[index] else 1)
-        gemms = pn.groups // tp if strategy.name == "experts" else pn.groups
-        own = cost_model.compute_time(extra, gemms)
-        if isinstance(strategy.output, Partial):
-            own += cost_model.partial_output
-        if strategy.premium:
-            own += cost_model.premium_cost(strategy.premium, tp)
-        for name, layout in zip(pn.inputs, strategy.inputs):
-            state = by_name[name]
-            if name in pn.mutated and state.is_state:  # the memory of the state it writes
-                per_rank = state.nbytes / (tp if isinstance(layout, Shard) else 1)
-                own += cost_model.memory_cost(per_rank, state.ndim)
-        result = _read_inputs(pn, list(strategy.inputs), entries, cost + own, by_name, tp,
+        own, out = pn.own[index]
+        result = _read_inputs(pn, strategy.inputs, entries, cost + own, by_name, tp,
                               cost_model, options)
         if result is None:
             continue
         new_cost, new_entries = result
-        out = strategy.output
         if options.sequence_parallel and pn.requires_grad and pn.saved and \
                 not isinstance(out, tuple):
             held = pn.nbytes / (tp if isinstance(out, Shard) else 1)
             new_cost += cost_model.activation_weight * held
         if out is not None and pn.live:
-            if not pn.requires_grad:
-                out = drop_grad_partial(out)
             new_entries[pn.node.name] = (out, frozenset())
         yield index, (new_cost, new_entries)
 
 
+def _own_cost(pn: PNode, strategy: Strategy, by_name: dict[str, PNode], tp: int,
+              cost_model: CostModel, options: PlanOptions) -> tuple[float, Any]:
+    """A strategy's own cost (its compute, a partial output's premium, the memory of the
+    states it writes) and the layout of its output, whatever state it runs in."""
+    own = cost_model.compute_time(pn.flops / (tp if _split_cost(strategy) else 1),
+                                  pn.groups // tp if strategy.name == "experts" else pn.groups)
+    if isinstance(strategy.output, Partial):
+        own += cost_model.partial_output
+    if strategy.premium:
+        own += cost_model.premium_cost(strategy.premium, tp)
+    for name, layout in zip(pn.inputs, strategy.inputs):
+        state = by_name[name]
+        if name in pn.mutated and state.is_state:  # the memory of the state it writes
+            per_rank = state.nbytes / (tp if isinstance(layout, Shard) else 1)
+            own += cost_model.memory_cost(per_rank, state.ndim)
+    out = strategy.output
+    if out is not None and not pn.requires_grad:
+        out = drop_grad_partial(out)
+    return own, out
+
+
 def _entry_layout(entries: dict[str, Entry], by_name: dict[str, PNode], name: str) -> Any:
     return R if by_name[name].kind == "input" else entries[name][0]
+
+
+_EMPTY: frozenset = frozenset()
+_FAIL = None  # a read no transition makes
 
 
 def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_output=False):
@@ -385,53 +418,76 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
     activation that already arrives sharded (a replicated k/v meeting sharded query heads),
     never to start a shard by itself (that would turn a free replicated op into a
     row-parallel one whose only gain is parameter memory, paid with an all-reduce).
+
+    Each read's outcome depends on the read alone, not on the state: it is worked out once
+    per plan (``_read``, memoized in ``pn.reads``) and its costs added in the same order.
     """
     new_entries = dict(entries)
     sliced = anchored = False
+    reads = pn.reads
     for name, want in zip(pn.inputs, wants):
-        src_pn = by_name[name]
-        if src_pn.kind == "input":
+        if by_name[name].kind == "input":
             have: Any = R
-            materialized: frozenset = frozenset()
+            materialized: frozenset = _EMPTY
         else:
             have, materialized = new_entries[name]
-        if isinstance(have, tuple):
+        key = (name, have, want, want in materialized, to_output)
+        outcome = reads.get(key, reads)
+        if outcome is reads:
+            outcome = reads[key] = _read(pn, by_name[name], have, want, key[3], tp,
+                                         cost_model, options, to_output)
+        if outcome is _FAIL:
             return None
-        if name in pn.mutated and have != want and not (
-                isinstance(have, Replicate) and isinstance(want, Replicate)):
-            return None  # an in-place op writes the tensor as it is stored, never a copy
-        if have == want or want in materialized:
-            anchored |= isinstance(want, Shard) and src_pn.kind != "leaf"
-            continue
-        if not src_pn.requires_grad and isinstance(have, Replicate) and \
-                isinstance(want, Replicate):
-            continue
-        if isinstance(have, Replicate) and isinstance(want, Shard) and \
-                src_pn.kind != "leaf" and want.blocks != ROUTED:
-            sliced = True  # (routed rows are anchored by the experts that own them)
-        batched = joins_ahead(src_pn, pn, have, want, options)
-        step = transition(have, want, requires_grad=src_pn.requires_grad,
-                          to_output=to_output,
-                          sequence_parallel=src_pn.sequence_step(have, want, options),
-                          batched=batched)
-        if step is None:
-            return None
-        # A replicated parameter's partial gradient joins the after-backward bucket, and a
-        # layer-invariant value's gather every layer's: one collective for all of them, so
-        # each pays bandwidth but no latency of its own.
-        bucketed = batched or (src_pn.kind == "leaf" and src_pn.is_param and
-                               isinstance(have, Replicate) and isinstance(want, Replicate))
-        for kind in (step.forward, step.backward):
-            if kind is not None:
-                cost += cost_model.transfer_time(kind, src_pn.nbytes, tp) if bucketed \
-                    else cost_model.collective_time(kind, src_pn.nbytes, tp)
-        if step.last_resort:
-            cost += cost_model.last_resort
-        if src_pn.kind != "input":
+        terms, slices, anchors, keeps = outcome
+        sliced |= slices
+        anchored |= anchors
+        for term in terms:
+            cost += term
+        if keeps:
             new_entries[name] = (have, materialized | {want})
     if sliced and not anchored:
         return None
     return cost, new_entries
+
+
+def _read(pn: PNode, src_pn: PNode, have: Any, want: Any, materialized: bool, tp: int,
+          cost_model: CostModel, options: PlanOptions, to_output: bool) -> Any:
+    """One input read by ``pn`` as ``want`` where it is held as ``have`` (``materialized``:
+    ``want`` was made from it already): None where no transition makes it, else (the costs
+    to add, in order; it slices a replicated activation; it reads an activation's shard as
+    it is; ``want`` joins the value's materialized layouts)."""
+    name = src_pn.node.name
+    if isinstance(have, tuple):
+        return _FAIL
+    if name in pn.mutated and have != want and not (
+            isinstance(have, Replicate) and isinstance(want, Replicate)):
+        return _FAIL  # an in-place op writes the tensor as it is stored, never a copy
+    if have == want or materialized:
+        return (), False, isinstance(want, Shard) and src_pn.kind != "leaf", False
+    if not src_pn.requires_grad and isinstance(have, Replicate) and \
+            isinstance(want, Replicate):
+        return (), False, False, False
+    # (routed rows are anchored by the experts that own them)
+    sliced = isinstance(have, Replicate) and isinstance(want, Shard) and \
+        src_pn.kind != "leaf" and want.blocks != ROUTED
+    batched = joins_ahead(src_pn, pn, have, want, options)
+    step = transition(have, want, requires_grad=src_pn.requires_grad,
+                      to_output=to_output,
+                      sequence_parallel=src_pn.sequence_step(have, want, options),
+                      batched=batched)
+    if step is None:
+        return _FAIL
+    # A replicated parameter's partial gradient joins the after-backward bucket, and a
+    # layer-invariant value's gather every layer's: one collective for all of them, so
+    # each pays bandwidth but no latency of its own.
+    bucketed = batched or (src_pn.kind == "leaf" and src_pn.is_param and
+                           isinstance(have, Replicate) and isinstance(want, Replicate))
+    terms = [cost_model.transfer_time(kind, src_pn.nbytes, tp) if bucketed
+             else cost_model.collective_time(kind, src_pn.nbytes, tp)
+             for kind in (step.forward, step.backward) if kind is not None]
+    if step.last_resort:
+        terms.append(cost_model.last_resort)
+    return tuple(terms), sliced, False, src_pn.kind != "input"
 
 
 __all__ = ["PlanOptions", "assemble", "block_counts", "build_problem", "plan_graph", "solve"]

@@ -8,10 +8,13 @@ from typing import Any
 import torch
 
 
-def different_models(rank: int, world_size: int) -> str:
-    """Rank 1 builds a model with another hidden size: the plan check must catch it."""
+def different_models(rank: int, world_size: int) -> dict[str, str]:
+    """Rank 1 builds a model with another hidden size: refused before rank 0 plans it (the
+    ranks compare what they traced). Then a model with an op no rule covers, the same on
+    both ranks: only rank 0 plans it, and its NoRuleError is raised on rank 1 too."""
     import autotp
     from models import VOCAB
+    from test_errors import UsesAnOpWithoutRule
 
     import transformers
 
@@ -21,12 +24,19 @@ def different_models(rank: int, world_size: int) -> str:
     config = transformers.GPT2Config(n_layer=1, n_embd=width, n_head=4, vocab_size=VOCAB,
                                      n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
-    sharded = autotp.parallelize(model, tp=world_size)
+    out = {}
     try:
-        sharded(torch.randint(0, VOCAB, (2, 8)))
+        autotp.parallelize(model, tp=world_size)
+        out["mismatch"] = "no error"
     except autotp.ConfigError as exc:
-        return str(exc)
-    return "no error"
+        out["mismatch"] = str(exc)
+    try:
+        autotp.parallelize(UsesAnOpWithoutRule(), tp=world_size,
+                           example_args=(torch.randn(2, 4, 8),))
+        out["no_rule"] = "no error"
+    except autotp.NoRuleError as exc:
+        out["no_rule"] = str(exc)
+    return out
 
 
 def one_rank_fails(rank: int, world_size: int, timeout: float) -> Any:

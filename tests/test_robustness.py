@@ -84,10 +84,14 @@ def test_example_of_the_wrong_dtype_is_a_trace_error() -> None:
         autotp.plan(BUILDERS["gpt2"](), 2, example_kwargs={"input_ids": torch.randn(2, 8)})
 
 
-def test_ranks_with_different_models_fail_with_the_plan_check() -> None:
-    messages = run_processes(different_models, 2, timeout=180)
-    for text in messages:
-        assert "the ranks hold different tensor-parallel plans" in text, text
+def test_ranks_with_different_models_are_refused_and_rank_0s_plan_error_reaches_all() -> None:
+    """The group's rank 0 alone plans (``ProcessGroupComm.made_once``): the ranks first
+    compare the hashes of what they traced, and rank 0's error is every rank's."""
+    for rank, out in enumerate(run_processes(different_models, 2, timeout=180)):
+        assert "the ranks traced different programs (2 kinds: ranks [0] / [1])" in \
+            out["mismatch"], (rank, out)
+        assert "no layout rule for aten.linalg_det" in out["no_rule"], (rank, out)
+        assert "test_errors.py" in out["no_rule"], (rank, out)  # the model's own line
 
 
 def test_ranks_seeded_differently_are_refused() -> None:
@@ -412,9 +416,10 @@ def test_the_second_search_keeps_its_plan_only_within_the_bound(monkeypatch: Any
     search_further = solve_module._search_further
     seen: dict[str, Any] = {}
 
-    def spy(plan: Any, gm: Any, options: Any, cost_model: Any, plan_with: Any) -> Any:
+    def spy(plan: Any, exhaustive: bool, gm: Any, options: Any, cost_model: Any,
+            plan_with: Any) -> Any:
         def inflated(wider: Any) -> Any:
-            alt = plan_with(wider)
+            alt, alt_exhaustive = plan_with(wider)
             limit = max(4, solve_module._large_collectives(plan, cost_model)
                         .get((0, "forward"), 0))
             have = solve_module._large_collectives(alt, cost_model)[(0, "forward")]
@@ -423,10 +428,10 @@ def test_the_second_search_keeps_its_plan_only_within_the_bound(monkeypatch: Any
                           key=lambda r: solve_module.record_bytes(r, cost_model))
             alt.collectives = alt.collectives + [largest] * (limit - have + 1)
             seen["alt"] = alt
-            return alt
+            return alt, alt_exhaustive
 
         seen["first"] = plan
-        return search_further(plan, gm, options, cost_model, inflated)
+        return search_further(plan, exhaustive, gm, options, cost_model, inflated)
 
     monkeypatch.setattr(solve_module, "_search_further", spy)
     config = GenericConfig(norm="rms", qk_norm=True, mlp="swiglu", rope=True, bias=False,

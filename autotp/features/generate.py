@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - generation is for transformers models
 
 from autotp.capture.trace import Captured, capture
 from autotp.runtime.collectives import DeferredGradReduce, Redistribute, gather
+from autotp.runtime.comm import ProcessGroupComm
 from autotp.capture.fusion import full_slice, fuse_repeated_kv_attention
 from autotp.layout import Replicate, Shard, local_shape, parse_layout, shard_tensor
 from autotp.weights.materialize import Weights, model_tensor
@@ -304,8 +305,11 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
                          if param.layout.startswith("R") for name in param.names)
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs),
                               reported=reported)
+        comm = sharded.comm  # in processes, the group's rank 0 plans (``made_once``)
         plan = plan_graph(captured, sharded.plan.tp, options=options,
-                          model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})")
+                          model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})",
+                          share=comm.made_once if isinstance(comm, ProcessGroupComm) and
+                          comm.world_size > 1 else None)
         for stale in [k for k, v in _PLANNED.items() if v[0]() is None]:
             del _PLANNED[stale]
         _PLANNED[key] = (weakref.ref(sharded.plan), captured, plan, step, cache_inputs)

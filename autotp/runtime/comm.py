@@ -14,11 +14,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from autotp import errors
 from autotp.errors import AutotpError, ConfigError
 
 
@@ -106,7 +107,8 @@ class ProcessGroupComm(Communicator):
         without a backend)."""
         return tensor.device.type == "cuda" and self.backend != "gloo"
 
-    def _wait(self, work: Any, what: str, nccl: bool = False) -> None:
+    def _wait(self, work: Any, what: str, nccl: bool = False,
+              timeout: Optional[float] = None) -> None:
         """Wait for an async collective, at most ``timeout`` seconds.
 
         NCCL: ``wait()`` only orders the current CUDA stream after the collective; the host
@@ -114,14 +116,15 @@ class ProcessGroupComm(Communicator):
         queued before the collective: a device synchronization at every collective. There
         the process group's own timeout (``init_process_group(timeout=...)``), enforced by
         NCCL's watchdog, bounds the wait instead."""
+        timeout = self.timeout if timeout is None or self.timeout is None else timeout
         try:
-            if self.timeout is None or nccl:
+            if timeout is None or nccl:
                 work.wait()
             else:
-                work.wait(timeout=timedelta(seconds=self.timeout))
+                work.wait(timeout=timedelta(seconds=timeout))
         except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise several types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            limit = "" if self.timeout is None else f" within {self.timeout:g} s"
+            limit = "" if timeout is None else f" within {timeout:g} s"
             raise CollectiveError(
                 f"rank {self.rank}: {what} did not complete{limit}: another rank of the "
                 f"tensor-parallel group failed, exited or is stuck ({first})"
@@ -173,6 +176,67 @@ class ProcessGroupComm(Communicator):
                                           group=self.group, async_op=True),
                    "all_to_all", self._uses_nccl(out))
         return out
+
+    def made_once(self, key: str, make: Callable[[], str]) -> str:
+        """What ``make`` returns on rank 0, on every rank: rank 0 makes it (a plan, minutes
+        of search for a large model) and sends its UTF-8 bytes; the others wait and receive
+        them (plain bytes, never unpickled). ``key`` names what each rank would make (a
+        hash of its inputs: the traced program, tp, the options): ranks whose keys differ
+        would make different things, and every rank raises ConfigError saying which. An
+        error of ``make`` on rank 0 is raised on every rank."""
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if self.backend == "nccl" else torch.device("cpu"))
+        nccl = device.type == "cuda"
+        mine = torch.tensor([[int(key[:15], 16), int(key[15:30], 16)]], dtype=torch.int64,
+                            device=device)
+        keys = [tuple(row) for row in self.all_gather(mine, 0).tolist()]
+        if len(set(keys)) > 1:
+            groups: dict[tuple, list[int]] = {}
+            for rank, k in enumerate(keys):
+                groups.setdefault(k, []).append(rank)
+            raise ConfigError(
+                f"the ranks traced different programs ({len(groups)} kinds: ranks "
+                f"{' / '.join(str(ranks) for ranks in groups.values())}): call the same "
+                "model with the same tp, options and example inputs on every rank")
+        failure: Optional[BaseException] = None
+        if self.rank == 0:
+            try:
+                text = make()
+                status = 0
+            except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then raised
+                failure = exc
+                text = f"{type(exc).__module__}.{type(exc).__qualname__}\n{exc}"
+                status = 1
+            payload = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device)
+            header = torch.tensor([status, payload.numel()], dtype=torch.int64, device=device)
+        else:
+            header = torch.zeros(2, dtype=torch.int64, device=device)
+        # rank 0 may search for minutes before it sends: the others wait up to an hour (a
+        # rank that exits closes its connections, which ends the wait at once)
+        self._wait(dist.broadcast(header, group_src=0, group=self.group, async_op=True),
+                   "waiting for rank 0's plan", nccl, timeout=max(self.timeout or 0, 3600.0))
+        status, length = header.tolist()
+        if self.rank != 0:
+            payload = torch.empty(length, dtype=torch.uint8, device=device)
+        self._wait(dist.broadcast(payload, group_src=0, group=self.group, async_op=True),
+                   "receiving rank 0's plan", nccl)
+        if failure is not None:
+            raise failure
+        text = bytes(payload.cpu().tolist()).decode() if self.rank != 0 else text
+        if status:
+            raise _remote_error(text)
+        return text
+
+
+def _remote_error(text: str) -> Exception:
+    """Rank 0's error, ``module.Class\nmessage``, as raised on another rank: autotp's own
+    errors as themselves, anything else as an AutotpError that names it."""
+    name, _, message = text.partition("\n")
+    module, _, cls = name.rpartition(".")
+    found = getattr(errors, cls, None) if module == errors.__name__ else None
+    if isinstance(found, type) and issubclass(found, AutotpError):
+        return found(message)
+    return AutotpError(f"rank 0 of the tensor-parallel group failed to plan: {name}: {message}")
 
 
 # newer torch names these *_single (the *_into_tensor / *_tensor forms are deprecated
