@@ -24,6 +24,7 @@ from autotp.capture.trace import Captured, capture, sequence_symbols, size_expr
 from autotp.runtime.collectives import GradBucket, GradSync, gather
 from autotp.runtime.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
+from autotp.ops import path_attr, positive_int
 from autotp.runtime.layers import split_layers
 from autotp.layout import Shard
 from autotp.weights.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
@@ -35,18 +36,6 @@ from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.rewrite import rewrite
 from autotp.rules.registry import Registry
-
-
-def _check_tp(tp: Any) -> int:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp must be a positive int, got {tp!r}")
-    return tp
-
-
-def _check_ep(ep: Any) -> int:
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ConfigError(f"ep must be a positive int, got {ep!r}")
-    return ep
 
 
 def _model_name(model: nn.Module) -> str:
@@ -69,8 +58,8 @@ def prepare(
 ) -> tuple[Captured, Plan]:
     """``model`` traced and planned; ``share``: see ``plan_graph`` (one rank of a group
     plans)."""
-    tp = _check_tp(tp)
-    ep = _check_ep(ep)
+    tp = positive_int("tp", tp)
+    ep = positive_int("ep", ep)
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
                           gather_outputs=bool(gather_outputs), expert_parallel=ep)
@@ -277,10 +266,7 @@ class ShardedModule(nn.Module):
         """Plan parameter name -> this rank's piece (the program's parameter)."""
         out = {}
         for target in self.plan.params:
-            module: Any = self.program
-            for part in target.split("."):
-                module = getattr(module, part)
-            out[target] = module
+            out[target] = path_attr(self.program, target)
         return out
 
 
@@ -454,7 +440,7 @@ def parallelize(
     group = _process_group(group)
     group, ep_group = _expert_groups(tp, ep, group, _process_group(ep_group))
     world = dist.get_world_size(group)
-    tp = world if tp is None else _check_tp(tp)
+    tp = world if tp is None else positive_int("tp", tp)
     if tp != world:
         raise ConfigError(
             f"tp={tp} but the process group has {world} ranks: pass group= a tensor-parallel "
@@ -500,7 +486,7 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
     groups, the world's tp * ep ranks form tp groups of consecutive ranks and ep groups of
     the ranks at the same place in each (collective: every rank creates every group)."""
     if ep is not None:
-        ep = _check_ep(ep)
+        ep = positive_int("ep", ep)
     if ep_group is not None:
         size = dist.get_world_size(ep_group)
         if ep is not None and ep != size:
@@ -516,7 +502,7 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
         raise ConfigError(f"ep={ep} with a tp group= needs ep_group=, the ranks the experts "
                           "are split over (e.g. mesh['dp'] of a (dp, tp) DeviceMesh)")
     world = dist.get_world_size()
-    tp = world // ep if tp is None else _check_tp(tp)
+    tp = world // ep if tp is None else positive_int("tp", tp)
     if tp * ep != world:
         raise ConfigError(f"tp={tp} x ep={ep} = {tp * ep} ranks, but the world has {world}: "
                           f"pass tp and ep whose product is {world}, or group= and ep_group=")
@@ -635,9 +621,7 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
         for name in plan.params[target].names:
             out[name] = tensor.detach().clone()
     for name in sharded._unused:  # parameters the forward never reads (replicated)
-        module: Any = sharded.program
-        for part in name.split("."):
-            module = getattr(module, part)
+        module = path_attr(sharded.program, name)
         tensor = module.grad if grads else module.detach()
         tensor = tensor if tensor is not None else torch.zeros_like(module)
         out[name] = _whole_over_dp(tensor).detach().clone()
@@ -731,7 +715,7 @@ def simulate(
     ``check_plan``: prove first that every parameter's gradient arrives whole in its own
     layout (``autotp.planner.gradflow``), as ``parallelize`` does. ``ep``: expert
     parallelism over ep simulated data-parallel ranks too (tp * ep threads)."""
-    ep = _check_ep(ep)
+    ep = positive_int("ep", ep)
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, registry=registry,

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from autotp.errors import AutotpError, ConfigError
+from autotp.ops import positive_int
 
 
 class Progress:
@@ -103,10 +104,8 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
     from autotp.capture.zoo import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
-    if isinstance(args.tp, bool) or args.tp < 1:
-        raise ConfigError(f"--tp must be a positive int, got {args.tp}")
-    if getattr(args, "ep", 1) < 1:
-        raise ConfigError(f"--ep must be a positive int, got {args.ep}")
+    positive_int("--tp", args.tp)
+    positive_int("--ep", getattr(args, "ep", 1))
     with progress.step(f"building {args.model}" + (" on the meta device" if meta else "")):
         loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
     with progress.step("tracing with torch.export"):

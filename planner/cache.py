@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.trace import Captured
+from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 
 
@@ -99,9 +100,7 @@ def _program_lines(gm: fx.GraphModule) -> Any:
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Optional[torch.Tensor]:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
+    value = path_attr(gm, target, None)
     return value if isinstance(value, torch.Tensor) else None
 
 

@@ -15,7 +15,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import node_arg, origin_of
+from autotp.capture.trace import origin_of
+from autotp.ops import MATMULS, ROW_NORMS, STATISTICS, node_arg
 from autotp.errors import PlanError, where
 from autotp.planner.blockers import Blocker, Walker
 from autotp.planner.gradflow import dataflow
@@ -52,8 +53,6 @@ def check_heads(gm: fx.GraphModule, tp: int, strict: bool) -> list[str]:
     return fallbacks
 
 
-MATMULS = (aten.mm.default, aten.bmm.default, aten.linear.default, aten.matmul.default,
-           aten.addmm.default)
 
 
 def narrow(shape: tuple[int, ...], tp: int) -> bool:
@@ -129,13 +128,6 @@ def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str]
         yield node, products, odd
 
 
-# Reductions over the last dim: a norm's statistic (RMSNorm's mean of squares, LayerNorm).
-_STATISTICS = (aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction,
-               aten.var.dim, aten.std.dim, aten.std.correction,
-               aten.linalg_vector_norm.default)
-_NORMS = (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
-
-
 def _normalized_whole(products: list[fx.Node]) -> bool:
     """Whether a product's output (or a slice of it) is normalized over its features before
     it meets any other value: MLA's low-rank down-projections (q_a_proj into q_a_layernorm,
@@ -171,9 +163,9 @@ def _normalized_size(node: fx.Node) -> Any:
         else None
     if not isinstance(val, torch.Tensor) or val.ndim == 0:
         return None
-    if node.target in _NORMS:
+    if node.target in ROW_NORMS:
         return val.shape[-1]
-    if node.target not in _STATISTICS:
+    if node.target not in STATISTICS:
         return None
     dims: Any = node_arg(node, "dim")
     if dims is None:

@@ -30,7 +30,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import node_arg
+from autotp.ops import DROPOUTS, node_arg
 from autotp.planner.cost import parse_size, readable
 from autotp.planner.plan import JOINED, CollectiveRecord, Edge, Plan
 
@@ -49,7 +49,7 @@ def movable(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if target in _DROPOUTS and node_arg(node, "train") is False:
+    if target in DROPOUTS and node_arg(node, "train") is False:
         return True  # in eval mode: the identity, no draw
     if node.is_impure():
         return False
@@ -58,8 +58,6 @@ def movable(node: fx.Node) -> bool:
     return not target._schema.is_mutable and \
         torch.Tag.nondeterministic_seeded not in target.tags
 
-
-_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default)
 
 
 def moved(graph: fx.Graph, values: Iterable[fx.Node], consumers: Iterable[fx.Node],

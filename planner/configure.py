@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from autotp.errors import AutotpError, ConfigError
+from autotp.ops import positive_int
 from autotp.planner.hardware import Hardware, hardware as get_hardware
 from autotp.planner.memory import (
     DATA_PARALLEL,
@@ -418,9 +419,9 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
 
     start = time.perf_counter()
     hw = get_hardware(hardware)
-    req = Request(gpus=_positive("gpus", gpus), global_batch=_positive("global_batch",
+    req = Request(gpus=positive_int("gpus", gpus), global_batch=positive_int("global_batch",
                                                                           global_batch),
-                  seq=_positive("seq", seq), **options)
+                  seq=positive_int("seq", seq), **options)
     if example_args is None and example_kwargs is None:
         example_kwargs = training_example(model)
     profiled, planned = capture_for_training(model, example_args, example_kwargs, req.dtype)
@@ -479,8 +480,4 @@ def training_example(model: torch.nn.Module) -> dict[str, Any]:
     return example
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
 

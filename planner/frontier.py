@@ -34,7 +34,8 @@ import torch.fx as fx
 from autotp.capture.trace import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
-from autotp.planner.checks import MATMULS, narrow_matrices
+from autotp.ops import MATMULS, RESHAPES
+from autotp.planner.checks import narrow_matrices
 from autotp.planner.transitions import Collective
 
 aten = torch.ops.aten
@@ -448,9 +449,6 @@ def leaf_memory_cost(tp: int, cost_model: Any,
     return cost
 
 
-_HEAD_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
     """Whether a product of ``weight`` is split into fewer heads than tp, [.., n] -> [.., H, d]
     with H < tp (k/v projections with 4 k/v heads at tp 8): tp cannot shard its output."""
@@ -459,7 +457,7 @@ def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
                     if u.op == "call_function" and u.target in MATMULS]:
         n = product.meta["val"].shape[-1]
         for view in product.users:
-            shape = view.meta.get("val").shape if view.target in _HEAD_VIEWS else None
+            shape = view.meta.get("val").shape if view.target in RESHAPES else None
             if shape is not None and len(shape) >= 2 and isinstance(shape[-2], int) and \
                     shape[-2] * shape[-1] == n and 1 < shape[-1] < n and shape[-2] < tp:
                 return True

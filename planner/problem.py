@@ -15,8 +15,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import (Captured, make_call, node_arg, sequence_symbols, size_expr,
-                            origin_of, tensor_inputs)
+from autotp.capture.trace import (Captured, make_call, origin_of, sequence_symbols, size_expr,
+                                  tensor_inputs)
+from autotp.ops import MATMULS, RESHAPES, node_arg
 from autotp.errors import NoRuleError, PlanError, where
 from autotp.layout import (
     R,
@@ -136,16 +137,15 @@ def joins_ahead(src: PNode, reader: PNode, have: Any, want: Any, options: PlanOp
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
 
 
-_PRODUCTS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default,
-             aten.bmm.default, aten.add.Tensor)
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# a product, or a product with its bias added: the values a slice of one dim may tile
+_PRODUCTS = MATMULS | {aten.add.Tensor}
 
 
 def _sliced_segments(node: fx.Node) -> list[int]:
     """The sizes of slices of ``node`` along one dim that tile it (``qkv[..., :q]``,
     ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``), or [] when its slices do not."""
     val = node.meta.get("val")
-    viewed = node.target in _VIEWS and isinstance(node.args[0], fx.Node) and \
+    viewed = node.target in RESHAPES and isinstance(node.args[0], fx.Node) and \
         node.args[0].target in _PRODUCTS  # Falcon's qkv.view(B, T, heads + 2, head_dim)
     if not isinstance(val, torch.Tensor) or not (node.target in _PRODUCTS or viewed):
         return []  # only a product's output is a fused projection (not a KV cache's reads)
@@ -204,7 +204,7 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
         if node.op == "call_function" and node.target == aten.unbind.int:
             counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
         counts.add(_selected_parts(node))
-        if node.op == "call_function" and node.target in _VIEWS:
+        if node.op == "call_function" and node.target in RESHAPES:
             counts.update(_merged_periods(node))
     counts.discard(None)
     counts.discard(0)

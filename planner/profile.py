@@ -36,7 +36,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import Captured, node_arg, size_expr, tensor_inputs
+from autotp.capture.trace import Captured, size_expr, tensor_inputs
+from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.cost import parse_size
 from autotp.planner.plan import Plan
@@ -46,28 +47,6 @@ from autotp.planner.saved import saves_input, saves_output
 
 aten = torch.ops.aten
 
-# ops that allocate nothing: their output shares its input's storage
-VIEWS = {
-    aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
-    aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-    aten.unbind.int, aten.detach.default, aten.view_as_real.default,
-    aten.view_as_complex.default, aten.unflatten.int, aten.as_strided.default,
-    aten.expand_as.default, aten.view_as.default, aten.sym_size.int, operator.getitem,
-    aten.reshape.default, aten.flatten.using_ints, aten.lift_fresh_copy.default,
-}
-PRODUCTS = {aten.mm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
-            aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.einsum.default}
-ATTENTION = {aten.scaled_dot_product_attention.default,
-             aten._scaled_dot_product_flash_attention.default,
-             aten._scaled_dot_product_efficient_attention.default,
-             aten._scaled_dot_product_cudnn_attention.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default}
-DROPOUTS = {aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
-            aten.alpha_dropout.default}
-NORMS = {aten.layer_norm.default: 2, aten.native_layer_norm.default: 2,
-         aten.rms_norm.default: 1, aten.group_norm.default: 2}  # float32 statistics per row
 # ops whose backward keeps only some inputs: (op, the tensor-input positions kept)
 _KEEPS_ONLY = {
     aten.masked_fill.Scalar: (1,), aten.masked_fill.Tensor: (1,), aten.where.self: (0,),

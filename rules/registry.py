@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import sympy
 import torch
 
+from autotp.ops import argument
 from autotp.layout import (
     R,
     R_STAR,
@@ -160,39 +161,13 @@ class OpCall:
     ep: int = 1
 
     def arg(self, name: str, default: Any = None) -> Any:
-        """The argument the op's schema calls ``name`` (see ``argument``)."""
+        """The argument the op's schema calls ``name`` (see ``autotp.ops.argument``)."""
         return argument(self.op, self.args, self.kwargs, name, default)
 
     @property
     def out(self) -> TensorMeta:
         assert isinstance(self.output, TensorMeta), f"{self.op} has no single tensor output"
         return self.output
-
-
-def argument(op: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str,
-             default: Any = None) -> Any:
-    """The argument of ``op(*args, **kwargs)`` that its schema calls ``name``, however it was
-    passed (by position, by keyword, or left to its default). ``default`` stands for an
-    argument left out whose schema default is None or absent (``pad``'s ``value=None`` means
-    0). Reading by name, never by a position written in the caller, is what keeps a rule from
-    reading ``ord`` as ``dim`` (``linalg_vector_norm(x, ord, dim, keepdim)``)."""
-    if name in kwargs:
-        return kwargs[name]
-    index, spec = _schema_argument(op, name)
-    if not spec.kwarg_only and index < len(args):
-        return args[index]
-    value = spec.default_value if spec.has_default_value() else None
-    return default if value is None else value
-
-
-def _schema_argument(op: Any, name: str) -> tuple[int, Any]:
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        raise TypeError(f"{op} has no schema to read argument {name!r} by")
-    for index, spec in enumerate(schema.arguments):
-        if spec.name == name:
-            return index, spec
-    raise KeyError(f"{schema.name} has no argument {name!r}: {schema}")
 
 
 Rule = Callable[[OpCall], Iterable[Strategy]]

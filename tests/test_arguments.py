@@ -18,7 +18,8 @@ import autotp
 from autotp.capture.trace import make_call
 from autotp.features.testing import build_call
 from autotp.features.verify import assert_equivalent
-from autotp.rules.registry import Registry, argument
+from autotp.ops import argument
+from autotp.rules.registry import Registry
 
 from test_rules import SAMPLES, _clone, _resolve
 

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import VIEW_OPS, node_arg
+from autotp.ops import RESHAPES, node_arg
 
 aten = torch.ops.aten
 
@@ -136,7 +136,7 @@ def fuse_bias_adds(graph: fx.Graph) -> dict[str, str]:
         if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)):
             continue
         view = None
-        if product.target in VIEW_OPS and len(product.users) == 1:
+        if product.target in RESHAPES and len(product.users) == 1:
             view, product = product, product.args[0]
         if not (isinstance(product, fx.Node) and product.op == "call_function"
                 and len(product.users) == 1 and _is_vector(bias)

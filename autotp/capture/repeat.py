@@ -36,6 +36,8 @@ from typing import Any, Hashable, Iterator, Optional
 import torch
 import torch.fx as fx
 
+from autotp.ops import path_attr
+
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
@@ -235,7 +237,7 @@ def _unroll_stack(gm: fx.GraphModule, model: torch.nn.Module, stack: Stack) -> N
     attrs = {j: [n for n in graph.nodes if n.op == "get_attr"
                  and str(n.target).startswith(f"{stack.entry(j)}.")] for j in range(stack.prefix)}
 
-    is_param = {n: isinstance(_fetch(gm, str(n.target)), torch.nn.Parameter)
+    is_param = {n: isinstance(path_attr(gm, str(n.target)), torch.nn.Parameter)
                 for nodes in attrs.values() for n in nodes}
     ends = {kind: [n for n in attrs[last] if is_param[n] == kind][-1:] for kind in (True, False)}
     placed: dict[tuple[int, fx.Node], fx.Node] = {}
@@ -343,7 +345,8 @@ def _program(gm: fx.GraphModule, stack: Stack, index: int,
                 suffix = str(arg.target)[len(mine):]
                 lifted = _LIFTED.match(suffix)
                 if lifted:  # numbered by export in order: the same value, another number
-                    return ("constant", lifted.group(1), _constant_key(_fetch(gm, str(arg.target))))
+                    return ("constant", lifted.group(1),
+                            _constant_key(path_attr(gm, str(arg.target))))
                 return ("param", suffix)
             if arg.op == "get_attr" and str(arg.target).startswith(theirs):
                 raise Mismatch(f"{stack.entry(index)} reads its predecessor's parameters")
@@ -428,7 +431,7 @@ def _stamp_attr(new: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module, stack
     constant export lifted out of the code (``lifted_tensor_3``), the template's under the
     next number."""
     suffix = str(attr.target)[len(stack.entry(template)) + 1:]
-    like = _fetch(gm, str(attr.target))
+    like = path_attr(gm, str(attr.target))
     lifted = _LIFTED.match(suffix)
     if lifted:
         number = 1 + max(int(m.group(3)) for m in map(_LIFTED.match, _targets(gm)) if m)
@@ -436,7 +439,7 @@ def _stamp_attr(new: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module, stack
         tensor = like
     else:
         target = f"{stack.entry(index)}.{suffix}"
-        tensor = _fetch(model, target)
+        tensor = path_attr(model, target)
         if not isinstance(tensor, torch.nn.Parameter) and tensor.device != like.device:
             tensor = tensor.to(like.device)  # buffers of a meta model trace on meta
     _attach(gm, target, tensor, str(attr.target))
@@ -476,12 +479,6 @@ def _moved(path: str, stack: Stack, template: int, index: int) -> str:
     old, new = stack.entry(template), stack.entry(index)
     return re.sub(rf"(?<![\w.]){re.escape(old)}(?=$|\.)", new, str(path).replace(
         f"L__self__{old}", f"L__self__{new}"))
-
-
-def _fetch(root: Any, target: str) -> Any:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def _attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, like: str) -> None:

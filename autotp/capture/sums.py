@@ -24,23 +24,21 @@ import logging
 import torch
 import torch.fx as fx
 
+from autotp.ops import PROJECTIONS, RESHAPES
+
 aten = torch.ops.aten
 _log = logging.getLogger("autotp")
 
 # products of an activation with a weight: a row-parallel one gives a partial sum (a product
 # of two activations, attention's, is sharded by heads instead, never partial)
-_PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.matmul.default,
-                       aten.addmm.default, aten.einsum.default})
-_WEIGHT_VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default,
-                           aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                           aten.contiguous.default, aten.clone.default, aten._to_copy.default})
+_PRODUCTS = PROJECTIONS | {aten.addmm.default, aten.einsum.default}
+_WEIGHT_VIEWS = RESHAPES | {aten.t.default, aten.transpose.int, aten.permute.default,
+                            aten.contiguous.default, aten.clone.default, aten._to_copy.default}
 # ops a product's output passes through and stays the product's, as the rules see it
-_CARRIERS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                       aten.transpose.int, aten.permute.default, aten.clone.default,
-                       aten.contiguous.default, aten.dropout.default, aten.flatten.using_ints,
-                       aten.unflatten.int, aten.squeeze.dim, aten.unsqueeze.default,
-                       aten.mul.Scalar, aten.div.Scalar, aten._to_copy.default,
-                       aten.to.dtype})
+_CARRIERS = RESHAPES | {aten.transpose.int, aten.permute.default, aten.clone.default,
+                        aten.contiguous.default, aten.dropout.default, aten.flatten.using_ints,
+                        aten.unflatten.int, aten.squeeze.dim, aten.unsqueeze.default,
+                        aten.mul.Scalar, aten.div.Scalar, aten._to_copy.default, aten.to.dtype}
 
 
 def _is_add(node: fx.Node) -> bool:

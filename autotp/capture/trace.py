@@ -33,6 +33,7 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autotp.ops import PROJECTIONS, RESHAPES, node_arg, path_attr
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
                                      size_comparison_as_bool, ways_forward)
@@ -40,7 +41,7 @@ from autotp.capture.identities import drop_identities
 from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
-from autotp.rules.registry import OpCall, TensorMeta, argument
+from autotp.rules.registry import OpCall, TensorMeta
 
 aten = torch.ops.aten
 _log = logging.getLogger("autotp")
@@ -294,7 +295,7 @@ def capture(
                         traced_layers={s.path: (s.prefix, s.length) for s in stacks})
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
-    used = {id(_fetch_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
                        if id(p) not in used}
     return captured
@@ -341,7 +342,7 @@ def inline_autocast(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or node.target is not wrap_with_autocast:
             continue
         device_type, dtype, enabled, cache_enabled, body_node, *operands = node.args
-        body = _fetch_attr(gm, body_node.target)
+        body = path_attr(gm, body_node.target)
         graph = gm.graph
         with graph.inserting_before(node):
             state = graph.call_function(torch.amp._enter_autocast,
@@ -356,7 +357,7 @@ def inline_autocast(gm: fx.GraphModule) -> None:
                     results = fx.map_arg(inner.args[0], env.__getitem__)
                 elif inner.op == "get_attr":  # a nested region's body
                     name = f"{body_node.target}_{inner.target}"
-                    setattr(gm, name, _fetch_attr(body, inner.target))
+                    setattr(gm, name, path_attr(body, inner.target))
                     env[inner] = graph.get_attr(name)
                 else:
                     env[inner] = graph.node_copy(inner, env.__getitem__)
@@ -451,9 +452,7 @@ def _constant(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
     node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part, None)
+    value = path_attr(gm, node.target, None)
     if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
             isinstance(value, torch.nn.Parameter):
         return None
@@ -622,7 +621,7 @@ def merge_tied_parameters(gm: fx.GraphModule) -> None:
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
-        tensor = _fetch_attr(gm, node.target)
+        tensor = path_attr(gm, node.target)
         if not isinstance(tensor, torch.Tensor):
             continue
         first = canonical.setdefault(id(tensor), node)
@@ -633,13 +632,6 @@ def merge_tied_parameters(gm: fx.GraphModule) -> None:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-
-
-def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def out_of_place(gm: fx.GraphModule) -> None:
@@ -768,14 +760,6 @@ def split_biases(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def node_arg(node: fx.Node, name: str, default: Any = None) -> Any:
-    """The argument of an op call that its schema calls ``name``, however it was passed."""
-    return argument(node.target, node.args, node.kwargs, name, default)
-
-
 def sink_bias_adds(gm: fx.GraphModule) -> None:
     """view(mm(x, W) + b, shape) -> view(mm(x, W), shape) + b, when the view keeps the last
     dim (exact: b broadcasts over it). Conv1D-style layers flatten [B, T, C] to [B*T, C]
@@ -789,7 +773,7 @@ def sink_bias_adds(gm: fx.GraphModule) -> None:
         view = next(iter(node.users))
         if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
                 and product.target in (aten.mm.default, aten.linear.default)
-                and bias.op == "get_attr" and view.target in VIEW_OPS and view.args[0] is node):
+                and bias.op == "get_attr" and view.target in RESHAPES and view.args[0] is node):
             continue
         bval, vval = bias.meta["val"], view.meta["val"]
         if bval.ndim != 1 or vval.ndim < 1 or vval.shape[-1] != bval.shape[0] \
@@ -849,10 +833,6 @@ def decompose_cross_entropy(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
-
-
-# The products whose output features a norm may normalize: a column-parallel plan shards them.
-_PRODUCTS = (aten.linear.default, aten.mm.default, aten.matmul.default)
 
 
 def decompose_feature_norms(gm: fx.GraphModule) -> None:
@@ -929,7 +909,8 @@ def _projected(x: fx.Node) -> bool:
                 and bias.op == "get_attr" and len(product.users) == 1):
             return False
         x = product
-    if x.target not in _PRODUCTS or not isinstance(x.args[0], fx.Node):
+    # the products whose output features a norm may normalize: column-parallel ones shard them
+    if x.target not in PROJECTIONS or not isinstance(x.args[0], fx.Node):
         return False
     width, reads = x.meta["val"].shape[-1], x.args[0].meta["val"].shape[-1]
     return isinstance(width, int) and isinstance(reads, int) and 2 * width >= reads
@@ -985,7 +966,7 @@ def _aliases(model: torch.nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]
     out: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            tensor = _fetch_attr(gm, node.target)
+            tensor = path_attr(gm, node.target)
             if isinstance(tensor, torch.nn.Parameter):
                 out[node.target] = by_id.get(id(tensor), [node.target])
     return out

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from autotp.api import ShardedModule, Simulation, full_state_dict, simulate
-from autotp.capture.trace import node_arg, source_of
+from autotp.capture.trace import source_of
+from autotp.ops import node_arg
 from autotp.runtime.comm import CollectiveLog
 
 Call = Callable[[nn.Module], Any]  # runs the model on the inputs, returns its output

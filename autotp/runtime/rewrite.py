@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture.trace import Captured, node_arg, sequence_symbols, size_expr
+from autotp.capture.trace import Captured, sequence_symbols, size_expr
+from autotp.ops import node_arg
 from autotp.capture.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
@@ -40,6 +41,7 @@ from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedD
 from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.routing import route_rows, routed_text
 from autotp.rules.registry import Registry, Strategy, parse_output
+from autotp.ops import path_attr
 
 
 class LowerContext:
@@ -91,12 +93,6 @@ def copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
-def _get(module: nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _set(root: nn.Module, target: str, value: Any) -> None:
     *path, leaf = target.split(".")
     module = root
@@ -124,7 +120,7 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
     source = captured.gm
     for node in graph.nodes:
         if node.op == "get_attr":
-            value = _get(source, node.target)
+            value = path_attr(source, node.target)
             if isinstance(value, nn.Parameter):
                 layout = plan.param_layout(node.target)
                 names = captured.aliases.get(node.target, [node.target])
@@ -142,7 +138,7 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
                 value = copy.deepcopy(value)
             _set(root, node.target, value)
         elif node.op == "call_module":
-            _set(root, node.target, _get(source, node.target))
+            _set(root, node.target, path_attr(source, node.target))
     return root
 
 
@@ -194,7 +190,7 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             if value.op == "get_attr" and isinstance(src, Replicate) and \
                     isinstance(dst, Replicate) and dst.grad_partial and \
                     grad_sync is GradSync.BUCKET:
-                param = _get(root, value.target)
+                param = path_attr(root, value.target)
                 bucket.params[value.target] = param
                 module: nn.Module = DeferredGradReduce(bucket, value.target)
             else:
@@ -227,7 +223,7 @@ def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: n
         layout = plan.param_layout(node.target)
         if not (isinstance(layout, Shard) and is_mixed(layout.blocks)):
             continue
-        param = _get(root, node.target)
+        param = path_attr(root, node.target)
         spans = whole_slices(param.shape[layout.dim], layout.blocks, plan.tp)
         name = f"autotp_{node.name}_whole_segments"
         if grad_sync is GradSync.BUCKET:
@@ -257,7 +253,7 @@ def keep_sequence_shards(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
     for node in graph.nodes:
         if node.op != "call_module":
             continue
-        module = _get(root, node.target)
+        module = path_attr(root, node.target)
         if not (isinstance(module, Redistribute) and isinstance(module.src, Shard)
                 and isinstance(module.dst, Replicate)):
             continue

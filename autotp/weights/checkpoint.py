@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.api import ShardedModule, parallelize
+from autotp.ops import path_attr
 from autotp.runtime.collectives import gather
 from autotp.runtime.comm import ProcessGroupComm
 from autotp.errors import ConfigError
@@ -218,22 +219,14 @@ def _tensors(sharded: ShardedModule) -> dict[str, tuple[torch.Tensor, Layout]]:
     for target, local in sharded.local_parameters().items():
         out[plan.params[target].names[0]] = (local, plan.param_layout(target))
     for name in sharded._unused:
-        out[name] = (_attr(sharded.program, name), Replicate())
+        out[name] = (path_attr(sharded.program, name, None), Replicate())
     source = sharded.source
     for name in source.buffers if source is not None else []:
-        value = _attr(sharded.program, name)
+        value = path_attr(sharded.program, name, None)
         if isinstance(value, torch.Tensor):
             out[name] = (value, Replicate())
     return out
 
-
-def _attr(module: nn.Module, name: str) -> Any:
-    value: Any = module
-    for part in name.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value
 
 
 def _ordered(sharded: ShardedModule, tensors: dict[str, Any]) -> list[str]:

@@ -41,6 +41,7 @@ from autotp.layout import (
     whole_segments,
 )
 from autotp.weights.tensorfile import TensorFiles
+from autotp.ops import path_attr
 
 
 @contextlib.contextmanager
@@ -73,12 +74,6 @@ def is_meta(tensor: Any) -> bool:
 
 def has_meta_parameters(model: nn.Module) -> bool:
     return any(is_meta(p) for p in model.parameters())
-
-
-def _get(module: nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def slice_ranges(global_size: int, layout: Shard, rank: int, tp: int) -> list[tuple[int, int]]:
@@ -192,7 +187,7 @@ def maybe_deferred(weights: Weights) -> Weights:
 def model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:
     """The tensor at dotted path ``name`` of ``model``, or None."""
     try:
-        value = _get(model, name)
+        value = path_attr(model, name)
     except AttributeError:
         return None
     return value if isinstance(value, torch.Tensor) else None
@@ -262,14 +257,14 @@ class CheckpointWeights(Weights):
             name = next(n for n in names if n in self.keys or n in self.stacked)
             if name in self.stacked:
                 shape = self.stacked[name].shape(self.files)
-                if shape != tuple(_get(self.model, name).shape):
+                if shape != tuple(path_attr(self.model, name).shape):
                     raise ConfigError(
                         f"the experts stacked into {name!r} from the checkpoint have shape "
                         f"{list(shape)}, but the model's has "
-                        f"{list(_get(self.model, name).shape)}: the checkpoint does not fit "
+                        f"{list(path_attr(self.model, name).shape)}: the checkpoint does not fit "
                         "this config")
                 continue
-            self._check_shape(name, _get(self.model, name))
+            self._check_shape(name, path_attr(self.model, name))
 
     def _check_shape(self, name: str, like: torch.Tensor) -> None:
         key = self.keys[name]
@@ -598,7 +593,7 @@ class InitWeights(Weights):
         by_id: dict[int, Layout] = {}
         for names, layout in layouts.values():
             for name in names:
-                by_id[id(_get(model, name))] = layout
+                by_id[id(path_attr(model, name))] = layout
         # parameter object -> every (module, attribute) holding it (tied weights: several)
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
         self._params: dict[int, nn.Parameter] = {}
@@ -679,7 +674,7 @@ class InitWeights(Weights):
 
     def parameter(self, target: str, names: Sequence[str], layout: Layout, rank: int, tp: int,
                   like: torch.Tensor) -> torch.Tensor:
-        return self._place(self._local[id(_get(self.model, names[0]))], like)
+        return self._place(self._local[id(path_attr(self.model, names[0]))], like)
 
 
 def _has_nan(tensor: torch.Tensor) -> bool:
