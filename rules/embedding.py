@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -28,16 +28,6 @@ from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shar
 
 aten = torch.ops.aten
 rules = RuleSet()
-
-
-def _local_indices(graph: Any, index: Any, lo: int, hi: int) -> tuple[Any, Any]:
-    """Nodes for (index - lo, 0 where outside [lo, hi)) and the outside mask."""
-    below = graph.call_function(aten.lt.Scalar, (index, lo))
-    above = graph.call_function(aten.ge.Scalar, (index, hi))
-    outside = graph.call_function(aten.logical_or.default, (below, above))
-    shifted = graph.call_function(aten.sub.Tensor, (index, lo))
-    local = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-    return local, outside
 
 
 @rules.register(aten.embedding.default)
@@ -49,25 +39,6 @@ def embedding_rule(call: OpCall) -> Iterator[Strategy]:
     # toward that row's frequency: no vocab parallelism then.
     if weight.shardable(0, call.tp) and not call.arg("scale_grad_by_freq", False):
         yield Strategy((Shard(0), R), P, name="vocab parallel")
-
-
-@rules.lowering(aten.embedding.default)
-def vocab_parallel_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if strategy.inputs[0] != Shard(0):
-        return
-    weight, indices = node.args[:2]
-    vocab = node.args[0].meta["val"].shape[0]
-    rows = vocab // ctx.tp
-    lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
-    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-    local_padding = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else -1
-    graph = ctx.graph
-    with graph.inserting_before(node):
-        local, outside = _local_indices(graph, indices, lo, hi)
-        outside_col = graph.call_function(aten.unsqueeze.default, (outside, -1))
-    node.args = (weight, local, local_padding, *node.args[3:])
-    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
-    ctx.apply_after(node, aten.masked_fill.Scalar, outside_col, 0.0)
 
 
 @rules.register(aten.gather.default)
@@ -85,17 +56,3 @@ def gather_rule(call: OpCall) -> Iterator[Strategy]:
     if x.floating and x.shardable(dim, call.tp):
         yield Strategy((Shard(dim), R), P, name="masked lookup")
 
-
-@rules.lowering(aten.gather.default)
-def masked_gather_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if strategy.output != P:
-        return
-    x, dim, index = node.args[:3]
-    dim = normalize_dim(dim, x.meta["val"].ndim)
-    rows = x.meta["val"].shape[dim] // ctx.tp
-    lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
-    graph = ctx.graph
-    with graph.inserting_before(node):
-        local, outside = _local_indices(graph, index, lo, hi)
-    node.args = (x, dim, local, *node.args[3:])
-    ctx.apply_after(node, aten.masked_fill.Scalar, outside, 0.0)

@@ -17,7 +17,7 @@ stored [in, out] and its column is dim 1; ``linear``'s weight is [out, in] and i
 from __future__ import annotations
 
 import string
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -29,11 +29,8 @@ from autotp.layout import (
     Layout,
     Period,
     Shard,
-    is_mixed,
-    local_segment_sizes,
 )
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta
-from autotp.runtime.routing import local_offsets
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -192,16 +189,6 @@ def grouped_mm_rule(call: OpCall) -> Iterator[Strategy]:
         yield Strategy((R, P, R), P, name="linear")
 
 
-@rules.lowering(*GROUPED_MM)
-def experts_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if strategy.output != Shard(0, ROUTED):
-        return
-    x, weight, offs = node.args[:3]
-    with ctx.graph.inserting_before(node):
-        local = ctx.graph.call_function(local_offsets, (ctx.routes[node.name],))
-    node.args = (x, weight, local, *node.args[3:])
-
-
 CONV: list = [aten.conv1d.default, aten.conv2d.default, aten.conv3d.default]
 
 
@@ -251,18 +238,3 @@ def _group_strategies(call: OpCall, groups: int) -> Iterator[Strategy]:
     if not has_bias and x.floating:
         yield Strategy((P, R), P, name="linear")
 
-
-@rules.lowering(*CONV)
-def local_groups_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """``groups`` counts the groups one rank convolves: g -> g/tp (blocks held whole: those
-    segments' groups whole)."""
-    layout = strategy.inputs[0]
-    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-    if groups == 1 or not isinstance(layout, Shard) or layout.dim != 1:
-        return
-    local = sum(local_segment_sizes(groups, layout.blocks, ctx.tp)) \
-        if is_mixed(layout.blocks) else ctx.local_size_arg(groups, node)
-    if len(node.args) > 6:
-        node.args = (*node.args[:6], local, *node.args[7:])
-    else:
-        node.kwargs = {**node.kwargs, "groups": local}

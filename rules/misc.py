@@ -11,7 +11,6 @@ that is registered nowhere is an error (or, with ``strict=False``, a recorded fa
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Iterator
 
 import torch
@@ -91,14 +90,6 @@ def sym_size_rule(call: OpCall) -> Iterator[Strategy]:
     for d, blocks in shardable_dims(x, call):
         yield Strategy((Shard(d, blocks),), None,
                        name="global size" if d != dim else "local size x tp")
-
-
-@rules.lowering(aten.sym_size.int)
-def global_size_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    layout = strategy.inputs[0]
-    x_ndim = node.args[0].meta["val"].ndim
-    if isinstance(layout, Shard) and layout.dim == normalize_dim(node.args[1], x_ndim):
-        ctx.apply_after(node, operator.mul, ctx.tp)
 
 
 @rules.register(aten._assert_tensor_metadata.default)

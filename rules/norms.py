@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -84,12 +84,6 @@ def sum_all_rule(call: OpCall) -> Iterator[Strategy]:
         return
     for dim, blocks in shardable_dims(call.inputs[0], call):
         yield Strategy((Shard(dim, blocks),), P, name="partial sum")
-
-
-@rules.lowering(aten.mean.default, aten.mean.dim)
-def partial_mean_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if isinstance(strategy.inputs[0], Shard) and strategy.output == P:
-        ctx.apply_after(node, aten.div.Scalar, ctx.tp)
 
 
 @rules.register(aten.logsumexp.default)

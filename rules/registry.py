@@ -171,8 +171,6 @@ class OpCall:
 
 
 Rule = Callable[[OpCall], Iterable[Strategy]]
-# A lowering turns the node of the original graph into the local op(s) for one rank.
-Lowering = Callable[[Any, Any, Strategy], None]
 
 
 @dataclass
@@ -180,7 +178,6 @@ class RuleSet:
     """The rules of one op family, collected by decorator, merged into a ``Registry``."""
 
     rules: dict[Any, Rule] = field(default_factory=dict)
-    lowerings: dict[Any, Lowering] = field(default_factory=dict)
 
     def register(self, *ops: Any) -> Callable[[Rule], Rule]:
         def decorate(rule: Rule) -> Rule:
@@ -192,27 +189,18 @@ class RuleSet:
 
         return decorate
 
-    def lowering(self, *ops: Any) -> Callable[[Lowering], Lowering]:
-        def decorate(fn: Lowering) -> Lowering:
-            for op in ops:
-                self.lowerings[op] = fn
-            return fn
-
-        return decorate
-
 
 class Registry:
-    """Maps op overloads to rules and lowerings; build a fresh one per test if needed."""
+    """Maps op overloads to rules (their lowerings: ``autotp.runtime.lowerings``); build a
+    fresh one per test if needed."""
 
     def __init__(self, rule_sets: Sequence[RuleSet]):
         self._rules: dict[Any, Rule] = {}
-        self._lowerings: dict[Any, Lowering] = {}
         for rule_set in rule_sets:
             for op, rule in rule_set.rules.items():
                 if op in self._rules:
                     raise KeyError(f"two rules for {op}")
                 self._rules[op] = rule
-            self._lowerings.update(rule_set.lowerings)
 
     @classmethod
     def default(cls) -> "Registry":
@@ -233,7 +221,7 @@ class Registry:
         """``op``, or its qualified name for rules registered by name (custom ops of other
         libraries, such as ``"transformers::grouped_mm_fallback"``, which exist only once
         that library is imported)."""
-        if op in self._rules or op in self._lowerings:
+        if op in self._rules:
             return op
         schema = getattr(op, "_schema", None)
         return schema.name if schema is not None else op
@@ -244,9 +232,6 @@ class Registry:
     @property
     def ops(self) -> list[Any]:
         return sorted(self._rules, key=str)
-
-    def lowering(self, op: Any) -> Optional[Lowering]:
-        return self._lowerings.get(self._key(op))
 
     def base_strategies(self, call: OpCall) -> list[Strategy]:
         return list(self._rules[self._key(call.op)](call))

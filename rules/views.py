@@ -29,15 +29,11 @@ from autotp.layout import (
     Period,
     Shard,
     block_units,
-    block_weights,
-    is_mixed,
-    local_segment_sizes,
     proportions,
     segment_sizes,
     smaller_whole,
     whole_segments,
 )
-from autotp.errors import PlanError, where
 from autotp.rules.registry import (
     OpCall,
     RuleSet,
@@ -46,7 +42,6 @@ from autotp.rules.registry import (
     normalize_dim,
     shardable_dims,
 )
-from autotp.runtime.routing import expert_rows, routed_lookup
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -230,42 +225,6 @@ def view_rule(call: OpCall) -> Iterator[Strategy]:
             yield Strategy((Shard(dim, blocks),), mapped, name="view")
 
 
-@rules.lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                aten.view_copy.default, aten.expand.default)
-def localize_shape_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    out = strategy.output
-    if isinstance(out, Shard):
-        shape = list(node.args[1])
-        size = shape[out.dim]
-        if out.blocks == ROUTED:  # as many rows as the rank holds: the view infers them
-            if node.target == aten.expand.default:
-                shape[out.dim] = -1
-            elif -1 in shape[1:]:
-                raise PlanError(f"a view of routed rows infers two sizes{where(node)}")
-            else:
-                shape[out.dim] = -1
-        elif is_mixed(out.blocks) and isinstance(size, int) and size != -1:
-            shape[out.dim] = sum(local_segment_sizes(size, out.blocks, ctx.tp))
-        else:
-            shape[out.dim] = ctx.local_size_arg(size, node)
-        node.args = (node.args[0], shape, *node.args[2:])
-
-
-@rules.lowering(aten.unflatten.int)
-def localize_unflatten_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """``unflatten(x, d, sizes)``: the size of the output dim that holds the shard is local
-    (Flux's ``q.unflatten(-1, (heads, -1))``: heads -> heads / tp)."""
-    out = strategy.output
-    if not isinstance(out, Shard):
-        return
-    src_ndim = len(node.args[0].meta["val"].shape)
-    dim = normalize_dim(node.args[1], src_ndim)
-    sizes = list(node.args[2])
-    if 0 <= out.dim - dim < len(sizes):
-        sizes[out.dim - dim] = ctx.local_size_arg(sizes[out.dim - dim], node)
-        node.args = (node.args[0], node.args[1], sizes, *node.args[3:])
-
-
 @rules.register(aten.transpose.int)
 def transpose_rule(call: OpCall) -> Iterator[Strategy]:
     ndim = call.inputs[0].ndim
@@ -336,17 +295,6 @@ def repeat_interleave_rule(call: OpCall) -> Iterator[Strategy]:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="repeat heads")
 
 
-@rules.lowering(aten.repeat_interleave.self_int)
-def localize_output_size_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """``output_size``, where given, counts the rank's rows of a sharded ``dim``."""
-    out, size = strategy.output, node.kwargs.get("output_size")
-    given = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-    if size is None or not isinstance(out, Shard) or given is None:
-        return
-    if normalize_dim(given, len(node.meta["val"].shape)) == out.dim:
-        node.kwargs = {**node.kwargs, "output_size": ctx.local_size_arg(size, node)}
-
-
 @rules.register(aten.unsqueeze.default)
 def unsqueeze_rule(call: OpCall) -> Iterator[Strategy]:
     new = normalize_dim(call.arg("dim"), call.inputs[0].ndim + 1)
@@ -388,22 +336,6 @@ def squeeze_rule(call: OpCall) -> Iterator[Strategy]:
     for dim, blocks in shardable_dims(src, call):
         shift = sum(1 for r in removed if r < dim)
         yield Strategy((Shard(dim, blocks),), Shard(dim - shift, blocks), name="view")
-
-
-@rules.lowering(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
-def squeeze_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """Squeeze exactly the dims that are 1 globally: a shard of size 1 must stay."""
-    if not isinstance(strategy.inputs[0], Shard):
-        return
-    shape = node.args[0].meta["val"].shape
-    if node.target == aten.squeeze.default:
-        dims = [d for d in range(len(shape)) if shape[d] == 1]
-    else:
-        given = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        dims = [normalize_dim(d, len(shape)) for d in given]
-        dims = [d for d in dims if shape[d] == 1]
-    node.target = aten.squeeze.dims
-    node.args = (node.args[0], dims)
 
 
 @rules.register(aten.expand.default)
@@ -486,10 +418,10 @@ def _block_of_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any,
     size = src.static(dim)
     if blocks == 1 or size is None or step not in (None, 1):
         return None
-    return _segment_of(size, blocks, start, end)
+    return segment_of(size, blocks, start, end)
 
 
-def _segment_of(size: int, blocks: Any, start: Any, end: Any) -> Optional[int]:
+def segment_of(size: int, blocks: Any, start: Any, end: Any) -> Optional[int]:
     start = 0 if start is None else start
     end = size if end is None or (isinstance(end, int) and end >= size) else end
     if not isinstance(start, int) or not isinstance(end, int):
@@ -519,31 +451,6 @@ def slice_rule(call: OpCall) -> Iterator[Strategy]:
             yield Strategy((Shard(d, blocks),),
                            R_STAR if whole_segments(blocks)[segment] else Shard(d),
                            name="slice block")
-
-
-@rules.lowering(aten.slice.Tensor)
-def localize_slice_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    """A segment of a blocked shard starts and ends at the global bounds / tp locally; with
-    segments held whole, at the local segments' edges."""
-    layout = strategy.inputs[0]
-    if isinstance(layout, Shard) and is_mixed(layout.blocks) and strategy.output != layout:
-        size = node.args[0].meta["val"].shape[layout.dim]
-        start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start")
-        end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end")
-        j = _segment_of(size, layout.blocks, start, end)
-        assert j is not None, "the slice rule offers a held-whole segment only for one segment"
-        local = [0, *itertools.accumulate(local_segment_sizes(size, layout.blocks, ctx.tp))]
-        node.args = (node.args[0], node.args[1], local[j], local[j + 1], *node.args[4:])
-        return
-    if strategy.output == strategy.inputs[0] or not isinstance(strategy.output, Shard):
-        return
-    args = list(node.args) + [None] * (4 - len(node.args))
-    size = node.args[0].meta["val"].shape[strategy.output.dim]
-    start = args[2] or 0
-    end = size if args[3] is None or (isinstance(args[3], int) and args[3] >= size) \
-        else args[3]
-    node.args = (args[0], args[1], ctx.local_size_arg(start, node) if start else 0,
-                 ctx.local_size_arg(end, node), *node.args[4:])
 
 
 @rules.register(aten.select.int)
@@ -597,25 +504,6 @@ def unbind_rule(call: OpCall) -> Iterator[Strategy]:
     for strategy in _select_strategies(call, call.arg("dim", 0)):
         yield Strategy(strategy.inputs, (strategy.output,) * len(call.output),
                        name=strategy.name)
-
-
-@rules.lowering(aten.split.Tensor, aten.split_with_sizes.default)
-def localize_split_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    layout = strategy.inputs[0]
-    if not isinstance(layout, Shard):
-        return
-    ndim = len(node.args[0].meta["val"].shape)
-    dim = normalize_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), ndim)
-    if layout.dim != dim:
-        return
-    sizes = node.args[1]
-    if isinstance(sizes, (list, tuple)):
-        whole = whole_segments(layout.blocks) if len(sizes) == len(block_weights(layout.blocks)) \
-            else (False,) * len(sizes)
-        local: Any = [s if held else ctx.local_size_arg(s, node) for s, held in zip(sizes, whole)]
-    else:
-        local = ctx.local_size_arg(sizes, node)
-    node.args = (node.args[0], local, *node.args[2:])
 
 
 @rules.register(aten.cat.default)
@@ -741,18 +629,6 @@ def index_rule(call: OpCall) -> Iterator[Strategy]:
             # ids: each rank's rows name only its own experts, the table's rows it holds
             # (checked at run time)
             yield Strategy((Shard(0), Shard(0, ROUTED)), Shard(0, ROUTED), name="expert rows")
-
-
-@rules.lowering(aten.index.Tensor)
-def routed_lookup_lowering(ctx: Any, node: Any, strategy: Strategy) -> None:
-    if strategy.inputs[0] == Shard(0, ROUTED):
-        x, (index,) = node.args[:2]
-        node.target = routed_lookup
-        node.args = (x, index, ctx.routes[node.name])
-    elif strategy.inputs == (Shard(0), Shard(0, ROUTED)):
-        x, (index,) = node.args[:2]
-        node.target = expert_rows
-        node.args = (x, index, ctx.routes[node.name])
 
 
 @rules.register(aten.index_put.default, aten.index_put_.default)

@@ -73,7 +73,6 @@ def without_complex_rules() -> Registry:
                      misc.rules):
         kept = RuleSet()
         kept.rules = {op: r for op, r in rule_set.rules.items() if op not in complex_ops}
-        kept.lowerings = dict(rule_set.lowerings)
         pruned.append(kept)
     return Registry(pruned)
 

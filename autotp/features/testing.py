@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.capture.trace import make_call
 from autotp.layout import Layout, Partial, Replicate, Shard, shard_tensor, unshard_tensor
-from autotp.runtime.rewrite import LowerContext
+from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.rules.registry import Registry, Strategy
 
 
@@ -124,7 +124,7 @@ def _shard_inputs(tensors: list[torch.Tensor], layouts: tuple[Layout, ...], tp: 
 def _run_rank(op: Any, args: tuple, kwargs: dict, strategy: Strategy, rank: int, tp: int,
               registry: Registry, local_inputs: list[torch.Tensor]) -> Any:
     graph, node, _ = _build(op, args, kwargs)
-    lowering = registry.lowering(op)
+    lowering = lowering_for(op)
     if lowering is not None:
         lowering(LowerContext(graph, rank, tp), node, strategy)
     gm = fx.GraphModule(torch.nn.Module(), graph)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from autotp import errors
+import autotp.errors as errors
 from autotp.errors import AutotpError, ConfigError
 
 

@@ -14,7 +14,6 @@ Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a
 from __future__ import annotations
 
 import copy
-import operator
 from typing import Any, Optional
 
 import torch
@@ -33,55 +32,16 @@ from autotp.runtime.collectives import (
 )
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
-from autotp.errors import PlanError, where
+from autotp.errors import PlanError
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.plan import Plan
+from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.routing import route_rows, routed_text
 from autotp.rules.registry import Registry, Strategy, parse_output
 from autotp.ops import path_attr
-
-
-class LowerContext:
-    """What a lowering may use: the rank, tp, the graph being rewritten."""
-
-    def __init__(self, graph: fx.Graph, rank: int, tp: int,
-                 routes: Optional[dict[str, fx.Node]] = None):
-        self.graph = graph
-        self.rank = rank
-        self.tp = tp
-        # node -> the bounds of its routed rows (autotp.runtime.routing)
-        self.routes = routes or {}
-        self.lowered: dict[fx.Node, fx.Node] = {}
-
-    def local_size_arg(self, arg: Any, node: fx.Node) -> Any:
-        """A size argument of a sharded dim, made local: C -> C/tp; -1 stays -1."""
-        if isinstance(arg, int):
-            if arg == -1:
-                return arg
-            if arg % self.tp:
-                raise PlanError(f"size {arg} is not divisible by tp={self.tp}{where(node)}")
-            return arg // self.tp
-        if isinstance(arg, fx.Node):
-            with self.graph.inserting_before(node):
-                return self.graph.call_function(operator.floordiv, (arg, self.tp))
-        raise PlanError(f"cannot localize size argument {arg!r}{where(node)}")
-
-    def mark_lowered(self, node: fx.Node, replacement: fx.Node) -> None:
-        self.lowered[node] = replacement
-
-    def apply_after(self, node: fx.Node, op: Any, *args: Any) -> fx.Node:
-        """``op(node, *args)`` inserted after ``node``, read by all of ``node``'s users in its
-        place; for a tensor, it is recorded as the node now holding ``node``'s value."""
-        with self.graph.inserting_after(node):
-            new = self.graph.call_function(op, (node, *args))
-        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            self.mark_lowered(node, new)
-        return new
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.Graph:
@@ -300,7 +260,7 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in plan.choices:
             continue
-        lowering = registry.lowering(node.target)
+        lowering = lowering_for(node.target)
         if lowering is None:
             continue
         choice = plan.choices[node.name]

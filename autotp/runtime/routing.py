@@ -41,8 +41,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from autotp.capture.trace import tensor_inputs
 from autotp.errors import PlanError, where
 from autotp.layout import P, R_STAR, ROUTED, Shard, parse_layout
+from autotp.runtime.collectives import Redistribute
 
 if TYPE_CHECKING:
     from autotp.planner.plan import Plan
@@ -241,8 +243,6 @@ def _regions(graph: fx.Graph, plan: "Plan") -> dict[str, fx.Node]:
     The values computed on routed rows and the ops that read them form connected regions
     (networkx components); each holds the grouped products whose experts own the rows, and
     all of them must read the same offsets (one sorting of rows)."""
-    from autotp.capture.trace import tensor_inputs
-
     links = nx.Graph()
     offsets: dict[str, fx.Node] = {}
     for node in graph.nodes:
@@ -278,8 +278,6 @@ def route_rows(graph: fx.Graph, plan: "Plan", comm: Any, root: nn.Module,
     """Insert each grouping's route (with ``ep_comm``, the expert-parallel group: its
     dispatch), the moves to and from routed rows, and return node name -> route node for
     the lowerings of the ops on routed rows."""
-    from autotp.runtime.collectives import Redistribute
-
     if (plan.tp == 1 and ep_comm is None) or \
             not any(routed_text(v) for v in plan.values.values()):
         return {}
