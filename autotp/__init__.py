@@ -24,7 +24,7 @@ from autotp.api import (
     plan,
     simulate,
 )
-from autotp.weights.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
+from autotp.features.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
                                save_pretrained)
 from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError, PlanError,
                            TraceError)

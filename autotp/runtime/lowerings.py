@@ -91,7 +91,7 @@ def lowering_for(op: Any) -> Optional[Lowering]:
     return LOWERINGS.get(schema.name) if schema is not None else None
 
 
-# ---- vocabulary-parallel lookups (rules/embedding.py) --------------------------------------------
+# ---- vocabulary-parallel lookups (rules/embedding.py) ---------------------------------------
 
 def _local_indices(graph: Any, index: Any, lo: int, hi: int) -> tuple[Any, Any]:
     """Nodes for (index - lo, 0 where outside [lo, hi)) and the outside mask."""
@@ -136,7 +136,8 @@ def masked_gather_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy)
     node.args = (x, dim, local, *node.args[3:])
     ctx.apply_after(node, aten.masked_fill.Scalar, outside, 0.0)
 
-# ---- grouped products and convolutions (rules/matmul.py) -----------------------------------------
+
+# ---- grouped products and convolutions (rules/matmul.py) ------------------------------------
 
 @lowering(*GROUPED_MM)
 def experts_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
@@ -163,7 +164,8 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
     else:
         node.kwargs = {**node.kwargs, "groups": local}
 
-# ---- sizes (rules/misc.py) -----------------------------------------------------------------------
+
+# ---- sizes (rules/misc.py) ------------------------------------------------------------------
 
 @lowering(aten.sym_size.int)
 def global_size_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
@@ -172,14 +174,16 @@ def global_size_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -
     if isinstance(layout, Shard) and layout.dim == normalize_dim(node.args[1], x_ndim):
         ctx.apply_after(node, operator.mul, ctx.tp)
 
-# ---- partial statistics (rules/norms.py) ---------------------------------------------------------
+
+# ---- partial statistics (rules/norms.py) ----------------------------------------------------
 
 @lowering(aten.mean.default, aten.mean.dim)
 def partial_mean_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
     if isinstance(strategy.inputs[0], Shard) and strategy.output == P:
         ctx.apply_after(node, aten.div.Scalar, ctx.tp)
 
-# ---- views, slices and lookups (rules/views.py) --------------------------------------------------
+
+# ---- views, slices and lookups (rules/views.py) ---------------------------------------------
 
 @lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                 aten.view_copy.default, aten.expand.default)

@@ -1,2 +1,2 @@
-"""Weights: each rank's slices of the parameters, from the model in memory, from safetensors
-checkpoints (tensorfile, materialize), and sharded training checkpoints (checkpoint)."""
+"""Weights: each rank's slices of the parameters, from the model in memory or from
+safetensors checkpoints (tensorfile, materialize)."""

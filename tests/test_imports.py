@@ -1,0 +1,99 @@
+"""The layers of autotp import one way: the op vocabulary, the rules (algebra over layouts,
+which capture's op calls are written in), capture, the planner, the weights, the runtime,
+the user API, the features on top of it, the command line. Read from the source (``ast``),
+not by importing: a module-level import (outside ``if TYPE_CHECKING``) is an edge; the
+module graph and the graph of layers must both be acyclic, and the rules are algebra,
+importing nothing but rules and the vocabulary."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"autotp": "autotp", "rules": "autotp.rules", "planner": "autotp.planner"}
+# lowest first: a module may import its own layer and the layers before it
+LAYERS = [
+    {"autotp.errors", "autotp.ops", "autotp.layout"},
+    {"autotp.rules"},
+    {"autotp.capture"},
+    {"autotp.planner"},
+    {"autotp.weights"},
+    {"autotp.runtime"},
+    {"autotp.api"},
+    {"autotp.features"},
+    {"autotp.cli", "autotp.__main__", "autotp"},
+]
+VOCABULARY = LAYERS[0]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            name = ".".join(parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    """module -> the autotp modules it imports at module level."""
+    modules = _modules()
+    graph = nx.DiGraph()
+
+    def visit(name: str, node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue  # imports inside functions run when called
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module:
+                targets = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            elif isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            else:
+                visit(name, child)
+                continue
+            graph.add_edges_from((name, t) for t in targets if t in modules and t != name)
+
+    for name, path in modules.items():
+        graph.add_node(name)
+        visit(name, ast.parse(path.read_text(encoding="utf-8")))
+    return graph
+
+
+def _layer(module: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if any(module == top or module.startswith(top + ".") for top in layer - {"autotp"}):
+            return index
+    assert module == "autotp", module
+    return len(LAYERS) - 1
+
+
+def test_modules_import_without_a_cycle() -> None:
+    graph = import_graph()
+    cycle = next(iter(nx.simple_cycles(graph)), None)
+    assert cycle is None, " -> ".join(cycle + cycle[:1])
+
+
+def test_layers_import_one_way() -> None:
+    upward = [(a, b) for a, b in import_graph().edges if _layer(b) > _layer(a)]
+    assert not upward, "\n".join(f"{a} imports {b}, a later layer" for a, b in upward)
+
+
+def test_rules_import_only_rules_and_the_vocabulary() -> None:
+    graph = import_graph()
+    outside = [(a, b) for a, b in graph.edges if a.startswith("autotp.rules")
+               and not (b.startswith("autotp.rules") or b in VOCABULARY)]
+    assert not outside, outside
+
+
+def test_the_layering_check_sees_an_upward_import() -> None:
+    """A rule that imported the runtime (as lowerings once did) is found."""
+    graph = import_graph()
+    graph.add_edge("autotp.rules.views", "autotp.runtime.routing")
+    assert any(a == "autotp.rules.views" and _layer(b) > _layer(a) for a, b in graph.edges)
+    assert graph.number_of_nodes() > 60 and graph.number_of_edges() > 150
