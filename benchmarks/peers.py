@@ -38,6 +38,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import autotp
+from autotp.features.report import within_bound
 from autotp.features.verify import measure_equivalence, perturb
 
 TOL = 1e-4  # outputs and loss: max abs; gradients and parameters: of each one's largest entry
@@ -662,7 +663,7 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
         f, b = per[blk]["forward"], per[blk]["backward"]
         rf = sum(x[1] for x in f) / meg_f
         rb = sum(x[1] for x in b) / meg_b if meg_b else (0.0 if not b else float("inf"))
-        above = len(f) > len(mf) or len(b) > len(mb) or rf > 1.01 or rb > 1.01
+        above = not (within_bound(len(f), rf, len(mf)) and within_bound(len(b), rb, len(mb)))
         over |= above
         blocks.append({"block": f"{blk[0]}.{blk[1]}", "fwd": len(f), "bwd": len(b),
                        "megatron": (len(mf), len(mb)), "bytes": (round(rf, 3), round(rb, 3)),

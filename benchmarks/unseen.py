@@ -78,6 +78,7 @@ from peers import B, Case, counts_text, measure  # noqa: E402
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import autotp  # noqa: E402
+from autotp.features.report import within_bound  # noqa: E402
 from autotp.features.verify import perturb  # noqa: E402
 
 T = 16  # tokens of the text models
@@ -892,8 +893,7 @@ def totals(case: Case, blocks: list[dict]) -> dict:
         mn, mbytes = sum(len(x) for x in meg), sum(sum(x) for x in meg) * B * case.hidden * 4
         out[phase] = {"count": n, "megatron": mn, "bytes_ratio":
                       round(nbytes / mbytes, 3) if mbytes else (0.0 if not nbytes else None)}
-    out["within"] = all(out[p]["count"] <= out[p]["megatron"] and
-                        (out[p]["bytes_ratio"] is not None and out[p]["bytes_ratio"] <= 1.01)
+    out["within"] = all(within_bound(out[p]["count"], out[p]["bytes_ratio"], out[p]["megatron"])
                         for p in ("forward", "backward"))
     return out
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import coverage  # noqa: E402  (benchmarks/coverage.py: the row of one model)
+from autotp.features.report import BOUND_BYTES, MEGATRON_BOUND  # noqa: E402
 
 SMALL = {  # field -> value, set where the config has the field
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2,
@@ -43,7 +44,6 @@ SMALL = {  # field -> value, set where the config has the field
     "v_head_dim": 8, "layer_types": None, "pad_token_id": 0, "bos_token_id": 1,
     "eos_token_id": 2,
 }
-BOUND = (2, 2)
 
 
 def architectures() -> dict[str, str]:
@@ -136,8 +136,9 @@ def at_bound(row: dict[str, Any]) -> bool:
         return False
     counts = row.get("per_layer") or []
     ratios = row.get("bytes_ratio") or []
-    return all(f <= BOUND[0] and b <= BOUND[1] for f, b in counts) and \
-        all(f <= 1.01 and b <= 1.01 for f, b in ratios)
+    # the distinct counts and the distinct bytes ratios of the layers, each against the bound
+    return all(f <= MEGATRON_BOUND["forward"] and b <= MEGATRON_BOUND["backward"]
+               for f, b in counts) and all(max(f, b) <= BOUND_BYTES for f, b in ratios)
 
 
 def summary(row: dict[str, Any]) -> str:

@@ -43,9 +43,21 @@ from autotp.planner.cost import CostModel, parse_size
 from autotp.planner.plan import JOINED, CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
+# Megatron-LM's bound, per transformer layer and direction: two all-reduces (attention's
+# output projection, the MLP's down projection) of B x T x h each
 MEGATRON_BOUND = {"forward": 2, "backward": 2}
 # sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
 SEQUENCE_PARALLEL_BOUND = {"forward": 4, "backward": 4}
+# bytes may exceed Megatron's by this factor and still be at the bound (float rounding of
+# sizes, a norm's [.., 1] statistic joined in)
+BOUND_BYTES = 1.01
+
+
+def within_bound(count: int, bytes_ratio: Optional[float], bound: int) -> bool:
+    """One layer's (or block's) collectives in one direction are at Megatron's bound: at most
+    ``bound`` of them (Megatron's own count for the block, e.g. ``MEGATRON_BOUND``) carrying
+    at most ``BOUND_BYTES`` times Megatron's bytes (``bytes_ratio``; None: not known)."""
+    return count <= bound and bytes_ratio is not None and bytes_ratio <= BOUND_BYTES
 SCHEMA = "autotp.plan/1"
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 
