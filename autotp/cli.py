@@ -140,11 +140,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.format == "json":
         text = to_json(plan, cost_model)
     elif args.format == "dot":
-        from autotp.features.render import to_dot
+        from autotp.features.dot import to_dot
 
         text = to_dot(plan, cost_model)
     else:
-        from autotp.features.render import to_html
+        from autotp.features.page import to_html
 
         text = to_html(plan, cost_model)
     _emit(text, args)

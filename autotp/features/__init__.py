@@ -1,4 +1,6 @@
 """Features built on the plan and the rank program: loading and saving checkpoints
-(checkpoint), generation with a sharded KV cache,
-pipeline stages, verification against the unsharded model, the plan's reports and pages,
-what autograd keeps for backward (measured), and the testing helpers."""
+(checkpoint), generation with a sharded KV cache (generate), pipeline stages (pipeline),
+verification against the unsharded model (verify), exact gradient clipping (clipping), the
+plan's reports (report) and pictures (render: the view; dot: Graphviz; page: HTML), what
+autograd keeps for backward, measured (saved_tensors), and the rules' testing helpers
+(testing)."""
