@@ -232,7 +232,7 @@ def test_simulation_runs_again_after_a_failed_run() -> None:
 def test_a_narrow_beam_still_gives_an_exact_plan(beam: int) -> None:
     """With few DP states a replicated-only op may meet a value kept sharded: the planner
     then gathers it (a reported last resort) instead of failing with "no plan"."""
-    from autotp.api import _build
+    from autotp.sharded import build_rank
     from autotp.capture.trace import capture
     from autotp.runtime.comm import ThreadHub
     from autotp.planner.solve import PlanOptions, plan_graph
@@ -241,7 +241,7 @@ def test_a_narrow_beam_still_gives_an_exact_plan(beam: int) -> None:
     args, kwargs = example("llama")
     captured = capture(model, args, kwargs)
     plan = plan_graph(captured, 2, options=PlanOptions(max_states=beam))
-    sim = autotp.Simulation(plan, [_build(captured, plan, c.rank, c)
+    sim = autotp.Simulation(plan, [build_rank(captured, plan, c.rank, c)
                                    for c in ThreadHub(2).comms()], captured)
     ids = batch()
     assert_equivalent(model, sim, args=(ids,), loss_fn=lambda out: loss_of(out, ids),

@@ -1,9 +1,9 @@
 """The layers of autotp import one way: the op vocabulary, the rules (algebra over layouts,
 which capture's op calls are written in), capture, the planner, the weights, the runtime,
-the user API, the features on top of it, the command line. Read from the source (``ast``),
-not by importing: a module-level import (outside ``if TYPE_CHECKING``) is an edge; the
-module graph and the graph of layers must both be acyclic, and the rules are algebra,
-importing nothing but rules and the vocabulary."""
+one rank's module, the user API, the features on top of it, the command line. Read from the
+source (``ast``), not by importing: a module-level import (outside ``if TYPE_CHECKING``) is
+an edge; the module graph and the graph of layers must both be acyclic, and the rules are
+algebra, importing nothing but rules and the vocabulary."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ LAYERS = [
     {"autotp.planner"},
     {"autotp.weights"},
     {"autotp.runtime"},
+    {"autotp.sharded"},
     {"autotp.api"},
     {"autotp.features"},
     {"autotp.cli", "autotp.__main__", "autotp"},

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.api import ShardedModule, parallelize
+from autotp.api import parallelize
+from autotp.sharded import ShardedModule
 from autotp.ops import path_attr
 from autotp.runtime.collectives import gather
 from autotp.runtime.comm import ProcessGroupComm

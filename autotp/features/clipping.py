@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
-from autotp.api import ShardedModule
+from autotp.sharded import ShardedModule
 from autotp.errors import ConfigError
 from autotp.layout import Shard
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from autotp.api import ShardedModule, Simulation, full_state_dict, simulate
+from autotp.api import Simulation, simulate
+from autotp.sharded import ShardedModule, full_state_dict
 from autotp.capture.trace import source_of
 from autotp.ops import node_arg
 from autotp.runtime.comm import CollectiveLog
