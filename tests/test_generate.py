@@ -129,10 +129,10 @@ def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
     """Some torch releases (2.11) cannot prove guards such as min(32*S, 128*S) == 32*S and
     refuse the step's named dims: the capture is retried with automatic dims, whose sizes
     must come out symbolic; the programs then decode any length as before."""
-    import autotp.features.generate as generate
+    import autotp.features.steps as steps
     from autotp.errors import TraceError
 
-    real, refused = generate.capture, []
+    real, refused = steps.capture, []
 
     def capture(step, example_kwargs, dynamic_shapes, layers_once=True):
         named = dynamic_shapes["attention_mask"][1] is not torch.export.Dim.AUTO
@@ -145,7 +145,7 @@ def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
         return real(step, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes,
                     layers_once=layers_once)
 
-    monkeypatch.setattr(generate, "capture", capture)
+    monkeypatch.setattr(steps, "capture", capture)
     reference = gc.model("gpt2")
     sim = autotp.simulate(gc.model("gpt2"), 2)
     generator = torch.Generator().manual_seed(3)
@@ -250,7 +250,7 @@ def test_direct_calls_compute_the_program() -> None:
     (no module path per read), in-place writes kept; the same results as the program."""
     import torch.fx as fx
 
-    from autotp.features.generate import direct_calls
+    from autotp.features.steps import direct_calls
 
     class Step(torch.nn.Module):
         def __init__(self) -> None:
