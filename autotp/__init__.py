@@ -24,8 +24,8 @@ from autotp.api import (
     plan,
     simulate,
 )
-from autotp.features.checkpoint import (from_pretrained, load_checkpoint, save_checkpoint,
-                               save_pretrained)
+from autotp.features.checkpoint import load_checkpoint, save_checkpoint
+from autotp.features.pretrained import from_pretrained, save_pretrained
 from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError, PlanError,
                            TraceError)
 from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
