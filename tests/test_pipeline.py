@@ -18,7 +18,7 @@ import pytest
 import dist_cases
 from autotp.errors import ConfigError
 from autotp.runtime.launch import run_processes
-from autotp.features.pipeline import _balanced
+from autotp.features.cut import _balanced
 
 # gradients relative to each unsharded gradient's largest |value|. After an AdamW step the
 # weights differ from the unsharded model's by rounding that AdamW magnifies where a gradient

@@ -1,6 +1,7 @@
 """Features built on the plan and the rank program: loading and saving in transformers'
 layout (pretrained), training checkpoints (checkpoint), generation with a sharded KV cache
-(generate; its programs: steps), pipeline stages (pipeline), verification against the
-unsharded model (verify), exact gradient clipping (clipping), the plan's reports (report)
-and pictures (render: the view; dot: Graphviz; page: HTML), what autograd keeps for
-backward, measured (saved_tensors), and the rules' testing helpers (testing)."""
+(generate; its programs: steps), pipeline stages (pipeline; the program cut between its
+layers: cut), verification against the unsharded model (verify), exact gradient clipping
+(clipping), the plan's reports (report) and pictures (render: the view; dot: Graphviz;
+page: HTML), what autograd keeps for backward, measured (saved_tensors), and the rules'
+testing helpers (testing)."""
