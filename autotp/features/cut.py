@@ -15,6 +15,7 @@ from torch import nn
 
 from autotp.errors import ConfigError
 from autotp.ops import path_attr
+from autotp.planner.memory import balanced_stages
 from autotp.runtime.layers import program_nodes
 
 
@@ -58,26 +59,11 @@ def _matmul_weights(gm: fx.GraphModule, root_only: bool = False) -> float:
 
 
 def _balanced(work: list[float], count: int) -> list[int]:
-    """Contiguous split of ``work`` into ``count`` non-empty parts minimizing the largest."""
-    n = len(work)
-    prefix = [0.0]
-    for w in work:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(count + 1)]
-    cut_at = [[0] * (n + 1) for _ in range(count + 1)]
-    best[0][0] = 0.0
-    for k in range(1, count + 1):
-        for end in range(k, n - (count - k) + 1):
-            for start in range(k - 1, end):
-                cost = max(best[k - 1][start], prefix[end] - prefix[start])
-                if cost < best[k][end]:
-                    best[k][end], cut_at[k][end] = cost, start
-    bounds, end = [], n
-    for k in range(count, 0, -1):
-        end = cut_at[k][end]
-        bounds.append(end)
-    return bounds[::-1]
+    """Contiguous split of ``work`` into ``count`` non-empty parts minimizing the largest: the
+    index of each part's first element (``planner.memory.balanced_stages``, the split the
+    estimate prices)."""
+    stages = balanced_stages(list(range(len(work))), count, dict(enumerate(work)))
+    return [stage[0] for stage in stages]
 
 
 def cut(gm: fx.GraphModule, layers: list[fx.Node], bounds: list[int],
