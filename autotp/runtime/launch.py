@@ -45,6 +45,7 @@ def _context() -> Any:
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
             args: tuple, results: Any, timeout: float, environ: dict[str, str]) -> None:
+    import torch
     import torch.distributed as dist
 
     code = 0
@@ -52,6 +53,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
         os.environ.clear()  # the fork server's environment is the one of its first launch
         os.environ.update(environ)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        threads = os.environ["OMP_NUM_THREADS"]
+        if threads.isdigit() and int(threads) > 0:  # torch read it when the server imported it
+            torch.set_num_threads(int(threads))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
