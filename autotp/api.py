@@ -20,6 +20,7 @@ from torch import nn
 from autotp.capture.trace import Captured, capture
 from autotp.runtime.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
 from autotp.errors import AutotpError, ConfigError
+from autotp.layout import Layout
 from autotp.ops import positive_int
 from autotp.weights.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
                                 has_meta_parameters, maybe_deferred)
@@ -93,11 +94,13 @@ def _weights(model: nn.Module, captured: Captured, plan: Plan, rank: int,
     if checkpoint is not None and init:
         raise ConfigError("pass checkpoint= or init=True, not both")
     if checkpoint is not None:
-        names = {t: list(captured.aliases.get(t, [t])) for t in plan.params}
+        names: dict[str, Sequence[str]] = {t: list(captured.aliases.get(t, [t]))
+                                           for t in plan.params}
         names.update({n: [n] for n in captured.unused})
         return CheckpointWeights(checkpoint, model, names, device)
     if init:
-        layouts = {t: (captured.aliases.get(t, [t]), plan.param_layout(t)) for t in plan.params}
+        layouts: dict[str, tuple[Sequence[str], Layout]] = {
+            t: (captured.aliases.get(t, [t]), plan.param_layout(t)) for t in plan.params}
         return InitWeights(model, layouts, rank, plan.tp, device)
     if has_meta_parameters(model):
         raise ConfigError(

@@ -269,6 +269,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
                                   example_kwargs=loaded.example_kwargs, strict=args.strict,
                                   sequence_parallel=args.sequence_parallel)
+        assert sim.captured is not None, "simulate keeps what it captured"
         flow = check_gradient_flow(sim.plan, sim.captured.gm)  # simulate raised if it fails
         if flow.params:
             print(f"gradient flow: each of {len(flow.params)} trainable parameters gets its "

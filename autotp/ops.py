@@ -14,7 +14,8 @@ Op families (sets of ATen overloads), from the narrowest:
     STATISTICS    reductions a norm is written with (mean, sum, var, std, vector norm)
     VIEWS         ops whose output shares its input's storage: they allocate nothing
 
-Node facts: ``argument`` / ``node_arg`` read an op's argument by its schema name; ``attr``
+Node facts: ``argument`` / ``node_arg`` read an op's argument by its schema name,
+``arg_node`` / ``arg_seq`` one given by position as the node or the list it must be; ``attr``
 walks a dotted attribute path (``model.layers.0.mlp.weight``). ``positive_int`` checks a
 degree (tp, ep, pp, ...) given by a user.
 """
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from autotp.errors import ConfigError
+from autotp.errors import ConfigError, where
 
 aten = torch.ops.aten
 
@@ -91,6 +92,22 @@ def _schema_argument(op: Any, name: str) -> tuple[int, Any]:
 def node_arg(node: fx.Node, name: str, default: Any = None) -> Any:
     """The argument of an op call that its schema calls ``name``, however it was passed."""
     return argument(node.target, node.args, node.kwargs, name, default)
+
+
+def arg_node(node: fx.Node, index: int) -> fx.Node:
+    """``node.args[index]``, a node: the value (a tensor) the op reads there."""
+    arg = node.args[index]
+    if not isinstance(arg, fx.Node):
+        raise TypeError(f"argument {index} is {arg!r}, not a node{where(node)}")
+    return arg
+
+
+def arg_seq(node: fx.Node, index: int) -> Sequence[Any]:
+    """``node.args[index]``, a list or tuple (a shape, the dims of a reduction)."""
+    arg = node.args[index]
+    if not isinstance(arg, (list, tuple)):
+        raise TypeError(f"argument {index} is {arg!r}, not a list or tuple{where(node)}")
+    return arg
 
 
 _MISSING = object()

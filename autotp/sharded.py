@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.rewrite import rewrite
 from autotp.weights.materialize import Weights
 
+if TYPE_CHECKING:
+    from autotp.features.pretrained import PerExpert
+
 
 class ShardedModule(nn.Module):
     """One rank's part of a tensor-parallel model. Call it like the original model.
@@ -41,6 +44,10 @@ class ShardedModule(nn.Module):
     plan: Plan
     comm: Communicator
     seed: int
+    # set where a feature needs them (read with getattr until then)
+    placed_on: Optional[torch.device]  # parallelize: where weights loaded later go
+    checkpoint_experts: dict[str, PerExpert]  # from_pretrained: how save_pretrained splits
+    _checkpoint_group: tuple[list[int], Optional[dist.ProcessGroup]]  # features.checkpoint
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,

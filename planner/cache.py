@@ -120,6 +120,7 @@ def _code_digest() -> str:
 
     digest = hashlib.sha256()
     for package in (autotp, planner, rules):
+        assert package.__file__ is not None, "a regular package, not a namespace one"
         root = Path(package.__file__).parent
         for file in sorted(root.rglob("*.py")):
             digest.update(str(file.relative_to(root)).encode())

@@ -215,7 +215,7 @@ class FrontierSolver:
         """The strategy of a size read whose leaf entered later: the cheapest one that reads
         the leaf in the layout it was given (a size along a sharded dim is the local size
         times tp)."""
-        entries = {name: (decisions[name], frozenset()) for name in pn.inputs
+        entries: dict[str, Entry] = {name: (decisions[name], frozenset()) for name in pn.inputs
                    if self.by_name[name].kind == "leaf"}
         options = list(self.transition(pn, entries, 0.0))
         if not options:
@@ -457,7 +457,7 @@ def _fewer_heads_than(weight: fx.Node, tp: int) -> bool:
                     if u.op == "call_function" and u.target in MATMULS]:
         n = product.meta["val"].shape[-1]
         for view in product.users:
-            shape = view.meta.get("val").shape if view.target in RESHAPES else None
+            shape = view.meta["val"].shape if view.target in RESHAPES else None
             if shape is not None and len(shape) >= 2 and isinstance(shape[-2], int) and \
                     shape[-2] * shape[-1] == n and 1 < shape[-1] < n and shape[-2] < tp:
                 return True

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from autotp.capture.trace import (Captured, make_call, origin_of, sequence_symbols, size_expr,
                                   tensor_inputs)
-from autotp.ops import MATMULS, RESHAPES, node_arg
+from autotp.ops import MATMULS, RESHAPES, arg_node, node_arg
 from autotp.errors import NoRuleError, PlanError, where
 from autotp.layout import (
     R,
@@ -269,7 +269,7 @@ def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:
         numel *= cost_model.evaluate(size_expr(size), dims)
     if node.target in (aten.mm.default, aten.bmm.default, aten.linear.default,
                        aten.matmul.default) or is_grouped(node):
-        k = node.args[0].meta["val"].shape[-1]
+        k = arg_node(node, 0).meta["val"].shape[-1]
         return 2.0 * numel * cost_model.evaluate(size_expr(k), dims)
     return numel
 

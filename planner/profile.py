@@ -395,7 +395,7 @@ def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes
     if node.target in NORMS:
         normalized = node_arg(node, "normalized_shape", ()) \
             if node.target != aten.group_norm.default else ()
-        rows = math.prod(x[:len(x) - len(normalized)]) if normalized else math.prod(x[:-1])
+        rows: float = math.prod(x[:len(x) - len(normalized)]) if normalized else math.prod(x[:-1])
         if isinstance(layouts[0], Shard) and layouts[0].dim < len(x) - len(normalized):
             rows /= tp
         keep(f"{node.name}:stats", node, NORMS[node.target] * 4.0 * rows, False)
@@ -492,15 +492,17 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
            side: dict[str, str], own: Optional[torch.dtype] = None) -> list[Comm]:
     out = []
     for c in plan.collectives:
-        members = [nodes.get(name) for name in c.members]
-        if None in members:  # the after-backward sum of replicated parameters' gradients
+        members = [nodes[name] for name in c.members if name in nodes]
+        # not every member a node: the after-backward sum of replicated parameters' gradients
+        if len(members) < len(c.members):
             nbytes = float(parse_size(c.bytes_expr)) / 4 * dtype_bytes
         else:
             nbytes = 0.0
             for node in members:  # one, or a join's values (planner/coalesce.py)
                 val = node.meta.get("val")
-                numel = math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else 0
-                nbytes += numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
+                if isinstance(val, torch.Tensor):
+                    numel = math.prod(sizes.shape(val))
+                    nbytes += numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
             if c.src.startswith("P(") and c.src != "P":
                 nbytes *= plan.tp
         where = "layer" if c.layer is not None else side.get(c.node, "last")

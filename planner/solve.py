@@ -281,8 +281,8 @@ def solve(
 
     candidates = leaf_candidates(pnodes, by_name)
     for name, layout in options.force:
-        leaf = by_name.get(name)
-        if name in candidates and (leaf.is_param or leaf.is_state or layout == R):
+        leaf = by_name[name] if name in candidates else None
+        if leaf is not None and (leaf.is_param or leaf.is_state or layout == R):
             candidates[name] = [layout]  # buffers are never stored sharded
     solver = FrontierSolver(pnodes, by_name, last_use, candidates,
                             leaf_memory_cost(tp, cost_model, pnodes), transition,

@@ -150,7 +150,7 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
 def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
                policy: str, dtype: str, mesh: Layout) -> StageWork:
     per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node, mesh.ep_within_node)
-    keys: list[object] = list(layers) + (["first"] if first else []) + \
+    keys: list[int | str] = list(layers) + (["first"] if first else []) + \
         (["last"] if last else [])
     total = StageWork(0.0, 0.0, 0.0, 0.0)
     for key in keys:

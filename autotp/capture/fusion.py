@@ -23,8 +23,9 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
-from autotp.ops import RESHAPES, node_arg
+from autotp.ops import RESHAPES, arg_node, arg_seq, node_arg
 
 aten = torch.ops.aten
 
@@ -65,7 +66,7 @@ def _single_dim(node: fx.Node) -> Optional[int]:
         dims = [dims]
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
         return None
-    ndim = node.args[0].meta["val"].ndim
+    ndim = arg_node(node, 0).meta["val"].ndim
     return dims[0] + ndim if dims[0] < 0 else dims[0]
 
 
@@ -142,6 +143,7 @@ def fuse_bias_adds(graph: fx.Graph) -> dict[str, str]:
                 and len(product.users) == 1 and _is_vector(bias)
                 and _same_shape(node, view or product)):
             continue
+        args: tuple[Argument, ...]
         if product.target == aten.linear.default and len(product.args) == 2:
             target, args = aten.linear.default, (*product.args, bias)
         elif product.target == aten.mm.default:
@@ -153,7 +155,8 @@ def fuse_bias_adds(graph: fx.Graph) -> dict[str, str]:
             fused.meta.update(product.meta)
             out = fused
             if view is not None:
-                out = graph.call_function(view.target, (fused, *view.args[1:]), view.kwargs)
+                out = graph.create_node("call_function", view.target,
+                                        (fused, *view.args[1:]), view.kwargs)
                 out.meta.update(view.meta)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
@@ -190,16 +193,16 @@ def _repeated_heads(node: Any) -> Optional[fx.Node]:
         return None
     expand = node.args[0]
     if not isinstance(expand, fx.Node) or expand.target != aten.expand.default or \
-            len(expand.args[1]) != 5 or len(node.args[1]) != 4:
+            len(arg_seq(expand, 1)) != 5 or len(arg_seq(node, 1)) != 4:
         return None
-    inner = expand.args[0]
+    inner = arg_node(expand, 0)
     while full_slice(inner):
-        inner = inner.args[0]
+        inner = arg_node(inner, 0)
     if inner.target != aten.unsqueeze.default or inner.args[1] != 2:
         return None
-    base = inner.args[0]
+    base = arg_node(inner, 0)
     while full_slice(base):
-        base = base.args[0]
+        base = arg_node(base, 0)
     return base
 
 
@@ -223,7 +226,7 @@ def fuse_repeated_kv_attention(graph: fx.Graph) -> int:
     return count
 
 
-def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
+def _erase_chain(graph: fx.Graph, node: Argument) -> None:
     """Erase ``node`` and the producers only it read, while they have no other reader."""
     while isinstance(node, fx.Node) and not node.users and node.op == "call_function" and \
             node.target in (aten.reshape.default, aten.expand.default, aten.slice.Tensor,

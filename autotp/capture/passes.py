@@ -164,7 +164,7 @@ def _constant(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
     node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
-    value = path_attr(gm, node.target, None)
+    value = path_attr(gm, str(node.target), None)
     if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
             isinstance(value, torch.nn.Parameter):
         return None
@@ -514,5 +514,6 @@ def _fake_run(target: Any, args: tuple[Any, ...]) -> Any:
     fake_mode = detect_fake_mode([a.meta["val"] for a in flat if isinstance(a, fx.Node)])
     real_args = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
                                 list(args))
+    assert fake_mode is not None, "the args of a pass's new node hold fake tensors"
     with fake_mode:
         return target(*real_args)

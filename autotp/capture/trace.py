@@ -34,8 +34,9 @@ from autotp.capture.passes import (unruled_mutations, broadcast_to_as_expand,
                                    constant_index_to_slice, copies_as_values,
                                    decompose_cross_entropy, decompose_feature_norms,
                                    detach_factories, drop_metadata_asserts,
-                                   histogram_of_floats, inline_autocast, merge_tied_parameters,
-                                   out_of_place, sink_bias_adds, split_biases)
+                                   histogram_of_floats, inline_autocast,
+                                   merge_tied_parameters, out_of_place, sink_bias_adds,
+                                   split_biases)
 from autotp.ops import path_attr
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
@@ -159,7 +160,7 @@ def _dynamic_shapes(kwargs: dict[str, Any], one_batch: bool = True) -> dict[str,
     dims0 = [v.shape[0] for v in pytree.tree_leaves(kwargs)
              if isinstance(v, torch.Tensor) and v.dim()]
     batch = max(set(dims0), key=dims0.count) if one_batch and dims0 else None
-    if batch == 1 or dims0.count(batch) < 2:
+    if batch is None or batch == 1 or dims0.count(batch) < 2:
         # a batch of 1 is specialized (export's 0/1 rule), and one input shares with no
         # other: a named dim only costs export its constraint solving
         batch = None
@@ -324,7 +325,8 @@ def _recompiled_once(gm: fx.GraphModule) -> Iterator[None]:
     """Passes end in ``gm.recompile()`` so that each leaves a runnable module; inside, they
     skip it, and capture recompiles once after the last (generating the code of
     LLaMA-2-70B's 6,000 nodes takes a third of a second)."""
-    gm.recompile = lambda: None  # type: ignore[method-assign]
+    # a no-op, where recompile() returns the new code: the passes discard it
+    gm.recompile = lambda: None  # type: ignore[method-assign, assignment, return-value]
     try:
         yield
     finally:

@@ -87,13 +87,19 @@ def _mesh(sharded: ShardedModule) -> Any:
             not isinstance(ep_comm, (ProcessGroupComm, type(None))):
         raise ConfigError("save_checkpoint/load_checkpoint need a process group (autotp."
                           "parallelize), not a simulation")
-    group = comm.group if comm.group is not None else dist.group.WORLD
+    group = _process_group(comm)
     device = next((p.device.type for p in sharded.parameters()), "cpu")
     if ep_comm is None:
         return DeviceMesh.from_group(group, device)
-    ep_group = ep_comm.group if ep_comm.group is not None else dist.group.WORLD
-    return DeviceMesh.from_group([ep_group, group], device, mesh=_grid(sharded),
+    return DeviceMesh.from_group([_process_group(ep_comm), group], device, mesh=_grid(sharded),
                                  mesh_dim_names=("ep", "tp"))
+
+
+def _process_group(comm: ProcessGroupComm) -> dist.ProcessGroup:
+    """``comm``'s group (None: the world)."""
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    assert group is not None, "torch.distributed is initialized"
+    return group
 
 
 def _grid(sharded: ShardedModule) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.errors import ConfigError
-from autotp.ops import path_attr
+from autotp.ops import arg_node, path_attr
 from autotp.planner.memory import balanced_stages
 from autotp.runtime.layers import program_nodes
 
@@ -25,6 +25,13 @@ from autotp.runtime.layers import program_nodes
 def layer_calls(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module"
             and isinstance(gm.get_submodule(str(n.target)), fx.GraphModule)]
+
+
+def _layer(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
+    """The GraphModule that ``call``, one of the ``layer_calls``, runs."""
+    layer = gm.get_submodule(str(call.target))
+    assert isinstance(layer, fx.GraphModule), f"{call.target} is not a layer"
+    return layer
 
 
 def stage_bounds(gm: fx.GraphModule, layers: list[fx.Node], count: int,
@@ -39,7 +46,7 @@ def stage_bounds(gm: fx.GraphModule, layers: list[fx.Node], count: int,
                 f"{len(layers) - 1} (the first layer of every stage but the first), got "
                 f"{list(split_points)}")
         return [0, *points]
-    work = [_matmul_weights(gm.get_submodule(str(n.target))) for n in layers]
+    work = [_matmul_weights(_layer(gm, n)) for n in layers]
     head = _matmul_weights(gm, root_only=True)  # embedding and head: split between the ends
     work[0] += head / 2
     work[-1] += head / 2
@@ -124,7 +131,7 @@ def _layer_values(gm: fx.GraphModule, layers: list[fx.Node]) -> None:
     """The example values (shapes with their size symbols) of what the layer calls return,
     from the layers' own graphs."""
     for call in layers:
-        inner = gm.get_submodule(str(call.target))
+        inner = _layer(gm, call)
         result = next(n for n in inner.graph.nodes if n.op == "output").args[0]
         if isinstance(result, fx.Node):
             call.meta.setdefault("val", result.meta.get("val"))
@@ -172,7 +179,7 @@ def _stage_module(gm: fx.GraphModule, k: int, inputs: list[fx.Node], mine: list[
         elif x in stage:
             raise AssertionError(f"stage {k} reads {x.name} of stage {stage[x]}, not carried")
         elif _is_size(x) and x.target is torch.ops.aten.sym_size.int and \
-                stage.get(x.args[0], k) != k and x.args[0] not in env:
+                stage.get(arg_node(x, 0), k) != k and x.args[0] not in env:
             env[x] = _reread_size(graph, x, env)
         else:  # parameters, constants and what is computed from them alone: copied here
             _keep(gm, x, attrs)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -107,7 +107,7 @@ class KVCache(Cache):
         for old, fresh in zip(self.tensors, new):
             fresh[:, :, : old.shape[2]].copy_(old)
         self.tensors = new
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("list[LocalLayer]", self.layers)):
             layer.keys, layer.values = new[2 * i], new[2 * i + 1]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -289,8 +289,8 @@ class Decoder:
         else:
             logits = program(**inputs)
         cache.seen = past + tokens
-        return CausalLMOutputWithPast(
-            logits=logits, **{self.output_field: cache if use_cache is not False else None})
+        kept: dict[str, Any] = {self.output_field: cache if use_cache is not False else None}
+        return CausalLMOutputWithPast(logits=logits, **kept)
 
     def _graphs(self, cache: "KVCache") -> bool:
         """Whether this cache's decode steps replay a CUDA graph: on a GPU, for a cache of
@@ -370,8 +370,8 @@ def _host(decoder: Decoder) -> Any:
         return decoder.forward(**named)
 
     forward.__signature__ = signature  # type: ignore[attr-defined]
-    host_cls = type(f"Sharded{cls.__name__}", (cls,), {"forward": forward,
-                                                        "__module__": __name__})
+    host_cls: type[nn.Module] = type(f"Sharded{cls.__name__}", (cls,),
+                                     {"forward": forward, "__module__": __name__})
     host = host_cls.__new__(host_cls)
     nn.Module.__init__(host)
     host.config = decoder.info.config

@@ -37,7 +37,7 @@ the stages where they live.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from autotp.errors import ConfigError
 from autotp.features.cut import cut, layer_calls, stage_bounds
 from autotp.ops import path_attr
 from autotp.weights.materialize import DeferredWeights, deferred_weights, has_meta_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
@@ -92,8 +95,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     parallelize_options.setdefault("check_plan", True)
     # a model without weights (empty_weights, checkpoint= or init=): the program is built
     # with meta parameters and each rank then reads only its own stages' slices
-    deferring = has_meta_parameters(model)
-    with deferred_weights() if deferring else contextlib.nullcontext([]) as deferred:
+    deferring: contextlib.AbstractContextManager[list[DeferredWeights]] = \
+        deferred_weights() if has_meta_parameters(model) else contextlib.nullcontext([])
+    with deferring as deferred:
         sharded = parallelize(model, group=tp_mesh, example_args=example_args,
                               example_kwargs=example_kwargs, **parallelize_options)
         if not sharded._plan_checked:
@@ -119,8 +123,9 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     stages = []
     for index in mine:
         inputs, outputs = metas[index]
-        stage = PipelineStage(parts[index], index, count, device, input_args=inputs,
-                              output_args=outputs, group=pp_mesh.get_group())
+        # its class becomes _stage_class's, which carries the attributes set below
+        stage: Any = PipelineStage(parts[index], index, count, device, input_args=inputs,
+                                   output_args=outputs, group=pp_mesh.get_group())
         stage.__class__ = _stage_class(type(stage))
         stage._autotp_ties = ties
         stage._autotp_plan = sharded.plan
@@ -322,7 +327,7 @@ class _TiedGrads:
         grid = mesh.mesh.movedim(dims.index("pp"), 0).reshape(pp, -1)
         me = dist.get_rank()
         self.count, self.seen = len(mine), 0
-        self.ties: list[tuple[str, list[nn.Module], Any]] = []
+        self.ties: list[tuple[str, list[fx.GraphModule], Any]] = []
         # tied name -> the first stage holding a copy: the one whose copy counts once in
         # the model's gradient norm (the copies hold the same sum)
         self.first_holder: dict[str, int] = {}
@@ -399,7 +404,7 @@ def wait_tied_grads() -> None:
         _copy_sum(total, copies)
 
 
-def _stage_class(base: type) -> type:
+def _stage_class(base: type[PipelineStage]) -> type:
     """``base`` with the sum of tied parameters' gradients after a step's last backward
     (``_TiedGrads``).
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,13 +33,16 @@ from autotp.weights.materialize import Stacked, empty_weights, expert_keys, stac
 from autotp.weights.tensorfile import Spec, TensorFiles, file_names, parse_size, plan_files, \
     write_file, write_index
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # ---- loading a transformers directory -----------------------------------------------
 
 
 def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = None,
                     device: Any = None, group: Optional[dist.ProcessGroup] = None,
-                    model_class: Optional[type] = None, training: bool = False,
+                    model_class: Optional[type[PreTrainedModel]] = None, training: bool = False,
                     **parallelize_options: Any) -> ShardedModule:
     """This rank's module of the transformers model saved in ``path`` (a local directory:
     config.json and safetensors weights), reading only this rank's slices.

@@ -146,6 +146,7 @@ class View:
         if self.drawn(name):
             return name
         layer = self.nodes[name].layer
+        assert layer is not None, "a node outside the layers is drawn"
         own, rep = self.by_layer[layer], self.by_layer.get(self.rep_of_layer[layer], [])
         index = own.index(name)
         if index < len(rep) and self.nodes[rep[index]].kind == self.nodes[name].kind:

@@ -136,7 +136,7 @@ def layer_ranges(layers: list[int]) -> str:
     """[0, 1, 2, 3, 8] -> '0-3, 8'."""
     out, start, prev = [], None, None
     for x in sorted(layers):
-        if start is None:
+        if prev is None:
             start = prev = x
         elif x == prev + 1:
             prev = x

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - generation is for transformers models
 from autotp.capture.fusion import full_slice, fuse_repeated_kv_attention
 from autotp.capture.trace import Captured, capture
 from autotp.layout import Replicate, Shard, parse_layout, shard_tensor
+from autotp.ops import arg_seq, node_arg
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.runtime.collectives import DeferredGradReduce, Redistribute, gather
@@ -65,6 +66,8 @@ class Slots(CacheLayerMixin):
 
     is_compileable = True  # the mask is always materialized: no data-dependent skip
     is_sliding = False
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         super().__init__()
@@ -105,12 +108,12 @@ class Step(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor, cache_position: torch.Tensor,
                 key_values: list[torch.Tensor]) -> torch.Tensor:
-        layers = [Slots(key_values[i], key_values[i + 1], cache_position)
-                  for i in range(0, len(key_values), 2)]
         kwargs: dict[str, Any] = {}
         if self.logits_to_keep:
             kwargs["logits_to_keep"] = self.logits_to_keep
-        kwargs[cache_argument(self.model.forward)] = Cache(layers=layers)
+        kwargs[cache_argument(self.model.forward)] = Cache(layers=[
+            Slots(key_values[i], key_values[i + 1], cache_position)
+            for i in range(0, len(key_values), 2)])
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=True, **kwargs)
         return out.logits
@@ -188,8 +191,9 @@ def replica(sharded: Any) -> nn.Module:
 def _batched_experts(model: nn.Module) -> Iterator[None]:
     """transformers' grouped-GEMM experts take only bfloat16 on the meta device: the probe
     runs their batched form, which writes the same cache."""
-    configs = {id(c): c for c in [getattr(m, "config", None) for m in model.modules()]
-               if getattr(c, "_experts_implementation", None) == "grouped_mm"}
+    configs: dict[int, Any] = {
+        id(c): c for c in [getattr(m, "config", None) for m in model.modules()]
+        if getattr(c, "_experts_implementation", None) == "grouped_mm"}
     for config in configs.values():
         config._experts_implementation = "batched_mm"
     try:
@@ -205,22 +209,24 @@ def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
+    config: Any = model.config
+    cache = DynamicCache(config=config)
     # transformers checks the ids for padding (reading their values, which meta tensors do
     # not have) when the config names a pad token: the probe runs without one
-    pad, model.config.pad_token_id = getattr(model.config, "pad_token_id", None), None
+    pad, config.pad_token_id = getattr(config, "pad_token_id", None), None
     try:
         with torch.no_grad(), _batched_experts(model):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
                   use_cache=True, **{cache_argument(model.forward): cache})
     finally:
-        model.config.pad_token_id = pad
+        config.pad_token_id = pad
     shapes = []
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is None:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None:
             raise ConfigError(f"{type(model).__name__} keeps a cache autotp cannot shard "
                               f"(layer {type(layer).__name__} holds no keys/values)")
-        shapes += [tuple(layer.keys.shape), tuple(layer.values.shape)]
+        shapes += [tuple(keys.shape), tuple(values.shape)]
     return shapes
 
 
@@ -455,7 +461,7 @@ def _narrow_heads(gm: fx.GraphModule, cache: fx.Node, rank: int,
         return None
     blocks = []
     for expand, _, _ in chains:
-        repeats = expand.args[1][2]
+        repeats = arg_seq(expand, 1)[2]
         total = kv * repeats
         if total % tp:
             return None
@@ -471,7 +477,7 @@ def _narrow_heads(gm: fx.GraphModule, cache: fx.Node, rank: int,
         kept = graph.call_function(aten.slice.Tensor, (write.args[3], 1, first, first + count))
     write.args = (*write.args[:3], kept, *write.args[4:])
     for (expand, reshape, redistribute), (start, end, repeats) in zip(chains, blocks):
-        sizes, flat = list(expand.args[1]), list(reshape.args[1])
+        sizes, flat = list(arg_seq(expand, 1)), list(arg_seq(reshape, 1))
         read = reshape
         if count == 1:  # every query head of this rank reads the one k/v head kept
             sizes[1:3], flat[1] = [1, end - start], end - start
@@ -493,7 +499,7 @@ def _reads_size(node: fx.Node) -> bool:
     """A shape read that is not of the heads (dim 1), or torch.export's input guards."""
     if node.op == "call_module" and node.target == "_guards_fn":
         return True
-    return node.target == aten.sym_size.int and node.args[1] != 1
+    return node.target == aten.sym_size.int and node_arg(node, "dim") != 1
 
 
 def _repeated_then_sliced(gm: fx.GraphModule, node: fx.Node,
@@ -504,12 +510,11 @@ def _repeated_then_sliced(gm: fx.GraphModule, node: fx.Node,
     if node.target != aten.unsqueeze.default or node.args[1] != 2 or len(node.users) != 1:
         return None
     expand = next(iter(node.users))
-    if expand.target != aten.expand.default or len(expand.args[1]) != 5 or \
-            expand.args[1][1] != kv or not isinstance(expand.args[1][2], int) or \
-            len(expand.users) != 1:
+    if expand.target != aten.expand.default or len(sizes := arg_seq(expand, 1)) != 5 or \
+            sizes[1] != kv or not isinstance(sizes[2], int) or len(expand.users) != 1:
         return None
     reshape = next(iter(expand.users))
-    if reshape.target != aten.reshape.default or len(reshape.args[1]) != 4 or \
+    if reshape.target != aten.reshape.default or len(arg_seq(reshape, 1)) != 4 or \
             len(reshape.users) != 1:
         return None
     redistribute = next(iter(reshape.users))

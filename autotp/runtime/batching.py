@@ -32,7 +32,7 @@ gradient passes as it is, or, partial (``P -> R*``), is all-reduced with the oth
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -46,6 +46,7 @@ from autotp.runtime.collectives import Redistribute, _rank_major, _segment_major
 from autotp.runtime.comm import Communicator
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
+_Source = TypeVar("_Source", Shard, Partial)
 
 
 def flat_all_reduce(comm: Communicator, xs: list[torch.Tensor],
@@ -83,8 +84,9 @@ class JoinedRedistribute(nn.Module):
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _JoinedFn.apply(self, *xs)
 
-    def _where(self, kind: type) -> list[int]:
-        return [i for i, (src, _) in enumerate(self.layouts) if isinstance(src, kind)]
+    def _where(self, kind: type[_Source]) -> dict[int, _Source]:
+        """The values whose source layout is a ``kind``: index -> that layout."""
+        return {i: src for i, (src, _) in enumerate(self.layouts) if isinstance(src, kind)}
 
     def whole(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         out: list[Any] = [None] * len(xs)
@@ -95,8 +97,8 @@ class JoinedRedistribute(nn.Module):
             full = self.comm.all_gather(flat, 0).view(tp, -1)
             self._log("all_gather", "forward", full)
             start = 0
-            for i in gathered:
-                x, src = xs[i], self.layouts[i][0]
+            for i, src in gathered.items():
+                x = xs[i]
                 pieces = full[:, start:start + x.numel()].reshape(tp, *x.shape)
                 start += x.numel()
                 whole = torch.cat(pieces.unbind(0), dim=src.dim).to(x.dtype)
@@ -114,7 +116,8 @@ class JoinedRedistribute(nn.Module):
         """Each value's gradient in its own layout (see the module docstring)."""
         tp, rank = self.comm.world_size, self.comm.rank
         out: list[Any] = [None] * len(grads)
-        scattered = [i for i in self._where(Shard) if self.layouts[i][1].grad_partial]
+        scattered = {i: src for i, src in self._where(Shard).items()
+                     if self.layouts[i][1].grad_partial}
         reduced = [i for i in self._where(Partial) if self.layouts[i][1].grad_partial]
         for i, (src, dst) in enumerate(self.layouts):
             if not dst.grad_partial:
@@ -122,16 +125,14 @@ class JoinedRedistribute(nn.Module):
                     if isinstance(src, Shard) else grads[i]
         if scattered:
             rows = []
-            for i in scattered:
-                src = self.layouts[i][0]
+            for i, src in scattered.items():
                 ordered = _rank_major(grads[i], src.dim, src.blocks, tp)
                 rows.append(torch.stack([p.reshape(-1) for p in ordered.chunk(tp, src.dim)]))
             buffer = torch.cat(rows, dim=1)  # [tp, all values' pieces]
             self._log("reduce_scatter", "backward", buffer)
             mine = self.comm.reduce_scatter(buffer.reshape(-1).contiguous(), 0)
             start = 0
-            for i in scattered:
-                src = self.layouts[i][0]
+            for i, src in scattered.items():
                 shape = list(grads[i].shape)
                 shape[src.dim] //= tp
                 n = int(torch.Size(shape).numel())
@@ -199,7 +200,7 @@ def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module)
         where = next((n for n in moved if level[n.name] > stage), anchor)
         name = "autotp_joined" if len(levels) == 1 else f"autotp_joined_{stage}"
         root.add_module(name, JoinedRedistribute(
-            comm, [(parse_layout(have[v]), parse_layout(d)) for v, d in staged],
+            comm, [(parse_layout(have[v]), cast(Replicate, parse_layout(d))) for v, d in staged],
             [f"{v} {have[v]}->{d}" for v, d in staged]))
         with graph.inserting_before(where):
             call = graph.call_module(name, tuple(nodes[v] for v, _ in staged))

@@ -272,11 +272,9 @@ class GradBucket:
     def flush(self) -> None:
         self.scheduled = False
         keys = sorted(self.params)
-        grads = {key: self.pending.get(key) for key in keys}
+        grads = {key: self.pending[key] if key in self.pending
+                 else torch.zeros_like(self.params[key]) for key in keys}
         self.pending = {}
-        for key in keys:
-            if grads[key] is None:
-                grads[key] = torch.zeros_like(self.params[key])
         summed = iter(_all_reduce_parts(self.comm, [
             part for key in keys for part in
             (_spans_of(grads[key], *self.partial[key]) if key in self.partial

@@ -283,7 +283,8 @@ def _install(gm: fx.GraphModule, built: dict[str, fx.GraphModule]) -> None:
             entries.append(built.get(full, container._modules[name]))
         if all(n.isdigit() for n in names) and \
                 [int(n) for n in names] == list(range(len(names))):
-            replacement: nn.Module = nn.ModuleList(entries)
+            # ModuleList keeps a None entry as add_module does; its stub takes modules only
+            replacement: nn.Module = nn.ModuleList(entries)  # type: ignore[arg-type]
         else:
             replacement = container
             for name, entry in zip(names, entries):

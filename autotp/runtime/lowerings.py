@@ -21,6 +21,7 @@ import torch.fx as fx
 from autotp.errors import PlanError, where
 from autotp.layout import P, ROUTED, Shard, block_weights, is_mixed, local_segment_sizes, \
     whole_segments
+from autotp.ops import arg_node, arg_seq
 from autotp.rules.matmul import CONV, GROUPED_MM
 from autotp.rules.registry import Strategy, normalize_dim
 from autotp.rules.views import segment_of
@@ -108,7 +109,7 @@ def vocab_parallel_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     if strategy.inputs[0] != Shard(0):
         return
     weight, indices = node.args[:2]
-    vocab = node.args[0].meta["val"].shape[0]
+    vocab = arg_node(node, 0).meta["val"].shape[0]
     rows = vocab // ctx.tp
     lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
     padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
@@ -126,7 +127,7 @@ def vocab_parallel_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
 def masked_gather_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
     if strategy.output != P:
         return
-    x, dim, index = node.args[:3]
+    x, dim, index = arg_node(node, 0), *node.args[1:3]
     dim = normalize_dim(dim, x.meta["val"].ndim)
     rows = x.meta["val"].shape[dim] // ctx.tp
     lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
@@ -157,6 +158,7 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
     groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
     if groups == 1 or not isinstance(layout, Shard) or layout.dim != 1:
         return
+    assert isinstance(groups, int), "the conv rule shards only an int count of groups"
     local = sum(local_segment_sizes(groups, layout.blocks, ctx.tp)) \
         if is_mixed(layout.blocks) else ctx.local_size_arg(groups, node)
     if len(node.args) > 6:
@@ -170,7 +172,7 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
 @lowering(aten.sym_size.int)
 def global_size_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
     layout = strategy.inputs[0]
-    x_ndim = node.args[0].meta["val"].ndim
+    x_ndim = arg_node(node, 0).meta["val"].ndim
     if isinstance(layout, Shard) and layout.dim == normalize_dim(node.args[1], x_ndim):
         ctx.apply_after(node, operator.mul, ctx.tp)
 
@@ -190,7 +192,7 @@ def partial_mean_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
 def localize_shape_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
     out = strategy.output
     if isinstance(out, Shard):
-        shape = list(node.args[1])
+        shape = list(arg_seq(node, 1))
         size = shape[out.dim]
         if out.blocks == ROUTED:  # as many rows as the rank holds: the view infers them
             if node.target == aten.expand.default:
@@ -213,9 +215,9 @@ def localize_unflatten_lowering(ctx: LowerContext, node: fx.Node, strategy: Stra
     out = strategy.output
     if not isinstance(out, Shard):
         return
-    src_ndim = len(node.args[0].meta["val"].shape)
+    src_ndim = len(arg_node(node, 0).meta["val"].shape)
     dim = normalize_dim(node.args[1], src_ndim)
-    sizes = list(node.args[2])
+    sizes = list(arg_seq(node, 2))
     if 0 <= out.dim - dim < len(sizes):
         sizes[out.dim - dim] = ctx.local_size_arg(sizes[out.dim - dim], node)
         node.args = (node.args[0], node.args[1], sizes, *node.args[3:])
@@ -237,7 +239,7 @@ def squeeze_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> No
     """Squeeze exactly the dims that are 1 globally: a shard of size 1 must stay."""
     if not isinstance(strategy.inputs[0], Shard):
         return
-    shape = node.args[0].meta["val"].shape
+    shape = arg_node(node, 0).meta["val"].shape
     if node.target == aten.squeeze.default:
         dims = [d for d in range(len(shape)) if shape[d] == 1]
     else:
@@ -254,7 +256,7 @@ def localize_slice_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     segments held whole, at the local segments' edges."""
     layout = strategy.inputs[0]
     if isinstance(layout, Shard) and is_mixed(layout.blocks) and strategy.output != layout:
-        size = node.args[0].meta["val"].shape[layout.dim]
+        size = arg_node(node, 0).meta["val"].shape[layout.dim]
         start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start")
         end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end")
         j = segment_of(size, layout.blocks, start, end)
@@ -265,7 +267,7 @@ def localize_slice_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     if strategy.output == strategy.inputs[0] or not isinstance(strategy.output, Shard):
         return
     args = list(node.args) + [None] * (4 - len(node.args))
-    size = node.args[0].meta["val"].shape[strategy.output.dim]
+    size = arg_node(node, 0).meta["val"].shape[strategy.output.dim]
     start = args[2] or 0
     end = size if args[3] is None or (isinstance(args[3], int) and args[3] >= size) \
         else args[3]
@@ -278,7 +280,7 @@ def localize_split_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     layout = strategy.inputs[0]
     if not isinstance(layout, Shard):
         return
-    ndim = len(node.args[0].meta["val"].shape)
+    ndim = len(arg_node(node, 0).meta["val"].shape)
     dim = normalize_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), ndim)
     if layout.dim != dim:
         return
@@ -295,10 +297,10 @@ def localize_split_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
 @lowering(aten.index.Tensor)
 def routed_lookup_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
     if strategy.inputs[0] == Shard(0, ROUTED):
-        x, (index,) = node.args[:2]
+        x, (index,) = node.args[0], arg_seq(node, 1)
         node.target = routed_lookup
         node.args = (x, index, ctx.routes[node.name])
     elif strategy.inputs == (Shard(0), Shard(0, ROUTED)):
-        x, (index,) = node.args[:2]
+        x, (index,) = node.args[0], arg_seq(node, 1)
         node.target = expert_rows
         node.args = (x, index, ctx.routes[node.name])

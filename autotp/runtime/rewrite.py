@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
-from autotp.ops import node_arg
+from autotp.ops import arg_node, node_arg
 from autotp.capture.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
@@ -231,7 +231,7 @@ def _reads_unchanged_size(consumer: fx.Node, src: Layout, dst: Layout) -> bool:
             not isinstance(src, Replicate):
         return False
     dim = consumer.args[1]
-    ndim = getattr(consumer.args[0].meta.get("val"), "ndim", None)
+    ndim = getattr(arg_node(consumer, 0).meta.get("val"), "ndim", None)
     if not isinstance(dim, int) or ndim is None:
         return False
     return not (isinstance(dst, Shard) and dst.dim == dim % ndim)

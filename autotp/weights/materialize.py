@@ -20,10 +20,11 @@ checkpoint, or from transformers' ``_init_weights`` of the module that owns them
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from autotp.layout import (
 from autotp.weights.tensorfile import TensorFiles
 from autotp.ops import path_attr
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @contextlib.contextmanager
 def empty_weights() -> Iterator[None]:
@@ -56,10 +60,10 @@ def empty_weights() -> Iterator[None]:
     """
     original = nn.Module.register_parameter
 
-    def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
@@ -329,7 +333,7 @@ class Stacked:
     def read(self, files: TensorFiles, layout: Layout, rank: int, tp: int) -> torch.Tensor:
         shape = self.shape(files)
         dim = layout.dim if isinstance(layout, Shard) else None
-        ranges = slice_ranges(shape[dim], layout, rank, tp) if isinstance(layout, Shard) \
+        ranges = slice_ranges(shape[layout.dim], layout, rank, tp) if isinstance(layout, Shard) \
             else None
         experts = range(shape[0]) if dim != 0 or ranges is None else \
             [e for start, stop in ranges for e in range(start, stop)]
@@ -377,20 +381,21 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: set[str],
     is a clear error."""
     if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
         return {}
+    hf = cast("PreTrainedModel", model)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (WeightConverter, WeightRenaming,
                                                      rename_source_key)
-        transforms = get_model_conversion_mapping(model)
+        transforms = get_model_conversion_mapping(hf)
     except Exception:  # noqa: BLE001 - an older or newer transformers: plain names only
-        return _prefix_renamed(model.base_model_prefix, keys, state)
+        return _prefix_renamed(hf.base_model_prefix, keys, state)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     out, converted = {}, []
     lookup = dict.fromkeys(state, True)  # what rename_source_key reads (.get) of a state dict
     parts: dict[str, dict[str, dict[int, str]]] = {}  # name -> pattern -> expert -> key
     for key in keys:
-        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix,
+        name, pattern = rename_source_key(key, renamings, converters, hf.base_model_prefix,
                                           lookup)
         if pattern is not None:
             expert = _expert_index(key, pattern)
@@ -464,7 +469,8 @@ def expert_keys(model: nn.Module) -> dict[str, Stacked]:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (PrefixChange, WeightConverter,
                                                      WeightRenaming)
-        transforms = get_model_conversion_mapping(model, add_legacy=False)
+        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model),
+                                                  add_legacy=False)
         renamings = [t.reverse_transform() for t in transforms[::-1]
                      if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)]
     except Exception:  # noqa: BLE001 - not a transformers model, or another transformers
@@ -546,9 +552,11 @@ def hf_buffer(model: nn.Module, target: str) -> Optional[torch.Tensor]:
             return None
         finally:
             module._buffers[leaf] = meta
-    if results[0].shape != meta.shape or not torch.equal(results[0], results[1]):
+    first, second = results
+    assert first is not None and second is not None, "_init_weights keeps the buffer"
+    if first.shape != meta.shape or not torch.equal(first, second):
         return None
-    return results[0]
+    return first
 
 
 # ---- initialization ---------------------------------------------------------------------
@@ -609,8 +617,8 @@ class InitWeights(Weights):
         with torch.no_grad():
             for module_name, module, call in self._calls():
                 self._run(module_name, module, call)
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        left = [names[pid] for pid in self._params
+        name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        left = [name_of[pid] for pid in self._params
                 if pid not in self._local or _has_nan(self._local[pid])]
         if left:
             raise ConfigError(
@@ -631,7 +639,7 @@ class InitWeights(Weights):
             for name, module in order:
                 init = _hf_owner(self.model, name)
                 assert init is not None
-                yield name, module, (lambda init=init, module=module: init(module))
+                yield name, module, functools.partial(init, module)
             return
         bare = []
         for name, module in self.model.named_modules():
