@@ -36,7 +36,7 @@ from autotp.planner.memory import (
     stage_memory,
 )
 from autotp.planner.profile import Profile, build_profile
-from autotp.planner.timing import Layout, StageWork, StepTime, stage_work, step_time
+from autotp.planner.timing import MeshShape, StageWork, StepTime, stage_work, step_time
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "tfloat32": 4}
 
@@ -349,7 +349,7 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     if pp > len(prof.layers):
         config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
         return config
-    mesh = Layout(tp=tp, pp=pp, dp=dp, gpus_per_node=g, ep=ep)
+    mesh = MeshShape(tp=tp, pp=pp, dp=dp, gpus_per_node=g, ep=ep)
     m = per_replica // mb
     # stages balanced by each layer's time (the embeddings and head weigh on the ends)
     one = {layer: stage_work(prof, hw, [layer], first=False, last=False, policy=policy,

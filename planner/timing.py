@@ -49,7 +49,7 @@ class StepTime:
 
 
 @dataclass(frozen=True)
-class Layout:
+class MeshShape:
     """Where the groups of a (pp, dp, tp) mesh lie."""
 
     tp: int
@@ -148,7 +148,7 @@ def _per_layer(prof: Profile, hw: Hardware, policy: str, dtype: str,
 
 
 def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: bool, last: bool,
-               policy: str, dtype: str, mesh: Layout) -> StageWork:
+               policy: str, dtype: str, mesh: MeshShape) -> StageWork:
     per = _per_layer(prof, hw, policy, dtype, mesh.tp_within_node, mesh.ep_within_node)
     keys: list[int | str] = list(layers) + (["first"] if first else []) + \
         (["last"] if last else [])
@@ -165,7 +165,7 @@ def stage_work(prof: Profile, hw: Hardware, layers: Sequence[int], *, first: boo
 
 
 def step_time(works: Sequence[StageWork], hw: Hardware, *, micro_batches: int,
-              mesh: Layout, prec: Precision, stage_params: Sequence[float],
+              mesh: MeshShape, prec: Precision, stage_params: Sequence[float],
               boundary_bytes: float, layers_per_stage: Sequence[int],
               dp_shard: str = "fsdp", stage_experts: Sequence[float] = ()) -> StepTime:
     """The step of ``micro_batches`` micro-batches through the stages of ``works``;
