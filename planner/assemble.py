@@ -13,7 +13,7 @@ from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_
 from autotp.errors import PlanError
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.coalesce import join_siblings
-from autotp.planner.cost import CostModel, parse_size, readable
+from autotp.planner.cost import CostModel, parse_size_expr, readable
 from autotp.planner.invariant import stages
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
@@ -141,7 +141,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             seen.add((name, str(want)))
             nbytes = _bytes_expr(src.node, dims)
             if isinstance(have, Partial) and have.reduce == "logsumexp":  # one value per rank
-                nbytes = str(parse_size(nbytes) * tp)
+                nbytes = str(parse_size_expr(nbytes) * tp)
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
@@ -165,7 +165,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if joined:
                 plan.collectives.append(CollectiveRecord(
                     kind=kind.value, phase=phase, layer=None,
-                    bytes_expr=readable(sum(parse_size(b) for _, b in joined), {}),
+                    bytes_expr=readable(sum(parse_size_expr(b) for _, b in joined), {}),
                     node="batched: " + ", ".join(name for name, _ in joined),
                     source=None, src=src_text, dst="R"))
     synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}

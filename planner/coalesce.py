@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autotp.ops import DROPOUTS, node_arg
-from autotp.planner.cost import parse_size, readable
+from autotp.planner.cost import parse_size_expr, readable
 from autotp.planner.plan import JOINED, CollectiveRecord, Edge, Plan
 
 Key = tuple[str, str]  # (value, layout read): one redistribution in the rank program
@@ -174,7 +174,7 @@ def join_siblings(plan: Plan, graph: fx.Graph) -> None:
         parts = [records[(value, dst, phase)] for value, dst in keys]
         merged[index] = CollectiveRecord(
             kind="all_reduce", phase=phase, layer=parts[0].layer,
-            bytes_expr=readable(sum(parse_size(p.bytes_expr) for p in parts), {}),
+            bytes_expr=readable(sum(parse_size_expr(p.bytes_expr) for p in parts), {}),
             node=JOINED + ", ".join(p.node for p in parts), source=parts[0].source,
             src=parts[0].src, dst=parts[0].dst, module=parts[0].module)
     out: list[CollectiveRecord] = []

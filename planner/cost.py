@@ -97,7 +97,7 @@ class CostModel:
 _SYMPY_LETTERS = frozenset("SNEIOQ")
 
 
-def parse_size(text: Any) -> Any:
+def parse_size_expr(text: Any) -> Any:
     """A size expression written as text ("32768*B*T") back to sympy, every name in it a
     symbol unless it is one of sympy's functions (floor, Mod)."""
     if not isinstance(text, str):
@@ -109,7 +109,7 @@ def parse_size(text: Any) -> Any:
 
 @lru_cache(maxsize=65536)
 def _evaluate(expr_text: str, values: tuple[tuple[str, int], ...], default: int) -> float:
-    expr = parse_size(expr_text)
+    expr = parse_size_expr(expr_text)
     subs = dict(values)
     return float(expr.subs({s: subs.get(str(s), default) for s in expr.free_symbols}))
 
@@ -118,5 +118,6 @@ def readable(expr: Any, dim_names: dict[sympy.Symbol, str]) -> str:
     """A size expression with the export's symbols renamed to B, T."""
     if isinstance(expr, (int, float)):
         return str(int(expr))
-    renamed = parse_size(expr).subs({sym: sympy.Symbol(name) for sym, name in dim_names.items()})
+    renamed = parse_size_expr(expr).subs({sym: sympy.Symbol(name)
+                                          for sym, name in dim_names.items()})
     return str(renamed)

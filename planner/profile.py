@@ -39,7 +39,7 @@ import torch.fx as fx
 from autotp.capture.trace import Captured, size_expr, tensor_inputs
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
-from autotp.planner.cost import parse_size
+from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
 from autotp.planner.routing import routing_imbalance
@@ -158,7 +158,7 @@ class _Sizes:
 
 @lru_cache(maxsize=1 << 16)
 def _value_text(text: str, subs: tuple[tuple[str, int], ...]) -> int:
-    expr = parse_size(text)
+    expr = parse_size_expr(text)
     values = dict(subs)
     return int(expr.subs({s: values.get(str(s), 1) for s in expr.free_symbols}))
 
@@ -495,7 +495,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
         members = [nodes[name] for name in c.members if name in nodes]
         # not every member a node: the after-backward sum of replicated parameters' gradients
         if len(members) < len(c.members):
-            nbytes = float(parse_size(c.bytes_expr)) / 4 * dtype_bytes
+            nbytes = float(parse_size_expr(c.bytes_expr)) / 4 * dtype_bytes
         else:
             nbytes = 0.0
             for node in members:  # one, or a join's values (planner/coalesce.py)

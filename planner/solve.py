@@ -39,7 +39,7 @@ from autotp.capture.trace import (
 )
 from autotp.layout import R, ROUTED, Partial, Replicate, Shard
 from autotp.planner.cache import cached, plan_key
-from autotp.planner.cost import CostModel, parse_size
+from autotp.planner.cost import CostModel, parse_size_expr
 from autotp.planner.assemble import assemble
 from autotp.planner.checks import (
     check_divisibility,
@@ -219,7 +219,7 @@ def _fewer(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 def record_bytes(record: Any, cost_model: CostModel) -> float:
     """A recorded collective's bytes at the cost model's reference batch and sequence (its
     sizes are named B and T: cost.readable)."""
-    expr = parse_size(record.bytes_expr)
+    expr = parse_size_expr(record.bytes_expr)
     return cost_model.evaluate(expr, {sym: str(sym) for sym in expr.free_symbols})
 
 

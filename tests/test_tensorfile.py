@@ -81,6 +81,6 @@ def test_bad_files_are_clear_errors(tmp_path: Path, path: Path) -> None:
         tf.SafetensorsFile(tmp_path / "cut.safetensors")
     with pytest.raises(ConfigError, match="does not exist"):
         tf.TensorFiles(tmp_path / "missing")
-    assert tf.parse_size("5GB") == 5 * 10**9 and tf.parse_size("2MiB") == 2 * 2**20
+    assert tf.parse_bytes("5GB") == 5 * 10**9 and tf.parse_bytes("2MiB") == 2 * 2**20
     with pytest.raises(ConfigError, match="max_shard_size"):
-        tf.parse_size("lots")
+        tf.parse_bytes("lots")

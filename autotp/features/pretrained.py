@@ -30,7 +30,7 @@ from autotp.layout import Layout, Shard
 from autotp.runtime.collectives import gather
 from autotp.sharded import ShardedModule
 from autotp.weights.materialize import Stacked, empty_weights, expert_keys, stacked_experts
-from autotp.weights.tensorfile import Spec, TensorFiles, file_names, parse_size, plan_files, \
+from autotp.weights.tensorfile import Spec, TensorFiles, file_names, parse_bytes, plan_files, \
     write_file, write_index
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def save_pretrained(sharded: ShardedModule, path: str | Path, *,
     Every other tensor is written as the model holds it, whatever the layout.
     """
     sharded = check_sharded(sharded, "save_pretrained")
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_bytes(max_shard_size)
     directory = Path(path)
     # one writer: tp rank 0 of ep rank 0 (the other ranks run the same collectives)
     rank = sharded.comm.rank + (sharded.ep_comm.rank if sharded.ep_comm is not None else 0)

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import torch
 
-from autotp.planner.cost import CostModel, parse_size
+from autotp.planner.cost import CostModel, parse_size_expr
 from autotp.planner.plan import JOINED, CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
@@ -66,7 +66,7 @@ PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 def evaluate_bytes(expr: str, batch: int, seq: int) -> int:
     """A byte expression ("32768*B*T") at ``batch`` and ``seq``; every layer repeats its
     layer's few expressions."""
-    value = parse_size(expr)
+    value = parse_size_expr(expr)
     subs = {s: (batch if str(s).startswith("B") else seq) for s in value.free_symbols}
     return int(value.subs(subs))
 

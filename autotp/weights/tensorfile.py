@@ -350,7 +350,7 @@ def write_index(directory: Path, names: Sequence[str], groups: Sequence[Sequence
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def parse_size(size: int | str) -> int:
+def parse_bytes(size: int | str) -> int:
     """``"5GB"`` -> bytes (transformers' convention: GB = 10**9, GiB = 2**30)."""
     if isinstance(size, int):
         return size
