@@ -18,7 +18,7 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
            (Bloom's [B*H, T, D] attention), where the count of segments is the batch
     S(0)@experts  rows routed to experts (sorted by expert): rank r holds the contiguous rows
            of the experts it owns, as many as the routing sends them, known only at run time
-           (the experts' cumulative row counts give the bounds: autotp.runtime.routing)
+           (the experts' cumulative row counts give the bounds: autotp.runtime.routed_rows)
     P      every rank holds a tensor of the global shape; the global value is their sum
     P(lse) the global value is the log of the sum of the ranks' exponentials (a logsumexp
            over a sharded dim leaves one partial logsumexp per rank)
@@ -77,7 +77,7 @@ Blocks = Union[int, tuple[int, ...], Period, Routed]
 def counted(size: int, blocks: Blocks) -> Union[int, tuple[int, ...]]:
     """``blocks`` for a dim of this concrete size: a period becomes its count of segments."""
     if isinstance(blocks, Routed):
-        raise TypeError("routed rows have run-time bounds: autotp.runtime.routing slices them")
+        raise TypeError("routed rows have run-time bounds: autotp.runtime.routed_rows slices them")
     if isinstance(blocks, Period):
         if size % blocks.length:
             raise ValueError(f"size {size} is not a whole number of segments of "

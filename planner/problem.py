@@ -108,7 +108,7 @@ class PlanOptions:
     # the beam ranks states by their cost plus a lower bound on what they still owe
     # (FrontierSolver.ahead); the second search (solve._search_further) turns it on
     lookahead: bool = False
-    # expert parallelism over this many data-parallel ranks (autotp.runtime.routing): every
+    # expert parallelism over this many data-parallel ranks (autotp.runtime.routed_rows): every
     # grouped product holds its experts whole, tp * ep ways
     expert_parallel: int = 1
 

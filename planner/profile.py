@@ -42,7 +42,7 @@ from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_l
 from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
-from autotp.planner.routing import routing_imbalance
+from autotp.planner.expert_load import routing_imbalance
 from autotp.planner.saved import saves_input, saves_output
 
 aten = torch.ops.aten
@@ -122,7 +122,7 @@ class Profile:
     backward_working: dict[Any, float] = field(default_factory=dict)
     # experts held whole per rank: how many, the top-k, and the busiest rank's routed rows
     # over the mean under uniform routing, which scales the ops on routed rows
-    # (planner/routing.py)
+    # (planner/expert_load.py)
     experts: int = 0
     top_k: int = 0
     expert_imbalance: float = 1.0
@@ -343,7 +343,7 @@ def _routed(layout: Layout) -> bool:
 
 def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: _Sizes, dtype_bytes: int,
                own: Optional[torch.dtype]) -> list[Comm]:
-    """Expert parallelism's all-to-alls over the ep group (autotp.runtime.routing): per MoE
+    """Expert parallelism's all-to-alls over the ep group (autotp.runtime.routed_rows): per MoE
     layer, the rows to the experts' owners and their outputs back, forward, and the same
     two reversed in backward. Each tp rank sends the rows of its own share of the experts:
     the rows a grouped product reads (its first in the layer) and writes (its last), over

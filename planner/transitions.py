@@ -13,7 +13,7 @@
     P(lse) -> R   all-gather       -                 tp numbers per row, combined locally;
     P(lse) -> R*  all-gather       all-reduce        the gradient is local: g * exp(x_r - y)
     R* -> S(0)@experts  take rows  zero-pad          rows routed to the rank's experts
-    S(0)@experts -> R   zero-pad + all-reduce   -    (autotp.runtime.routing)
+    S(0)@experts -> R   zero-pad + all-reduce   -    (autotp.runtime.routed_rows)
 
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
@@ -91,7 +91,7 @@ def transition(
 
     gather_ok = to_output or sequence_parallel or batched
     if _routed(src) or _routed(dst):
-        # rows routed to experts (autotp.runtime.routing): taken from replicated rows, whose
+        # rows routed to experts (autotp.runtime.routed_rows): taken from replicated rows, whose
         # gradient stays partial; given back zero-padded as a partial sum, all-reduced
         if isinstance(src, Replicate) and _routed(dst) and (src.grad_partial or not grad):
             return make(None, None)

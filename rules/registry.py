@@ -155,7 +155,7 @@ class OpCall:
     # reads or writes such rows: their strategies are also offered on routed rows
     routed: Optional[Size] = None
     experts: Optional[int] = None  # how many experts those rows are sorted by
-    # expert parallelism across ep data-parallel ranks (autotp.runtime.routing): the routed
+    # expert parallelism across ep data-parallel ranks (autotp.runtime.routed_rows): the routed
     # rows are dispatched to the ranks that own their experts, so experts are split tp * ep
     # ways and a routed row cannot read replicated data by its position (see _routed_variants)
     ep: int = 1

@@ -344,7 +344,7 @@ def test_routing_imbalance_matches_sampled_routings(tokens: int, experts: int, t
     """The busiest rank's routed rows over the mean, under uniform top-k routing: the normal
     approximation against 4000 sampled routings (each token's k distinct experts drawn at
     random), within 1% of the sampled mean ratio."""
-    from autotp.planner.routing import routing_imbalance
+    from autotp.planner.expert_load import routing_imbalance
 
     g = torch.Generator().manual_seed(0)
     picks = torch.rand(4000, tokens, experts, generator=g).argsort(-1)[..., :top_k]
@@ -363,7 +363,7 @@ def test_expert_products_are_timed_at_the_busiest_rank(monkeypatch: pytest.Monke
     activation) costs the balanced share times it; no other op changes."""
     tf = pytest.importorskip("transformers")
     from autotp.planner import profile as profile_module
-    from autotp.planner.routing import routing_imbalance
+    from autotp.planner.expert_load import routing_imbalance
 
     config = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=2, num_attention_heads=8,

@@ -28,7 +28,7 @@ from autotp.layout import ROUTED, R, R_STAR, Shard, parse_layout
 from autotp.planner.transitions import Collective, transition
 from autotp.features.report import to_dict, to_table
 from autotp.planner.cost import CostModel
-from autotp.runtime import routing
+from autotp.runtime import routed_rows
 from autotp.runtime.launch import run_processes
 from models import qwen3_moe
 
@@ -341,21 +341,23 @@ def test_routing_pieces_against_their_definitions() -> None:
     total = torch.zeros(8, 5)
     gathered = torch.zeros(8, 5)
     for rank in range(2):
-        route = routing.route(offs, rank, 2)
+        route = routed_rows.route(offs, rank, 2)
         bounds = route.bounds
         assert route.total == 8 and bounds == ((0, 3, 8) if rank == 0 else (3, 8, 8))
-        rows = routing.take_rows(full, route)
-        assert torch.equal(routing.local_offsets(route), offs[2 * rank: 2 * rank + 2] - bounds[0])
-        total += routing.put_rows(rows, route)
-        gathered += routing.routed_lookup(rows, index, route)
+        rows = routed_rows.take_rows(full, route)
+        assert torch.equal(routed_rows.local_offsets(route),
+                           offs[2 * rank: 2 * rank + 2] - bounds[0])
+        total += routed_rows.put_rows(rows, route)
+        gathered += routed_rows.routed_lookup(rows, index, route)
     assert torch.equal(total, full) and torch.equal(gathered, full[index])
     with pytest.raises(RuntimeError, match="rows sorted by expert"):
-        routing.take_rows(torch.randn(9, 5), routing.route(offs, 0, 2))
+        routed_rows.take_rows(torch.randn(9, 5), routed_rows.route(offs, 0, 2))
     table = torch.randn(4, 3)
     ids = torch.tensor([2, 2, 3])
-    assert torch.equal(routing.expert_rows(table[2:], ids, routing.route(offs, 1, 2)), table[ids])
+    assert torch.equal(routed_rows.expert_rows(table[2:], ids, routed_rows.route(offs, 1, 2)),
+                       table[ids])
     with pytest.raises(RuntimeError, match="another rank's experts"):
-        routing.expert_rows(table[:2], ids, routing.route(offs, 0, 2))
+        routed_rows.expert_rows(table[:2], ids, routed_rows.route(offs, 0, 2))
 
 
 def test_expert_dispatch_against_its_definition() -> None:
@@ -373,11 +375,11 @@ def test_expert_dispatch_against_its_definition() -> None:
 
     def rank_main(comm: Any) -> None:
         offs = counts[comm.rank].cumsum(0).to(torch.int32)
-        route = routing.ExpertDispatch(comm, 0, 1, layer=None)(offs)
-        rows = routing.take_rows(sources[comm.rank], route)
-        back = routing.put_rows(rows * 2, route)
+        route = routed_rows.ExpertDispatch(comm, 0, 1, layer=None)(offs)
+        rows = routed_rows.take_rows(sources[comm.rank], route)
+        back = routed_rows.put_rows(rows * 2, route)
         back.sum().backward()
-        results[comm.rank] = (rows.detach(), routing.local_offsets(route), back.detach())
+        results[comm.rank] = (rows.detach(), routed_rows.local_offsets(route), back.detach())
 
     threads = [threading.Thread(target=rank_main, args=(c,)) for c in hub.comms()]
     for t in threads:
@@ -417,7 +419,7 @@ def test_rows_split_by_two_groupings_are_refused() -> None:
             source=None, candidates=1)
         plan.values[node.name] = "S(0)@experts"
     with pytest.raises(PlanError, match="2 expert groupings"):
-        routing._regions(graph, plan)
+        routed_rows._regions(graph, plan)
 
 
 def test_generate_with_experts_whole() -> None:

@@ -1,5 +1,5 @@
 """Runtime: the plan rewritten into one program per rank (rewrite), each op lowered to local
 shards (lowerings), its collectives and their autograd (collectives, comm, regather),
-gathers joined ahead of the first layer (batching), rows routed to their experts (routing),
+gathers joined ahead of the first layer (batching), rows routed to their experts (routed_rows),
 tracked randomness (random), the program cut at its layers (layers), and process launching
 for the CPU tests and examples (launch)."""

@@ -25,7 +25,7 @@ from autotp.ops import arg_node, arg_seq
 from autotp.rules.matmul import CONV, GROUPED_MM
 from autotp.rules.registry import Strategy, normalize_dim
 from autotp.rules.views import segment_of
-from autotp.runtime.routing import expert_rows, local_offsets, routed_lookup
+from autotp.runtime.routed_rows import expert_rows, local_offsets, routed_lookup
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ class LowerContext:
         self.graph = graph
         self.rank = rank
         self.tp = tp
-        # node -> the bounds of its routed rows (autotp.runtime.routing)
+        # node -> the bounds of its routed rows (autotp.runtime.routed_rows)
         self.routes = routes or {}
         self.lowered: dict[fx.Node, fx.Node] = {}
 

@@ -39,7 +39,7 @@ from autotp.planner.plan import Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.runtime.regather import ShardKeeper
-from autotp.runtime.routing import route_rows, routed_text
+from autotp.runtime.routed_rows import route_rows, routed_text
 from autotp.rules.registry import Registry, Strategy, parse_output
 from autotp.ops import path_attr
 
