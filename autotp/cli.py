@@ -101,7 +101,7 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
     from autotp.capture.trace import capture
     from autotp.planner.solve import plan_graph
-    from autotp.capture.zoo import load_model, parse_overrides
+    from autotp.capture.named_models import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     positive_int("--tp", args.tp)
@@ -249,7 +249,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from autotp.planner.gradflow import check_gradient_flow
     from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
                                sharded_step, worst_outcome)
-    from autotp.capture.zoo import load_model, parse_overrides
+    from autotp.capture.named_models import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     overrides = parse_overrides(args.overrides)
@@ -356,7 +356,7 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
                    strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
     import autotp
     from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
-    from autotp.capture.zoo import load_model
+    from autotp.capture.named_models import load_model
 
     torch.set_num_threads(1)
     loaded = load_model(spec, overrides, meta=False)
@@ -390,7 +390,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     from autotp.planner.estimate_view import write
     from autotp.planner.memory import precision
-    from autotp.capture.zoo import load_model, parse_overrides
+    from autotp.capture.named_models import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
     base = hw_module.hardware(args.hardware)

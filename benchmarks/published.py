@@ -120,7 +120,7 @@ class Row:
 
 def plan_row(name: str, shape: Shape) -> Row:
     import autotp
-    from autotp.capture.zoo import load_model
+    from autotp.capture.named_models import load_model
     from autotp.features.report import SEQUENCE_PARALLEL_BOUND, evaluate_bytes, within_bound
 
     fields = {**shape.fields, LAYERS.get(shape.model_type, "num_hidden_layers"): 2}
