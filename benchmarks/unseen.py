@@ -73,8 +73,8 @@ sys.path.insert(0, _HERE)
 import peers  # noqa: E402
 from peers import B, Case, counts_text, measure  # noqa: E402
 
-# benchmarks/ off the path again: its coverage.py would shadow the coverage package, which
-# numba (imported by whisper) reads
+# benchmarks/ off the path again: its scripts' plain names (load, decode, compose, ...) must
+# not shadow a module that the codebases below import
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import autotp  # noqa: E402

@@ -4,12 +4,12 @@
     python benchmarks/zoo.py --only llama,mixtral          # a few model types
     python benchmarks/zoo.py --diff old.json new.json      # what moved between two sweeps
 
-Unlike benchmarks/coverage.py (a fixed list of families with hand-made configs), this walks
+Unlike benchmarks/family_coverage.py (a fixed list of families with hand-made configs), this walks
 transformers' own registry of causal LMs (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), so a new or
 changed architecture shows up without anyone adding it. Each config keeps its class defaults
 with the common size fields shrunk (hidden 64, 2 layers, 8 heads, 4 k/v heads, vocabulary
 128, experts 4); every weight is perturbed and the model is run unsharded and in simulation
-on the same weights and inputs (benchmarks/coverage.py's row: logits, a loss, every
+on the same weights and inputs (benchmarks/family_coverage.py's row: logits, a loss, every
 gradient). Per architecture it prints the status (exact / refused / MISMATCH / CRASH /
 "not built": the shrunk config or its model could not be made, a limit of this sweep, not of
 autotp), the collectives per layer and the bytes against Megatron's two all-reduces per
@@ -29,14 +29,14 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import coverage  # noqa: E402  (benchmarks/coverage.py: the row of one model)
+import family_coverage  # noqa: E402  (the row of one model)
 from autotp.features.report import BOUND_BYTES, MEGATRON_BOUND  # noqa: E402
 
 SMALL = {  # field -> value, set where the config has the field
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2,
     "num_layers": 2, "num_attention_heads": 8, "n_head": 8, "num_key_value_heads": 4,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "head_dim": 8,
-    "vocab_size": coverage.VOCAB, "max_position_embeddings": 64, "n_positions": 64,
+    "vocab_size": family_coverage.VOCAB, "max_position_embeddings": 64, "n_positions": 64,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
     "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "sliding_window": 16,
@@ -88,7 +88,7 @@ def inputs() -> dict[str, Any]:
     """The ids, with use_cache=False as autotp traces a transformers model: a model whose
     logits depend on it (Dory's recurrent loops read the cache inside one forward) is then
     compared with the computation autotp runs."""
-    return {**coverage.text(), "use_cache": False}
+    return {**family_coverage.text(), "use_cache": False}
 
 
 def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
@@ -103,11 +103,12 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
         if (only and model_type not in only) or model_type in done or model_type in skip:
             continue
         name = f"zoo:{model_type}"
-        coverage.FAMILIES[name] = coverage.Family(builder(model_type, class_name), inputs)
+        family_coverage.FAMILIES[name] = family_coverage.Family(
+            builder(model_type, class_name), inputs)
         started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results = coverage.check_family(name, tps)
+            results = family_coverage.check_family(name, tps)
         for row in results:
             row["model_type"] = model_type
             row["transformers"] = transformers.__version__
@@ -122,7 +123,7 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
 
 def status(row: dict[str, Any]) -> str:
     """The row's status; "not built" where the shrunk model failed before autotp ran (its
-    construction or its unsharded step: coverage.py's setup, which takes no time)."""
+    construction or its unsharded step: family_coverage.py's setup, which takes no time)."""
     text = str(row["status"])
     if text.startswith("CRASH") and row.get("seconds") == 0.0:
         return f"not built: {row.get('detail', '')}"
@@ -160,7 +161,7 @@ def totals(rows: list[dict[str, Any]]) -> str:
             words["not built"] += 1
             continue
         words["planned"] += 1
-        word = coverage.status_word(text)
+        word = family_coverage.status_word(text)
         words["exact" if word.startswith("exact") else word] = \
             words.get("exact" if word.startswith("exact") else word, 0) + 1
         words["at bound"] += bool(row["at_bound"])

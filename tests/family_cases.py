@@ -1,5 +1,5 @@
 """The families of tests/test_families.py: the small transformers models of
-benchmarks/coverage.py (its FAMILIES, perturbed weights, example inputs), a loss over the
+benchmarks/family_coverage.py (its FAMILIES, perturbed weights, example inputs), a loss over the
 logits, the per-layer traffic of a collective log, and the function that
 ``autotp.runtime.launch.run_processes`` runs in each gloo worker (module level: a spawned
 interpreter imports it from here)."""
@@ -20,13 +20,13 @@ _BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 if _BENCHMARKS not in sys.path:
     sys.path.insert(0, _BENCHMARKS)
 
-import coverage as cov  # noqa: E402  benchmarks/coverage.py, as tests/test_coverage.py imports it
+import family_coverage as cov  # noqa: E402  as tests/test_coverage.py imports it
 
 ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (autotp.features.verify.compare)
 
 
 def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """coverage.py's model of ``name``: seeded, every weight perturbed, in eval mode; and its
+    """family_coverage.py's model of ``name``: seeded, every weight perturbed, in eval mode; and its
     example inputs. The same in every process."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -225,7 +225,7 @@ def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
 
 
 def test_expert_parallel_with_grouped_routing_and_a_shared_expert() -> None:
-    """DeepSeek-V3's block (coverage.py's model: MLA, grouped top-k routing, a shared expert
+    """DeepSeek-V3's block (family_coverage.py's model: MLA, grouped top-k routing, a shared expert
     beside the routed ones) at tp 2 x ep 2: exact as above; the shared expert stays a dense
     MLP, tensor parallel and not dispatched."""
     from family_cases import build

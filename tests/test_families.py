@@ -1,14 +1,14 @@
-"""Families of benchmarks/coverage.py at tp = 2, collective by collective.
+"""Families of benchmarks/family_coverage.py at tp = 2, collective by collective.
 
-Each family is coverage.py's small model (hidden 64, 2 layers, 8 heads, vocabulary 128, every
+Each family is family_coverage.py's small model (hidden 64, 2 layers, 8 heads, vocabulary 128, every
 weight perturbed), run unsharded and in simulation on the same weights and inputs: one
 forward and backward with a next-token cross-entropy over the logits. Checked:
 
 - exactness: logits and loss within ATOL (1e-4, max abs) and every gradient within ATOL
-  relative (autotp.features.verify.compare), on every rank: the tolerances of coverage.py;
+  relative (autotp.features.verify.compare), on every rank: the tolerances of family_coverage.py;
 - per layer, rank 0's collectives (forward, backward) and the bytes they carried, against
   Megatron's two all-reduces of B x T x h each way (``unit``: 2*B*T*h*4 bytes), as
-  coverage.py counts them (the layers' events; the embeddings, the head and the bucketed
+  family_coverage.py counts them (the layers' events; the embeddings, the head and the bucketed
   sum of replicated parameters' partial gradients are outside the layers);
 - what the plan replicates: its fallbacks, and the matrices at least h wide it keeps whole.
 

@@ -31,7 +31,7 @@ from autotp.features.verify import assert_equivalent
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
 
-import coverage as cov  # noqa: E402
+import family_coverage as cov  # noqa: E402
 from test_coverage import ALL  # noqa: E402
 
 ATOL = 1e-4

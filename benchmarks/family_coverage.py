@@ -1,9 +1,9 @@
 """Which transformers families autotp runs exactly, and at which cost: docs/coverage.md's table.
 
-    python benchmarks/coverage.py                       # print the table (tp 2 and 4)
-    python benchmarks/coverage.py --record              # and write benchmarks/coverage.json
-    python benchmarks/coverage.py --write-docs          # docs/coverage.md's table, from the record
-    python benchmarks/coverage.py --families Mixtral,T5 --tp 2 --json rows.json
+    python benchmarks/family_coverage.py               # print the table (tp 2 and 4)
+    python benchmarks/family_coverage.py --record      # and write benchmarks/family_coverage.json
+    python benchmarks/family_coverage.py --write-docs  # docs/coverage.md's table, from the record
+    python benchmarks/family_coverage.py --families Mixtral,T5 --tp 2 --json rows.json
 
 Each family is a small model from its transformers config (hidden 64, 2 layers, 8 heads,
 vocabulary 128), every weight perturbed (biases and norm scales too), run unsharded and in
@@ -37,7 +37,7 @@ is listed, and where the tps differ, each tp's in tp order ("a / b"):
   bytes, no matrix above h x h/2 replicated, no fallback), the collectives and bytes per
   layer, the largest matrix kept whole. ``--no-published`` leaves it out.
 
-The record, benchmarks/coverage.json (schema ``autotp.coverage/1``), holds every row of a
+The record, benchmarks/family_coverage.json (schema ``autotp.coverage/1``), holds every row of a
 run with the numbers behind it, and the published shapes' rows; docs/coverage.md's table is
 its rendering (``--write-docs``), and tests/test_coverage.py reruns families at tp = 2 and
 checks each against its recorded row: the same plan (``planned``) and still exact.
@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.features.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
-RECORD = ROOT / "benchmarks" / "coverage.json"
+RECORD = ROOT / "benchmarks" / "family_coverage.json"
 SCHEMA = "autotp.coverage/1"
 # What a row measures rather than plans: it moves from run to run (rounding, the clock).
 MEASURED = frozenset({"output_diff", "loss_diff", "grad_rel", "worst_param", "seconds"})
@@ -530,7 +530,7 @@ def _plain(value: Any) -> Any:
 
 def record(rows: list[dict[str, Any]], tps: list[int],
            published: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A run as benchmarks/coverage.json holds it: every row and published row, without the
+    """A run as benchmarks/family_coverage.json holds it: every row and published row, without the
     seconds each took (the machine's, not autotp's)."""
     def drop_seconds(row: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in row.items() if k != "seconds"}
@@ -562,9 +562,10 @@ def write_docs(data: dict[str, Any]) -> None:
     path = ROOT / "docs" / "coverage.md"
     page = path.read_text()
     start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
-    note = ("\n<!-- generated from benchmarks/coverage.json by python benchmarks/coverage.py "
-            "--write-docs; status: (max abs diff of outputs and loss, max relative gradient "
-            "diff); bytes: per layer, over Megatron's two all-reduces of B x T x h -->\n")
+    note = ("\n<!-- generated from benchmarks/family_coverage.json by python "
+            "benchmarks/family_coverage.py --write-docs; status: (max abs diff of outputs and "
+            "loss, max relative gradient diff); bytes: per layer, over Megatron's two "
+            "all-reduces of B x T x h -->\n")
     path.write_text(page[:start] + note + render(data) + "\n" + page[end:])
     print(f"wrote the table of {RECORD.name} into {path}")
 
@@ -600,7 +601,8 @@ def main() -> None:
     parser.add_argument("--tp", default="2,4")
     parser.add_argument("--families", help="comma-separated names (default: all)")
     parser.add_argument("--json", metavar="PATH",
-                        help="also write the run there, as benchmarks/coverage.json holds it")
+                        help="also write the run there, as benchmarks/family_coverage.json "
+                             "holds it")
     parser.add_argument("--record", action="store_true",
                         help=f"write the run to {RECORD.relative_to(ROOT)} (every family)")
     parser.add_argument("--write-docs", action="store_true",
