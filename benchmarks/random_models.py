@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, os.path.dirname(HERE))
 
-DIFFS = ["output_diff", "loss_diff", "grad_diff", "grad_rel", "compare_rel"]
+DIFFS = ["output_diff", "loss_diff", "grad_diff", "grad_rel"]
 
 
 @dataclass
@@ -171,8 +171,7 @@ def summary(tally: Tally) -> str:
         lines.append(f"  parameter elements sharded, over all that ran: min {fractions[0]:.0%}, "
                      f"median {fractions[len(fractions) // 2]:.0%}, nothing sharded in "
                      f"{sum(f == 0 for f in fractions)}")
-    lines.append("  max diffs over all that ran "
-                 "(compare_rel: autotp.features.verify.compare's grad_rel):")
+    lines.append("  max diffs over all that ran (autotp.features.verify.compare's):")
     for key, (value, label) in tally.max_diff.items():
         lines.append(f"    {key:<12} {value:.3e}  {label}")
     if tally.by_feature:

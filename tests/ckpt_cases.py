@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autotp.features.verify import perturb
+from autotp.features.verify import max_difference, perturb
 
 VOCAB = 128
 
@@ -132,12 +132,11 @@ def load_case(rank: int, world_size: int, directory: str, dtype: str = "float32"
     grads = autotp.full_state_dict(sharded, grads=True)
     weights = autotp.full_state_dict(sharded)
     ref_state = reference.state_dict()
-    grad_diff = max(float((grads[n] - p.grad).abs().max())
-                    for n, p in reference.named_parameters())
-    weight_diff = max(float((weights[n] - ref_state[n]).abs().max()) for n in weights)
+    grad_diff = max_difference({n: p.grad for n, p in reference.named_parameters()}, grads)
+    weight_diff = max_difference(weights, ref_state)
     local = sum(p.numel() for p in sharded.parameters())
     qkv = next((t for t, p in sharded.plan.params.items() if QKV in p.names), None)
-    return {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss - ref_loss),
+    return {"logits": max_difference(ref_logits, logits), "loss": abs(loss - ref_loss),
             "grad": grad_diff, "weights": weight_diff, "dtype": str(logits.dtype),
             "sequence_parallel": sharded.plan.sequence_parallel,
             "local_params": local,
@@ -287,8 +286,7 @@ def resume_case(rank: int, world_size: int, source: str, load: str | None, save:
         if rank == 0:
             again = tf.AutoModelForCausalLM.from_pretrained(export).state_dict()
             out["export_names"] = set(again) == set(trained)
-            out["export"] = max(float((again[n] - t).abs().max()) if n in again
-                                else float("inf") for n, t in trained.items())
+            out["export"] = max_difference(trained, again)
     return out
 
 
@@ -353,8 +351,7 @@ def upward_case(rank: int, world_size: int, source: str, load: str | None, save:
                 full = want[key]
                 if isinstance(layout, Shard) and full.dim() > 0:
                     full = shard_tensor(full, layout, rank, world_size)
-                scale = max(float(full.abs().max()), 1e-30)
-                worst[key] = float((got.float() - full.float()).abs().max()) / scale
+                worst[key] = max_difference(full, got, relative=True)
         out["slices"] = worst
     out["losses"] = _train(sharded, optimizer, batches(steps, start), scheduler)
     if save is not None:
@@ -565,11 +562,11 @@ def init_case(rank: int, world_size: int, kind: str) -> dict[str, float]:
             reference.apply(reference._init_weights)  # transformers' post-order init
     full = autotp.full_state_dict(sharded)
     state = reference.state_dict()
-    diff = max(float((full[n] - state[n]).abs().max()) for n in full)
+    diff = max_difference(full, state)
     out = sharded(ids) if kind == "tiny" else sharded(input_ids=ids).logits
     ref_out = reference(ids) if kind == "tiny" else reference(input_ids=ids).logits
     return {"params": diff, "names": float(len(full)), "expected": float(len(state)),
-            "output": float((out - ref_out).detach().abs().max())}
+            "output": max_difference(ref_out, out)}
 
 
 # ---- errors ---------------------------------------------------------------------------

@@ -169,6 +169,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     from torch.distributed.fsdp import fully_shard
 
     import autotp
+    from autotp.features.verify import max_difference
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
@@ -202,8 +203,8 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
         ref_loss.backward()
         if step == 0:  # FSDP2 averaged the dp ranks' gradients: the whole batch's
             grads = autotp.full_state_dict(sharded, grads=True)
-            grad_diff = max(float((grads[n] - p.grad).abs().max())
-                            for n, p in reference.named_parameters())
+            grad_diff = max_difference({n: p.grad for n, p in reference.named_parameters()},
+                                       grads)
         # both clipped to half the whole model's norm: the norm over tp, ep and FSDP2's dp
         # shards must be the unsharded model's, or the steps below differ
         want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
@@ -224,7 +225,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
         "grad_diff": grad_diff,
         "norm_diff": norm_diff,
         "losses": losses,
-        "param_diff": max(float((full[k] - want[k]).abs().max()) for k in want),
+        "param_diff": max_difference(want, full),
         "names": sorted(full) == sorted(want),
         "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
         "experts_held": sorted({int(p.shape[0]) for p in ignored}),
@@ -299,6 +300,7 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
     (tied) under ``tied`` (absent where this rank holds none), over the others under
     ``untied``."""
     import autotp
+    from autotp.features.verify import max_difference
     from autotp.layout import Shard, shard_tensor
 
     autotp.features.pipeline.wait_tied_grads()  # before reading gradients by hand
@@ -315,8 +317,8 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
             elif isinstance(layout, Shard):
                 expected = shard_tensor(expected, layout, tp_rank, tp)
             kind = "tied" if name in tied else "untied"
-            worst[kind] = max(worst.get(kind, 0.0), float((grad - expected).abs().max()) /
-                              max(float(want[name].abs().max()), 1e-30))
+            scale = max(float(want[name].abs().max()), 1e-30)  # the whole gradient's
+            worst[kind] = max(worst.get(kind, 0.0), max_difference(expected, grad) / scale)
     return worst
 
 

@@ -76,7 +76,7 @@ def gloo_case(rank: int, world_size: int, name: str, lr: float = 1e-3) -> dict[s
     forward and backward; then one AdamW step on each and a second forward (logits, loss,
     and every parameter, gathered)."""
     import autotp
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.features.verify import compare, max_difference, reference_step, sharded_step
 
     torch.set_num_threads(1)
     model, kwargs = build(name)
@@ -97,11 +97,11 @@ def gloo_case(rank: int, world_size: int, name: str, lr: float = 1e-3) -> dict[s
         optimizer.step()
     full = autotp.full_state_dict(sharded)
     ref_params = dict(reference.named_parameters())
-    param_diff = max(float((full[n] - p.detach()).abs().max()) for n, p in ref_params.items())
-    step_size = max(float((p.detach() - before[n]).abs().max()) for n, p in ref_params.items())
+    param_diff = max_difference(ref_params, full)
+    step_size = max_difference(before, ref_params)
     with torch.no_grad():
         out, ref_out = sharded(**kwargs), reference(**kwargs)
-        second_logits = float((logits(out) - logits(ref_out)).abs().max())
+        second_logits = max_difference(logits(ref_out), logits(out))
         second_loss = abs(float(loss(out)) - float(loss(ref_out)))
     return {
         "logits_diff": first.output_diff, "loss_diff": first.loss_diff,

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from autotp.features.verify import perturb
+from autotp.features.verify import max_difference, perturb
 from ckpt_cases import VOCAB, bigcode, gpt2, llama
 
 
@@ -120,8 +120,8 @@ def compare_generation(reference: Any, sharded: Any) -> dict[str, Any]:
         "sampled": sampled,
         "greedy": greedy,
         "tokens": got.tolist(),
-        "logits_diff": float((second.logits - ref_second.logits).abs().max()),
-        "prefill_diff": float((first.logits - ref_first.logits).abs().max()),
+        "logits_diff": max_difference(ref_second.logits, second.logits),
+        "prefill_diff": max_difference(ref_first.logits, first.logits),
         "cache_bytes": cache.nbytes,
         "cache_length": cache.capacity,
         "step_events": events,

@@ -584,7 +584,7 @@ def hf_configs() -> Any:
 # ---- the property -----------------------------------------------------------------------------
 
 ATOL = 1e-4  # logits, loss and gradients: max abs diff
-RTOL = 1e-4  # gradients: relative to the parameter's largest gradient entry (see grad_errors)
+RTOL = 1e-4  # gradients: relative to the parameter's largest gradient entry (verify.compare)
 SEED = 0
 
 
@@ -597,9 +597,8 @@ class Outcome:
     output_diff: float = 0.0
     loss_diff: float = 0.0
     grad_diff: float = 0.0  # max over parameters of max |g - g_ref|
-    grad_rel: float = 0.0  # max over parameters of the relative error of grad_errors
+    grad_rel: float = 0.0  # verify.compare's: relative to the parameter's (or 1% of the model's)
     worst_param: str = ""
-    compare_rel: float = 0.0  # autotp.features.verify.compare's grad_rel, for the record
     dropped: tuple[str, ...] = ()  # parameters the forward never uses, absent when sharded
     sharded: float = 0.0  # fraction of the parameters' elements that the plan shards
 
@@ -608,28 +607,6 @@ class Outcome:
         return self.refused is not None or (
             self.output_diff <= ATOL and self.loss_diff <= ATOL
             and self.grad_diff <= ATOL and self.grad_rel <= RTOL)
-
-
-def grad_errors(reference: Any, got: Any) -> tuple[str, float, float]:
-    """(worst parameter, max abs diff, max relative diff) of the gradients.
-
-    The relative diff of a parameter is its max |g - g_ref| over max(max |g_ref| of the
-    parameter, 1e-2 * the largest gradient entry of the whole model). ``compare``'s grad_rel
-    divides by max |g_ref| + 1e-6 only, which turns the rounding noise of a gradient that is
-    exactly zero in exact arithmetic (a separate key-projection bias: softmax is invariant to
-    it) into errors of several percent; the floor keeps such parameters at the model's scale.
-    """
-    scale = max(float(g.abs().max()) for g in reference.grads.values() if g.numel())
-    worst, worst_diff, worst_rel = "", 0.0, 0.0
-    for name, ref in reference.grads.items():
-        if name not in got.grads:
-            raise AssertionError(f"the sharded model has no gradient for {name}")
-        diff = float((ref - got.grads[name]).abs().max())
-        rel = diff / max(float(ref.abs().max()), 1e-2 * scale, 1e-12)
-        worst_diff = max(worst_diff, diff)
-        if rel >= worst_rel:
-            worst, worst_rel = name, rel
-    return worst, worst_diff, worst_rel
 
 
 def unused_parameters(model: nn.Module, call: Any) -> set[str]:
@@ -687,11 +664,9 @@ def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = Tru
         for name in dropped:
             reference.grads.pop(name, None)
         cmp = compare(reference, result)
-        worst, grad_diff, grad_rel = grad_errors(reference, result)
         outcome.output_diff = max(outcome.output_diff, cmp.output_diff)
         outcome.loss_diff = max(outcome.loss_diff, cmp.loss_diff)
-        outcome.grad_diff = max(outcome.grad_diff, grad_diff)
-        outcome.compare_rel = max(outcome.compare_rel, cmp.grad_rel)
-        if grad_rel >= outcome.grad_rel:
-            outcome.grad_rel, outcome.worst_param = grad_rel, worst
+        outcome.grad_diff = max(outcome.grad_diff, cmp.grad_diff)
+        if cmp.grad_rel >= outcome.grad_rel:
+            outcome.grad_rel, outcome.worst_param = cmp.grad_rel, cmp.worst_param
     return outcome

@@ -34,6 +34,8 @@ def reference_case(rank: int, world_size: int) -> dict[str, Any]:
     and the collectives of one training step counted by the probe."""
     from tp_bench import build_impl, check_step, train_step
 
+    from autotp.features.verify import max_difference
+
     torch.set_num_threads(1)
     # foreach: the optimizer's multi-tensor kernels, torch's default on CUDA
     spec = {"device": "cpu", "optim": "sgd", "lr": 0.1, "foreach": True}
@@ -54,7 +56,7 @@ def reference_case(rank: int, world_size: int) -> dict[str, Any]:
                 train_step(impl, idx, targets, probe)
             out[f"{model}/{name}"] = {
                 "loss_diff": abs(loss - ref_loss.item()),
-                "grad_diff": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()),
+                "grad_diff": max_difference(ref_grads, grads),
                 "n_grads": len(grads),
                 "counts": probe.counts(),
                 "bytes": probe.bytes(),

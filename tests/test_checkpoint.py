@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ckpt_cases as cc
+from autotp.features.verify import max_difference
 from autotp.runtime.launch import run_processes
 
 ATOL = 1e-5
@@ -284,13 +285,8 @@ def _max_diff(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tenso
               prefix: str = "") -> float:
     """Largest difference relative to the reference tensor's own scale (max |value|), over
     every tensor: weights and AdamW moments (exp_avg_sq ~ grad^2) alike."""
-    worst = 0.0
-    for key, tensor in tensors.items():
-        ref = reference[prefix + key].float()
-        scale = max(float(ref.abs().max()), 1e-30)
-        rel = float((tensor.float() - ref).abs().max()) / scale
-        worst = max(worst, rel)
-    return worst
+    return max_difference({key: reference[prefix + key] for key in tensors}, tensors,
+                          relative=True)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "gpt2"])

@@ -23,7 +23,7 @@ import autotp
 from autotp.errors import PlanError
 from autotp.api import full_state_dict
 from autotp.features.verify import (StepResult, assert_equivalent, compare, layer_counts,
-                                    perturb, reference_step)
+                                    max_difference, perturb, reference_step)
 from autotp.layout import ROUTED, R, R_STAR, Shard, parse_layout
 from autotp.planner.transitions import Collective, transition
 from autotp.features.report import to_dict, to_table
@@ -131,7 +131,7 @@ def _data_parallel_step(model: torch.nn.Module, tp: int, ep: int, batch: int = 2
     for rank, (got, _) in enumerate(results):
         e = rank // tp
         rows = reference.output[e * batch:(e + 1) * batch]
-        assert float((got.output - rows).abs().max()) <= ATOL, rank
+        assert max_difference(rows, got.output) <= ATOL, rank
         diff = compare(StepResult(got.output, reference.loss, reference.grads),
                        StepResult(got.output, reference.loss, got.grads))
         assert diff.grad_rel <= ATOL, (rank, diff)

@@ -4,7 +4,8 @@ forward and backward, and report the largest differences and the collectives exe
 ``assert_equivalent`` is the one check of a simulation against the unsharded model: outputs,
 loss, every gradient, and one optimizer step (``measure_equivalence``: the same numbers, for a
 report); ``perturb`` moves weights off their initial values first, so that zeros and ones
-cannot hide a wrong sharding.
+cannot hide a wrong sharding; ``max_difference`` is the measure for the values that are not a
+training step (loaded weights, a decoding step's logits).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -72,7 +73,7 @@ def sharded_step(module: ShardedModule, call: Call, loss_fn: LossFn, pick: Pick)
 
 
 def compare(reference: StepResult, got: StepResult) -> Comparison:
-    output_diff = float((reference.output - got.output).abs().max())
+    output_diff = max_difference(reference.output, got.output)
     worst, grad_diff, grad_rel = "", 0.0, 0.0
     # Relative to the parameter's largest gradient, but never to less than 1% of the model's:
     # a gradient that is zero in exact arithmetic (a key bias) is all rounding noise.
@@ -87,6 +88,30 @@ def compare(reference: StepResult, got: StepResult) -> Comparison:
         if rel > grad_rel:
             worst, grad_rel = name, rel
     return Comparison(output_diff, abs(reference.loss - got.loss), grad_diff, grad_rel, worst)
+
+
+Values = Union[torch.Tensor, Mapping[str, torch.Tensor]]
+
+
+def max_difference(want: Values, got: Values, *, relative: bool = False) -> float:
+    """The largest ``|got - want|`` over a tensor, or over every entry of a state dict (an
+    entry of ``want`` that ``got`` lacks is an infinite difference), compared in fp32;
+    ``relative``: each entry's divided by its largest ``|want|``. ``compare``'s measure for
+    what is not a training step (loaded weights, a second step's logits, a cache)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), type(got)
+        want, got = {"": want}, {"": got}
+    assert not isinstance(got, torch.Tensor), type(got)
+    worst = 0.0
+    for name, a in want.items():
+        if name not in got:
+            return float("inf")
+        a, b = a.detach().float(), got[name].detach().float()
+        diff = float((a - b).abs().max()) if a.numel() else 0.0
+        if relative:
+            diff /= max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
+        worst = max(worst, diff)
+    return worst
 
 
 def layer_counts(log: CollectiveLog) -> dict[Optional[int], dict[str, int]]:
