@@ -32,7 +32,7 @@ from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
 from autotp.weights.materialize import empty_weights
 from autotp.features.clipping import clip_grad_norm_
 from autotp.features.pipeline import pipeline_stages
-from autotp.planner.configure import Estimate, estimate
+from autotp.planner.job.configure import Estimate, estimate
 from autotp.planner.plan import Plan
 
 __all__ = [

@@ -377,8 +377,8 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autotp.planner import hardware as hw_module
-    from autotp.planner.configure import (
+    from autotp.planner.job import hardware as hw_module
+    from autotp.planner.job.configure import (
         Estimate,
         Planner,
         Request,
@@ -388,8 +388,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         search,
         training_example,
     )
-    from autotp.planner.estimate_view import write
-    from autotp.planner.memory import precision
+    from autotp.planner.job.estimate_view import write
+    from autotp.planner.job.memory import precision
     from autotp.capture.named_models import load_model, parse_overrides
 
     progress = Progress(not args.quiet)
@@ -436,8 +436,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate_args(s: argparse.ArgumentParser) -> None:
-    from autotp.planner.hardware import PRESETS
-    from autotp.planner.memory import OPTIMIZER_MOMENTS, PRECISIONS
+    from autotp.planner.job.hardware import PRESETS
+    from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS
 
     s.add_argument("model", nargs="?", help="hf:<model_type>, a directory with config.json, "
                                             "or file.py:factory / package.module:factory")

@@ -50,8 +50,8 @@ def activations() -> None:
     import nanogpt as nano
 
     from autotp.capture.trace import capture
-    from autotp.planner.memory import layer_activations
-    from autotp.planner.profile import build_profile
+    from autotp.planner.job.memory import layer_activations
+    from autotp.planner.job.profile import build_profile
     from autotp.planner.solve import PlanOptions, plan_graph
 
     h, a, s, b, t = 2048, 16, 256, 4, 8
@@ -92,7 +92,7 @@ def _gpt2(h: int, heads: int, layers: int) -> torch.nn.Module:
 
 
 def _planner(model: torch.nn.Module, name: str, seq: int, dtype: str = "bfloat16") -> Any:
-    from autotp.planner.configure import (
+    from autotp.planner.job.configure import (
         Planner,
         attention_heads,
         capture_for_training,
@@ -104,8 +104,8 @@ def _planner(model: torch.nn.Module, name: str, seq: int, dtype: str = "bfloat16
 
 
 def megatron() -> None:
-    from autotp.planner.configure import Request, search
-    from autotp.planner.hardware import PRESETS
+    from autotp.planner.job.configure import Request, search
+    from autotp.planner.job.hardware import PRESETS
 
     hw = PRESETS["v100"]
 
@@ -150,7 +150,7 @@ def _where(prof: Any, replicated: set[str], hw: Any) -> dict[str, float]:
     """One micro-batch's seconds by kind of work under full recomputation: what tensor
     parallelism divides and what it leaves (the ops named in ``replicated``), and the
     collectives' latency against their bandwidth."""
-    from autotp.planner.timing import BACKWARD, _op_time, collective_time, ring_steps
+    from autotp.planner.job.timing import BACKWARD, _op_time, collective_time, ring_steps
 
     keys = ("weight GEMMs", "attention core (scores, softmax, dropout)",
             "elementwise sharded", "elementwise replicated on every rank",
@@ -186,9 +186,9 @@ def _where(prof: Any, replicated: set[str], hw: Any) -> dict[str, float]:
 
 
 def llama70b() -> None:
-    from autotp.planner.configure import Estimate, Request, search
-    from autotp.planner.estimate_view import to_table
-    from autotp.planner.hardware import PRESETS
+    from autotp.planner.job.configure import Estimate, Request, search
+    from autotp.planner.job.estimate_view import to_table
+    from autotp.planner.job.hardware import PRESETS
 
     transformers = _quiet()
     start = time.perf_counter()
@@ -225,7 +225,7 @@ def _llama(transformers: Any, hidden: int, layers: int) -> Any:
 def predicted(hw: Any, hidden: int, layers: int, batch: int, seq: int, policy: str) -> Any:
     """autotp estimate's configuration for one GPU training the LLaMA shape as ``measure``
     does: everything in bfloat16 (the AdamW moments too), persistent gradients."""
-    from autotp.planner.configure import Request, search
+    from autotp.planner.job.configure import Request, search
 
     with torch.device("meta"):
         meta = _quiet().LlamaForCausalLM(_llama(_quiet(), hidden, layers))
@@ -286,7 +286,7 @@ def gpu() -> None:
     if not torch.cuda.is_available():
         print("4. no CUDA device: the predicted-against-measured step is skipped")
         return
-    from autotp.planner.hardware import PRESETS, calibrate
+    from autotp.planner.job.hardware import PRESETS, calibrate
 
     name = torch.cuda.get_device_name().lower()
     base = PRESETS["h200" if "h200" in name else "h100" if "h100" in name else "a100-80gb"]

@@ -29,10 +29,10 @@ import autotp
 from autotp.errors import ConfigError
 from autotp.features.saved_tensors import count_saved
 from autotp.capture.trace import capture
-from autotp.planner.configure import Planner, Request, estimate, parse_mesh, search
-from autotp.planner.hardware import PRESETS, Hardware, hardware, load, save
-from autotp.planner.memory import layer_activations, end_activations, precision, stage_memory
-from autotp.planner.profile import build_profile
+from autotp.planner.job.configure import Planner, Request, estimate, parse_mesh, search
+from autotp.planner.job.hardware import PRESETS, Hardware, hardware, load, save
+from autotp.planner.job.memory import layer_activations, end_activations, precision, stage_memory
+from autotp.planner.job.profile import build_profile
 from autotp.planner.solve import PlanOptions, plan_graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
@@ -110,7 +110,7 @@ def test_float32_inside_a_bfloat16_model_counts_four_bytes() -> None:
     import copy
 
     transformers = pytest.importorskip("transformers")
-    from autotp.planner.configure import Planner, capture_for_training, training_example
+    from autotp.planner.job.configure import Planner, capture_for_training, training_example
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
                                       num_attention_heads=4, num_key_value_heads=4,
@@ -189,7 +189,7 @@ def test_collective_and_product_times_known_by_hand() -> None:
     2 (p - 1) / p of the tensor at the achieved bus bandwidth (an all-gather: p - 1 hops and
     (p - 1) / p); a product takes its FLOPs at the GEMM rate or its operands and result at
     the memory rate, whichever is longer; the profile counts those bytes on local shapes."""
-    from autotp.planner.timing import collective_time
+    from autotp.planner.job.timing import collective_time
 
     hw = Hardware(name="hand", flops={"float16": 100e12}, memory=1e9, memory_bandwidth=1e12,
                   intra_node_bandwidth=100e9, inter_node_bandwidth=10e9,
@@ -323,7 +323,7 @@ def test_cli_estimate_writes_the_schema(tmp_path) -> None:
 
 
 def test_calibrate_writes_a_hardware_file_of_this_device(tmp_path) -> None:
-    from autotp.planner.hardware import calibrate
+    from autotp.planner.job.hardware import calibrate
 
     measured, m = calibrate(PRESETS["h100"], dtype="float32", device="cpu", sizes=(64, 128),
                             repeats=2)
@@ -344,7 +344,7 @@ def test_routing_imbalance_matches_sampled_routings(tokens: int, experts: int, t
     """The busiest rank's routed rows over the mean, under uniform top-k routing: the normal
     approximation against 4000 sampled routings (each token's k distinct experts drawn at
     random), within 1% of the sampled mean ratio."""
-    from autotp.planner.expert_load import routing_imbalance
+    from autotp.planner.job.expert_load import routing_imbalance
 
     g = torch.Generator().manual_seed(0)
     picks = torch.rand(4000, tokens, experts, generator=g).argsort(-1)[..., :top_k]
@@ -362,8 +362,8 @@ def test_expert_products_are_timed_at_the_busiest_rank(monkeypatch: pytest.Monke
     and the expected imbalance, and every op on routed rows (the expert products, their
     activation) costs the balanced share times it; no other op changes."""
     tf = pytest.importorskip("transformers")
-    from autotp.planner import profile as profile_module
-    from autotp.planner.expert_load import routing_imbalance
+    from autotp.planner.job import profile as profile_module
+    from autotp.planner.job.expert_load import routing_imbalance
 
     config = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=2, num_attention_heads=8,
@@ -415,7 +415,7 @@ def test_expert_parallelism_is_searched_and_priced() -> None:
     asked. Each ep holds experts / (tp x ep) per rank, outside the data-parallel sharding,
     and adds 4 all-to-alls per MoE layer over the ep group (rows to their experts and back,
     each way) carrying the rows of the tp rank's share: B x T x top-k x h elements over tp."""
-    from autotp.planner.timing import collective_time
+    from autotp.planner.job.timing import collective_time
 
     captured, planner = _moe_on_meta()
     hw = _tiny_hw(1e12)

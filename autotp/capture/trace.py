@@ -436,11 +436,11 @@ def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _library_roots() -> tuple[str, ...]:
-    import autotp
-    from autotp import planner, rules
+    import autotp.planner
+    import autotp.rules
 
     return tuple(os.path.dirname(os.path.realpath(m.__file__ or "")) + os.sep
-                 for m in (torch, autotp, planner, rules))
+                 for m in (torch, autotp, autotp.planner, autotp.rules))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from torch import nn
 
 from autotp.errors import ConfigError
 from autotp.ops import arg_node, path_attr
-from autotp.planner.memory import balanced_stages
+from autotp.planner.job.memory import balanced_stages
 from autotp.runtime.layers import program_nodes
 
 
@@ -67,7 +67,7 @@ def _matmul_weights(gm: fx.GraphModule, root_only: bool = False) -> float:
 
 def _balanced(work: list[float], count: int) -> list[int]:
     """Contiguous split of ``work`` into ``count`` non-empty parts minimizing the largest: the
-    index of each part's first element (``planner.memory.balanced_stages``, the split the
+    index of each part's first element (``planner.job.memory.balanced_stages``, the split the
     estimate prices)."""
     stages = balanced_stages(list(range(len(work))), count, dict(enumerate(work)))
     return [stage[0] for stage in stages]

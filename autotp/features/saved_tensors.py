@@ -1,5 +1,5 @@
 """What autograd keeps for backward, measured: the count ``autotp estimate``'s activation
-memory (``planner/profile.py``, ``planner/memory.py``) stands for.
+memory (``planner/job/profile.py``, ``planner/job/memory.py``) stands for.
 
 Invariant: inside ``count_saved()`` every tensor autograd saves goes through one hook pair,
 and its storage is counted once, however many tensors or views of it are saved (a saved view

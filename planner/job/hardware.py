@@ -176,7 +176,7 @@ PRESETS["h200"] = dataclasses.replace(
     source="NVIDIA H200 Tensor Core GPU data sheet (SXM); HGX H200")
 
 _FILE_HELP = (
-    "a JSON or TOML file with the fields of autotp.planner.hardware.Hardware: name, flops "
+    "a JSON or TOML file with the fields of autotp.planner.job.hardware.Hardware: name, flops "
     "(peak FLOP/s per dtype, e.g. {\"bfloat16\": 989e12}), memory (bytes), memory_bandwidth, "
     "intra_node_bandwidth, inter_node_bandwidth (bytes/s per GPU), and optionally "
     "gpus_per_node, latencies, efficiencies (`autotp estimate --calibrate -o FILE` writes one "
@@ -357,7 +357,7 @@ def _optimizer_rate(dev: Any, dtype: Any, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    from autotp.planner.memory import Precision
+    from autotp.planner.job.memory import Precision
 
     seconds = _timed(step, dev, repeats)
     width = params[0].element_size()  # weights, gradients and both moments in one dtype

@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from autotp.planner.hardware import Hardware
-from autotp.planner.memory import Precision
-from autotp.planner.profile import Profile
+from autotp.planner.job.hardware import Hardware
+from autotp.planner.job.memory import Precision
+from autotp.planner.job.profile import Profile
 from autotp.planner.transitions import Collective
 
 BACKWARD = {"gemm": 2.0, "attention": 2.5, "memory": 2.0}

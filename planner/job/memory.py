@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autotp.errors import ConfigError
-from autotp.planner.profile import Param, Profile
+from autotp.planner.job.profile import Param, Profile
 
 POLICIES = ("none", "selective", "full")
 

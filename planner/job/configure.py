@@ -24,8 +24,8 @@ import torch
 
 from autotp.errors import AutotpError, ConfigError
 from autotp.ops import positive_int
-from autotp.planner.hardware import Hardware, hardware as get_hardware
-from autotp.planner.memory import (
+from autotp.planner.job.hardware import Hardware, hardware as get_hardware
+from autotp.planner.job.memory import (
     DATA_PARALLEL,
     POLICIES,
     Memory,
@@ -35,8 +35,8 @@ from autotp.planner.memory import (
     precision as get_precision,
     stage_memory,
 )
-from autotp.planner.profile import Profile, build_profile
-from autotp.planner.timing import MeshShape, StageWork, StepTime, stage_work, step_time
+from autotp.planner.job.profile import Profile, build_profile
+from autotp.planner.job.timing import MeshShape, StageWork, StepTime, stage_work, step_time
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "tfloat32": 4}
 
@@ -57,7 +57,7 @@ class Config:
     mfu: float = 0.0
     stages: list[list[int]] = field(default_factory=list)
     # experts held whole per rank: (experts, top-k, busiest rank's routed rows over the
-    # mean under uniform routing; planner/expert_load.py), or None
+    # mean under uniform routing; planner/job/expert_load.py), or None
     experts: Optional[tuple[int, int, float]] = None
 
     @property

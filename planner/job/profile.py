@@ -4,9 +4,9 @@ plan, per layer, at a given micro-batch and sequence length.
 The captured graph knows every op with its shapes as expressions of the batch ``B`` and the
 sequence ``T``; the plan knows the layout each op reads and writes. Together they say what
 one rank of the sharded program does: the FLOPs of each product on its local shapes, the bytes
-each memory-bound kernel moves, the tensors autograd keeps for backward (``saved.py``: which
-inputs each op keeps, plus the masks and statistics ops keep beside them), and the bytes of
-each collective. The memory model (``memory.py``) and the time model (``timing.py``) read
+each memory-bound kernel moves, the tensors autograd keeps for backward (``planner/saved.py``:
+which inputs each op keeps, plus the masks and statistics ops keep beside them), and the bytes
+of each collective. The memory model (``memory.py``) and the time model (``timing.py``) read
 nothing else.
 
 Views allocate nothing: a saved view keeps its base's storage, counted once, as autograd's
@@ -42,7 +42,7 @@ from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_l
 from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
-from autotp.planner.expert_load import routing_imbalance
+from autotp.planner.job.expert_load import routing_imbalance
 from autotp.planner.saved import saves_input, saves_output
 
 aten = torch.ops.aten
@@ -122,7 +122,7 @@ class Profile:
     backward_working: dict[Any, float] = field(default_factory=dict)
     # experts held whole per rank: how many, the top-k, and the busiest rank's routed rows
     # over the mean under uniform routing, which scales the ops on routed rows
-    # (planner/expert_load.py)
+    # (planner/job/expert_load.py)
     experts: int = 0
     top_k: int = 0
     expert_imbalance: float = 1.0

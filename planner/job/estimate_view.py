@@ -11,7 +11,7 @@ import html
 import json
 from typing import Any
 
-from autotp.planner.configure import Config, Estimate
+from autotp.planner.job.configure import Config, Estimate
 
 GIB = float(1 << 30)
 _MEMORY = (("parameters", "#4e79a7"), ("gradients", "#76b7b2"), ("optimizer", "#59a14f"),
