@@ -13,14 +13,37 @@ import argparse
 import math
 import sys
 import time
+import traceback
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
-from autotp.errors import AutotpError, ConfigError
+import autotp
+from autotp.capture.named_models import load_model, parse_overrides
+from autotp.capture.trace import capture, make_call
+from autotp.errors import AutotpError, ConfigError, PlanError
+from autotp.features.dot import to_dot
+from autotp.features.page import to_html
+from autotp.features.report import to_dict, to_json, to_table, why_replicated_lines
+from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
+                                    sharded_step, worst_outcome)
 from autotp.ops import positive_int
+from autotp.planner.cost import CostModel
+from autotp.planner.gradflow import check_gradient_flow
+from autotp.planner.job import hardware as hw_module
+from autotp.planner.job.configure import (Estimate, Planner, Request, attention_heads,
+                                          capture_for_training, parse_mesh, search,
+                                          training_example)
+from autotp.planner.job.estimate_view import write
+from autotp.planner.job.hardware import PRESETS
+from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS, precision
+from autotp.planner.problem import block_counts, build_problem, leaf_candidates
+from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.rules.registry import Registry
+from autotp.runtime.launch import run_processes
 
 
 class Progress:
@@ -46,16 +69,12 @@ class Progress:
 
 
 def _cost_model(args: argparse.Namespace) -> Any:
-    from autotp.planner.cost import CostModel
-
     return CostModel(bandwidth=args.bandwidth * 1e9, latency=args.latency * 1e-6,
                      step_latency=args.step_latency * 1e-6,
                      batch=args.batch, seq=args.seq)
 
 
 def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
-    from autotp.planner.solve import PlanOptions
-
     return PlanOptions(sequence_parallel=args.sequence_parallel,
                        gather_outputs=not getattr(args, "sharded_outputs", False),
                        expert_parallel=getattr(args, "ep", 1), **kwargs)
@@ -99,10 +118,6 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
 
 
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
-    from autotp.capture.trace import capture
-    from autotp.planner.solve import plan_graph
-    from autotp.capture.named_models import load_model, parse_overrides
-
     progress = Progress(not args.quiet)
     positive_int("--tp", args.tp)
     positive_int("--ep", getattr(args, "ep", 1))
@@ -131,8 +146,6 @@ def _emit(text: str, args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autotp.features.report import to_json, to_table
-
     _, _, plan = _prepare(args, meta=True)
     cost_model = _cost_model(args)
     if args.format == "table":
@@ -140,12 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.format == "json":
         text = to_json(plan, cost_model)
     elif args.format == "dot":
-        from autotp.features.dot import to_dot
-
         text = to_dot(plan, cost_model)
     else:
-        from autotp.features.page import to_html
-
         text = to_html(plan, cost_model)
     _emit(text, args)
     return 0
@@ -161,9 +170,6 @@ def _param_bytes(plan: Any) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from autotp.errors import PlanError
-    from autotp.planner.solve import plan_graph
-
     loaded, captured, plan = _prepare(args, meta=True)
     target = args.target
     node_name = None
@@ -182,9 +188,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cost_model = _cost_model(args)
     is_param = target in plan.params
     if is_param:
-        from autotp.planner.problem import block_counts, build_problem, leaf_candidates
-        from autotp.rules.registry import Registry
-
         pnodes = build_problem(captured, args.tp, block_counts(captured.gm), Registry.default(),
                                cost_model, _options(args, strict=args.strict))
         by_name = {pn.node.name: pn for pn in pnodes}
@@ -195,10 +198,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
         choice = plan.choices.get(node_name)
         if choice is None:
             raise ConfigError(f"{node_name} is not an op with a layout choice")
-        from autotp.capture.trace import make_call
-        from autotp.planner.problem import block_counts
-        from autotp.rules.registry import Registry
-
         node = next(n for n in captured.gm.graph.nodes if n.name == node_name)
         call = make_call(node, args.tp, block_counts(captured.gm))
         candidates = list(range(len(Registry.default().strategies(call))))
@@ -231,8 +230,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("cost = parameter memory (matrices dominate) + alpha-beta communication + compute; "
           "the chosen candidate has the least cost")
     if is_param and target in plan.blocked:
-        from autotp.features.report import to_dict, why_replicated_lines
-
         report = to_dict(plan, cost_model).get("why_replicated", {})
         for line in why_replicated_lines({target: report[target]})[1:]:
             print(f"kept whole although tp could shard it; what stops each way: {line.strip()}")
@@ -245,12 +242,6 @@ class _NoNames:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import autotp
-    from autotp.planner.gradflow import check_gradient_flow
-    from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
-                               sharded_step, worst_outcome)
-    from autotp.capture.named_models import load_model, parse_overrides
-
     progress = Progress(not args.quiet)
     overrides = parse_overrides(args.overrides)
     with progress.step(f"building {args.model} with random weights"):
@@ -258,8 +249,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     model = loaded.model.float()
     sim = None
     if args.procs:  # each process checks the gradient flow of its plan (parallelize)
-        from autotp.runtime.launch import run_processes
-
         with progress.step(f"running {args.tp} gloo processes"):
             results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict,
                                     args.sequence_parallel)
@@ -332,8 +321,6 @@ def _caller(args: tuple, kwargs: dict) -> Any:
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
     return [x for x in pytree.tree_leaves(out)
@@ -354,10 +341,6 @@ def first_float(out: Any) -> torch.Tensor:
 
 def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
                    strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
-    import autotp
-    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
-    from autotp.capture.named_models import load_model
-
     torch.set_num_threads(1)
     loaded = load_model(spec, overrides, meta=False)
     model = loaded.model.float()
@@ -377,21 +360,6 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autotp.planner.job import hardware as hw_module
-    from autotp.planner.job.configure import (
-        Estimate,
-        Planner,
-        Request,
-        attention_heads,
-        capture_for_training,
-        parse_mesh,
-        search,
-        training_example,
-    )
-    from autotp.planner.job.estimate_view import write
-    from autotp.planner.job.memory import precision
-    from autotp.capture.named_models import load_model, parse_overrides
-
     progress = Progress(not args.quiet)
     base = hw_module.hardware(args.hardware)
     if args.calibrate:
@@ -436,9 +404,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate_args(s: argparse.ArgumentParser) -> None:
-    from autotp.planner.job.hardware import PRESETS
-    from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS
-
     s.add_argument("model", nargs="?", help="hf:<model_type>, a directory with config.json, "
                                             "or file.py:factory / package.module:factory")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -483,8 +448,6 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
 
 
 def _installed_version() -> str:
-    import autotp
-
     return autotp.__version__
 
 
@@ -537,8 +500,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         raise
     except Exception:  # noqa: BLE001 - anything else is autotp's bug: say so, with its trace
-        import traceback
-
         traceback.print_exc()
         print("autotp: internal error (a bug in autotp, not in your command): please report "
               "it with the command line and the trace above", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 
@@ -53,12 +55,8 @@ def where(node: Optional[fx.Node]) -> str:
 def versions() -> str:
     """The transformers and torch found, beside the ranges autotp is tested with (read from
     the installed package's own requirements, so the message and pyproject.toml agree)."""
-    import importlib.metadata as metadata
-
-    import torch
-
     try:
-        import transformers
+        import transformers  # optional: transformers
 
         found = f"transformers {transformers.__version__} and torch {torch.__version__}"
     except ImportError:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
 from autotp.errors import ConfigError
@@ -106,8 +108,7 @@ class ShardedModule(nn.Module):
         if kwargs.get("use_cache") or any(kwargs.get(key) is not None
                                           for key in ("cache", "past_key_values")):
             # a transformers causal LM with a cache: the decoding programs
-            # (autotp.features.generate, a later layer, which imports this module)
-            from autotp.features.generate import decoder_of
+            from autotp.features.generate import decoder_of  # layer: it imports this module
 
             return decoder_of(self).host(*args, **kwargs)
         call = self._bind(args, kwargs)
@@ -120,7 +121,7 @@ class ShardedModule(nn.Module):
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
         with a KV cache of this rank's heads. Collective: call it on every rank with the same
         inputs (and, for sampling, the same seed)."""
-        from autotp.features.generate import decoder_of  # a later layer, importing this one
+        from autotp.features.generate import decoder_of  # layer: it imports this module
 
         return decoder_of(self).generate(inputs, **kwargs)
 
@@ -348,8 +349,6 @@ def finish_expert_gradients(module: Any, data_parallel: Optional[int] = None,
 
 def process_group(group: Any) -> Optional[dist.ProcessGroup]:
     """A process group, or the group of a 1-D DeviceMesh (``mesh["tp"]``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ConfigError(
@@ -392,6 +391,4 @@ def full_state_dict(sharded: ShardedModule, *, grads: bool = False) -> dict[str,
 def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's tensor-parallel piece of a parameter that FSDP2 holds sharded over the
     data-parallel ranks (a DTensor): gathered over them (collective)."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

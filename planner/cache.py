@@ -115,8 +115,8 @@ def _meta(val: Any) -> Any:
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
     """autotp's own source: a change to any rule, pass or planner file is a new key."""
-    import autotp
-    from autotp import planner, rules
+    import autotp  # layer: the top package imports this module
+    from autotp import planner, rules  # layer: from the top package, as above
 
     digest = hashlib.sha256()
     for package in (autotp, planner, rules):

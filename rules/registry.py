@@ -204,6 +204,7 @@ class Registry:
 
     @classmethod
     def default(cls) -> "Registry":
+        # cycle: each rules module imports this one
         from autotp.rules import embedding, matmul, misc, norms, pointwise, views
 
         return cls(

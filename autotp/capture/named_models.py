@@ -50,8 +50,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def known_model_types() -> list[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import (
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # optional
+    from transformers.models.auto.modeling_auto import (  # optional: transformers
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_MAPPING_NAMES,
     )
@@ -62,7 +62,7 @@ def known_model_types() -> list[str]:
 
 def _quiet_transformers() -> Any:
     try:
-        import transformers
+        import transformers  # optional: transformers
     except ImportError:
         raise ConfigError("hf: models need the transformers package: pip install "
                           "transformers") from None
@@ -72,7 +72,7 @@ def _quiet_transformers() -> Any:
 
 def _build_hf(config: Any, meta: bool) -> nn.Module:
     transformers = _quiet_transformers()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # optional
 
     auto = (transformers.AutoModelForCausalLM
             if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else transformers.AutoModel)

@@ -32,10 +32,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from autotp.errors import TraceError
 from autotp.ops import PROJECTIONS, RESHAPES, node_arg, path_attr
+from autotp.rules.registry import Registry
 
 aten = torch.ops.aten
 
@@ -47,7 +49,7 @@ def inline_autocast(gm: fx.GraphModule) -> None:
     ops one by one (its casts are pointwise ops like any other), and the rank program still
     runs the body under the same autocast state, whatever device it runs on."""
     try:
-        from torch._higher_order_ops.wrap import wrap_with_autocast
+        from torch._higher_order_ops.wrap import wrap_with_autocast  # optional: private API
     except ImportError:  # pragma: no cover - older torch
         return
     for node in list(gm.graph.nodes):
@@ -192,8 +194,6 @@ def unruled_mutations(gm: fx.GraphModule) -> list[fx.Node]:
 
 @functools.lru_cache(maxsize=1)
 def _default_registry() -> Any:
-    from autotp.rules.registry import Registry
-
     return Registry.default()
 
 
@@ -508,8 +508,6 @@ def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:
 
 
 def _fake_run(target: Any, args: tuple[Any, ...]) -> Any:
-    from torch._guards import detect_fake_mode
-
     flat, _ = pytree.tree_flatten(list(args))
     fake_mode = detect_fake_mode([a.meta["val"] for a in flat if isinstance(a, fx.Node)])
     real_args = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,

@@ -436,8 +436,8 @@ def _buffers_on_meta(model: torch.nn.Module) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _library_roots() -> tuple[str, ...]:
-    import autotp.planner
-    import autotp.rules
+    import autotp.planner  # layer: the top package and the planner import this module
+    import autotp.rules  # layer: binds the top package, as above
 
     return tuple(os.path.dirname(os.path.realpath(m.__file__ or "")) + os.sep
                  for m in (torch, autotp, autotp.planner, autotp.rules))

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
 
 from autotp.sharded import ShardedModule
 from autotp.ops import path_attr
@@ -80,8 +82,6 @@ def barrier(sharded: ShardedModule) -> None:
 def _mesh(sharded: ShardedModule) -> Any:
     """The DeviceMesh the DCP state dict lives on: the tp group, or with expert parallelism
     the (ep, tp) grid of global ranks (collective)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     comm, ep_comm = sharded.comm, sharded.ep_comm
     if not isinstance(comm, ProcessGroupComm) or \
             not isinstance(ep_comm, (ProcessGroupComm, type(None))):
@@ -151,8 +151,6 @@ def _dcp_form(global_shape: list[int], saved: Layout, current: Layout, tp: int
     rank's piece is a plain shard of the second, and the checkpoint reshards at any tp.
     Returns (stored global shape, this rank's DTensor placement, this rank's local shape);
     a rank whose layout does not line up with the stored one reads it whole (Replicate)."""
-    from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
-
     shape = list(global_shape)
     if _unequal(saved) or _unequal(current):  # unequal segments: stored whole
         return shape, DReplicate(), shape
@@ -222,8 +220,6 @@ def _state_dict(sharded: ShardedModule, mesh: Any, saved_layouts: dict[str, Layo
     """The DCP state dict (``model.<name>``, ``optim.<name>.<key>``) over the tp mesh, or
     with expert parallelism the (ep, tp) mesh: the experts sharded over both, every other
     tensor replicated over ep as over the tp mesh."""
-    from torch.distributed.tensor import DTensor, Replicate as DReplicate
-
     tp = sharded.plan.tp
     tensors = rank_tensors(sharded)
     over_ep = split_over_ep(sharded)
@@ -273,8 +269,6 @@ def _expert_dtensor(name: str, local: torch.Tensor, layout: Layout, saved: Layou
     on the rank of ep rank e and tp rank r: Shard(0) over both dims of the (ep, tp) mesh
     (DTensor splits along the mesh dims in order: ep's shares, then tp's within each). A dim
     blocked when saved is stored split as _dcp_form splits it."""
-    from torch.distributed.tensor import DTensor, Shard as DShard
-
     if layout != Shard(0):
         raise ConfigError(f"{name!r} is split over the ep ranks but laid out {layout} over "
                           "tp, not S(0): save_checkpoint/load_checkpoint need the experts "
@@ -322,6 +316,7 @@ def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
     description. Collective: call on every rank. ``load_checkpoint`` reads it at any tp, and
     with expert parallelism at any tp and ep (a model's experts split over the ep ranks are
     stored as the whole stacked tensors, each rank writing its own experts)."""
+    # start-up: torch.distributed.checkpoint is not loaded by torch (0.15 s on import autotp)
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -379,6 +374,7 @@ def load_checkpoint(sharded: ShardedModule, path: str | Path, *,
     """Load a ``save_checkpoint`` directory into ``sharded`` (and ``optimizer``), whatever the
     tp and ep it was saved at. Collective: call on every rank. The optimizer must be built over
     ``sharded.parameters()`` (a fresh one is fine: its state is created)."""
+    # start-up: torch.distributed.checkpoint is not loaded by torch (0.15 s on import autotp)
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 

@@ -25,10 +25,13 @@ import math
 from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard as DShard
 
 from autotp.sharded import ShardedModule
 from autotp.errors import ConfigError
+from autotp.features.pipeline import wait_tied_grads
 from autotp.layout import Shard
 
 
@@ -85,8 +88,6 @@ def _holder(module: Any) -> _Holder:
             f"autotp.clip_grad_norm_ takes the module autotp.parallelize returned or this "
             f"rank's stages of autotp.pipeline_stages, got {found}; for an unsharded model "
             "use torch.nn.utils.clip_grad_norm_")
-    from autotp.features.pipeline import wait_tied_grads
-
     wait_tied_grads()  # the tied copies' sums over the pipeline ranks (gloo) must be in
     first = stages[0]
     pieces = [piece for stage in stages for piece in _stage_pieces(stage)]
@@ -119,15 +120,11 @@ def _pieces(plan: Any, params: list[tuple[str, nn.Parameter]], ep: bool) -> list
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _sharded_mesh_groups(grad: torch.Tensor) -> list[Any]:
     """The process groups of the mesh dims a DTensor gradient is sharded on (FSDP2)."""
-    from torch.distributed.tensor import DTensor, Shard as DShard
-
     if not isinstance(grad, DTensor):
         return []
     return [grad.device_mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
@@ -135,8 +132,6 @@ def _sharded_mesh_groups(grad: torch.Tensor) -> list[Any]:
 
 
 def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
-    import torch.distributed as dist
-
     infinite = math.isinf(p)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
     first_tp_rank = holder.comm.rank == 0
@@ -178,8 +173,6 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
 def _device(holder: _Holder) -> torch.device:
     """Where the norm is computed when this rank holds no gradient: the pipeline group's
     device (NCCL's collectives take CUDA tensors only)."""
-    import torch.distributed as dist
-
     if holder.pp_group is not None and dist.get_backend(holder.pp_group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -219,8 +220,6 @@ def _reread_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any
 def _rebuild_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     """A size expression (``s0 * s1``) over the size symbols, from the dims of tensors this
     stage holds that have those sizes."""
-    import sympy
-
     expr = node.meta["val"].node.expr
     reads: dict[Any, Any] = {}
     for symbol in expr.free_symbols:

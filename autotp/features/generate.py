@@ -34,6 +34,7 @@ from autotp.errors import ConfigError
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
@@ -184,8 +185,6 @@ class Decoder:
         self.dtype = weights_dtype(sharded)
         self.host = _host(self)
         self.cache_name = cache_argument(info.model_class.forward)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         # the output's field for the cache, renamed like the argument
         self.output_field = next(key for key in CACHE_NAMES
                                  if key in CausalLMOutputWithPast.__dataclass_fields__)
@@ -223,8 +222,6 @@ class Decoder:
                 position_ids: Optional[torch.Tensor] = None,
                 use_cache: Optional[bool] = None, logits_to_keep: int = 0,
                 **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         name = self.cache_name
         given = [kwargs.pop(key) for key in CACHE_NAMES if kwargs.get(key) is not None]
         unknown = sorted(k for k, v in kwargs.items()

@@ -43,7 +43,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from autotp.api import parallelize
 from autotp.errors import ConfigError
 from autotp.features.cut import cut, layer_calls, stage_bounds
 from autotp.ops import path_attr
@@ -74,9 +77,8 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     ``parallelize_options`` go to ``autotp.parallelize`` (default ``grad_sync="per_use"``:
     partial gradients are summed inside autograd, which pipelining's backward runs).
     """
+    # start-up: torch.distributed.pipelining is not loaded by torch (0.05 s on import autotp)
     from torch.distributed.pipelining import PipelineStage
-
-    from autotp.api import parallelize
 
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if "pp" not in names or "tp" not in names:
@@ -413,8 +415,6 @@ def _stage_class(base: type[PipelineStage]) -> type:
     there would never return. NCCL orders it on the stream; with gloo it completes in the
     background and ``wait_tied_grads`` (run before every optimizer step) waits for it."""
     if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         _HOOKED.append(register_optimizer_step_pre_hook(
             lambda *_: wait_tied_grads()))
     if base not in _CLASSES:
@@ -440,8 +440,6 @@ def _refuse_nested_fsdp(module: nn.Module) -> None:
     2.13, measured: plain modules too); FSDP2 on the whole stage module is right. Raised on
     the first weight backward of each rank; a peer already waiting on that rank then stops
     at the process group's timeout."""
-    from torch.distributed.fsdp import FSDPModule
-
     if any(isinstance(m, FSDPModule) for m in module.modules() if m is not module):
         raise ConfigError(
             "a zero-bubble schedule (split input/weight backward) with fully_shard on the "

@@ -64,7 +64,7 @@ def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = 
                           "and call autotp.parallelize(model, checkpoint=...))")
     files = TensorFiles(directory)  # checks the weights exist before anything is built
     try:
-        import transformers
+        import transformers  # optional: transformers
     except ImportError:
         raise ConfigError("from_pretrained needs the transformers package") from None
     config = transformers.AutoConfig.from_pretrained(directory)

@@ -24,7 +24,7 @@ from torch.export import Dim
 from autotp.errors import ConfigError, TraceError, versions
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
@@ -206,8 +206,6 @@ def _batched_experts(model: nn.Module) -> Iterator[None]:
 def cache_shapes(model: nn.Module) -> list[tuple[int, ...]]:
     """The per-layer key and value shapes ``[1, heads, 1, head_dim]`` the model writes, read
     from one run on the meta device (no formula per family: MLA and GQA alike)."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     config: Any = model.config
     cache = DynamicCache(config=config)

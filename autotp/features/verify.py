@@ -21,7 +21,9 @@ from torch import nn
 from autotp.api import Simulation, simulate
 from autotp.sharded import ShardedModule, full_state_dict
 from autotp.capture.trace import source_of
+from autotp.layout import Partial, Shard, unshard_tensor
 from autotp.ops import node_arg
+from autotp.rules.registry import parse_output
 from autotp.runtime.comm import CollectiveLog
 
 Call = Callable[[nn.Module], Any]  # runs the model on the inputs, returns its output
@@ -164,10 +166,6 @@ def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
                      atol: float = 1e-4) -> Optional[Divergence]:
     """Run the unsharded graph and every rank's program on the same inputs, reassemble each
     value from the ranks as its layout says, and return the first value that differs."""
-    from autotp.capture.trace import source_of
-    from autotp.layout import Partial, Shard, unshard_tensor
-    from autotp.rules.registry import parse_output
-
     kwargs = kwargs or {}
     captured = sim.captured
     call = sim.ranks[0]._bind(args, kwargs)

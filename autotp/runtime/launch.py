@@ -21,6 +21,9 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -45,9 +48,6 @@ def _context() -> Any:
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
             args: tuple, results: Any, timeout: float, environ: dict[str, str]) -> None:
-    import torch
-    import torch.distributed as dist
-
     code = 0
     try:
         os.environ.clear()  # the fork server's environment is the one of its first launch

@@ -382,7 +382,7 @@ def _hf_renamed(model: nn.Module, keys: list[str], state: set[str],
     if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
         return {}
     hf = cast("PreTrainedModel", model)
-    try:
+    try:  # optional: transformers, whose loading API changes between versions
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (WeightConverter, WeightRenaming,
                                                      rename_source_key)
@@ -465,7 +465,7 @@ def expert_keys(model: nn.Module) -> dict[str, Stacked]:
     """The per-expert keys that transformers' checkpoints store each stacked expert weight of
     ``model`` under (its conversion mapping reversed, as its own save_pretrained writes
     them); only those that ``CheckpointWeights`` reads back into the same tensor."""
-    try:
+    try:  # optional: transformers, whose loading API changes between versions
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (PrefixChange, WeightConverter,
                                                      WeightRenaming)
@@ -517,7 +517,7 @@ def _hf_owner(model: nn.Module, module_name: str) -> Optional[Callable[[nn.Modul
     """The ``_init_weights`` that transformers applies to the module ``module_name``: that of
     its nearest enclosing PreTrainedModel (as transformers' composite-model init does)."""
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # optional: transformers
     except ImportError:
         return None
     parts = module_name.split(".") if module_name else []

@@ -16,14 +16,20 @@ model takes seconds once its few plans exist.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from autotp.capture.trace import capture, default_example
 from autotp.errors import AutotpError, ConfigError
 from autotp.ops import positive_int
+from autotp.planner.cost import CostModel
+from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.planner.job.hardware import Hardware, hardware as get_hardware
 from autotp.planner.job.memory import (
     DATA_PARALLEL,
@@ -196,9 +202,6 @@ class Planner:
         self.profiles: dict[tuple[int, bool, int, int], Profile] = {}
 
     def plan(self, tp: int, sp: bool, ep: int = 1) -> Any:
-        from autotp.planner.cost import CostModel
-        from autotp.planner.solve import PlanOptions, plan_graph
-
         key = (tp, sp, ep)
         if self.heads and self.heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {self.heads} attention heads")
@@ -415,8 +418,6 @@ def estimate(model: torch.nn.Module, *, gpus: int, global_batch: int, seq: int,
     fields of ``Request`` (``mesh=(pp, dp, tp)``, ``micro_batch``, ``checkpointing``,
     ``sequence_parallel``, ``gpus_per_node``, ``dtype``, ``precision``, ``optimizer``,
     ``dp_shard``); the ones left out are searched. The model may be on the meta device."""
-    import time
-
     start = time.perf_counter()
     hw = get_hardware(hardware)
     req = Request(gpus=positive_int("gpus", gpus), global_batch=positive_int("global_batch",
@@ -447,10 +448,6 @@ def capture_for_training(model: torch.nn.Module, example_args: Optional[tuple],
     norms make layouts of equal communication differ by a few bytes, the beam keeps a
     different subset of them in each layer, and no layer's solution is reused: 53 s instead
     of 5 s for a LLaMA-2-70B shape at tp 8)."""
-    import copy
-
-    from autotp.capture.trace import capture
-
     target = torch.float32 if dtype == "tfloat32" else getattr(torch, dtype, None)
     params = list(model.parameters())
     floats = {p.dtype for p in params if p.dtype.is_floating_point}
@@ -470,10 +467,6 @@ def capture_for_training(model: torch.nn.Module, example_args: Optional[tuple],
 
 def training_example(model: torch.nn.Module) -> dict[str, Any]:
     """A transformers model's example with ``labels=`` when it computes its own loss."""
-    import inspect
-
-    from autotp.capture.trace import default_example
-
     example = default_example(model)
     if "labels" in inspect.signature(model.forward).parameters:
         example["labels"] = example["input_ids"]

@@ -32,7 +32,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from autotp.errors import ConfigError
+from autotp.planner.job.memory import Precision
 
 GB = 1e9
 TFLOPS = 1e12
@@ -201,7 +206,7 @@ def load(path: str) -> Hardware:
         raw = handle.read()
     try:
         if path.endswith(".toml"):
-            import tomllib
+            import tomllib  # optional: Python 3.11+ (a .toml file only)
 
             data = tomllib.loads(raw.decode())
         else:
@@ -241,8 +246,6 @@ class Measurement:
 
 
 def _timed(fn: Any, device: Any, repeats: int) -> float:
-    import torch
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -275,9 +278,6 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
     """Measure GEMM throughput, memory bandwidth, the host and device cost of one kernel
     and (with a process group of 2 or more ranks) all-reduce bandwidth and ring step latency
     on this device; return ``base`` with the measured numbers."""
-    import torch
-    import torch.distributed as dist
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if sizes is None:
         sizes = (512, 1024, 2048, 4096, 8192) if dev.type == "cuda" else (128, 256, 512)
@@ -331,9 +331,6 @@ def calibrate(base: Hardware, *, dtype: str = "bfloat16", device: Optional[str] 
 
 def _attention_rate(dev: Any, dtype: Any, repeats: int) -> float:
     """FLOP/s of a causal scaled-dot-product attention (16 heads of 128)."""
-    import torch
-    import torch.nn.functional as F
-
     batch, seq = (2, 4096) if dev.type == "cuda" else (1, 256)
     q, k, v = (torch.randn(batch, 16, seq, 128, device=dev, dtype=dtype) for _ in range(3))
     seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev,
@@ -344,8 +341,6 @@ def _attention_rate(dev: Any, dtype: Any, repeats: int) -> float:
 def _optimizer_rate(dev: Any, dtype: Any, repeats: int) -> float:
     """Bytes/s of torch's AdamW (fused on a GPU) and zeroing the gradients, counted as
     ``Precision.optimizer_bytes_moved`` plus the zeroing's write."""
-    import torch
-
     size = (16 if dev.type == "cuda" else 1) * 2**20
     params = [torch.zeros(size, device=dev, dtype=dtype, requires_grad=True)
               for _ in range(8)]
@@ -357,8 +352,6 @@ def _optimizer_rate(dev: Any, dtype: Any, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    from autotp.planner.job.memory import Precision
-
     seconds = _timed(step, dev, repeats)
     width = params[0].element_size()  # weights, gradients and both moments in one dtype
     moved = Precision("calibration", width, width, 2 * width).optimizer_bytes_moved
@@ -369,8 +362,6 @@ def _launch_overheads(dev: Any, repeats: int, kernels: int = 200) -> dict[str, f
     """Per-op host time (a loop of eager one-element ops: the device finishes each before
     the host issues the next) and, on a GPU, per-kernel device time (the same kernels
     replayed from a CUDA graph, which takes the host out)."""
-    import torch
-
     tiny = torch.zeros(1, device=dev)
 
     def eager() -> None:
@@ -389,8 +380,6 @@ def _launch_overheads(dev: Any, repeats: int, kernels: int = 200) -> dict[str, f
 
 
 def _device_name(dev: Any) -> str:
-    import torch
-
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return "cpu"

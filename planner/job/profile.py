@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
 
+import networkx as nx
 import sympy
 import torch
 import torch.fx as fx
@@ -535,8 +536,6 @@ def _layer_inputs(plan: Plan, nodes: dict[str, fx.Node], local_bytes: Any,
                   read_layout: Any) -> dict[int, float]:
     """The activations each layer reads from outside itself (what a fully recomputed layer
     keeps): edges of the dataflow graph that enter the layer from an earlier op."""
-    import networkx as nx
-
     graph = nx.DiGraph()
     for consumer, inputs in plan.graph.items():
         for value in inputs:
