@@ -14,11 +14,11 @@ back-pointers are that layer's, renamed: the result is what solving it would giv
 equal to a relative 1e-6, ``_same_result``, which also allows states that no best path
 started from to cost more).
 
-A layer is solved once only where the states entering each layer stop changing. In a
-bfloat16 model with sequence parallelism some never did: a state holding the (per-call cast)
-rotary tables sharded by sequence, or the residual stream as a partial sum, costs a few
-microseconds more in every layer than the cheapest, so no two layers' incoming states were
-equal. No best path starts from such a state, and the drift is far below 1e-6 of the cost.
+A layer is solved once only where the states entering each layer stop changing. A state
+that costs a few microseconds more in every layer than the cheapest (with sequence
+parallelism: the per-call cast rotary tables of a bfloat16 model sharded by sequence, or the
+residual stream as a partial sum) keeps any two layers' incoming states from being exactly
+equal; no best path starts from such a state, and its drift is far below 1e-6 of the cost.
 """
 
 from __future__ import annotations
@@ -429,8 +429,8 @@ def leaf_memory_cost(tp: int, cost_model: Any,
             # the fused case's whole segments below. Priced at full memory where it enters,
             # the search would prefer a row-parallel k/v (partial sums of q, k and v, the
             # norm's output sliced along h) whose saving is repaid only later, by o_proj
-            # held whole, and a bounded beam drops Megatron's plan before it is (Gemma-2 2B
-            # at tp 8: 8 query heads of 256 against 4 k/v heads).
+            # held whole, and a bounded beam drops Megatron's plan before it is (tp 8 with
+            # 8 query heads of 256 against 4 k/v heads).
             return cost_model.memory_cost(leaf.nbytes / tp, leaf.ndim) + \
                 cost_model.transfer_time(Collective.ALL_REDUCE, leaf.nbytes, tp)
         if not isinstance(layout, Shard):

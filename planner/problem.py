@@ -423,9 +423,9 @@ def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> No
     positions, masks from the attention mask), are computed replicated, as when they sit
     in a no-grad region: a reader that shards meets them with a free slice, so sharding
     them saves nothing, while the search could shard them along the sequence and land on a
-    plan that gathers more (FlexOlmo once its rotary embedding left its no-grad region: 7
-    all-reduces per layer, 5.5x Megatron's bytes). With sequence parallelism a sequence
-    shard of cos/sin is what a sequence-sharded region reads, and they stay free."""
+    plan that gathers more (rotary tables sharded along the sequence, then gathered or
+    all-reduced in every layer). With sequence parallelism a sequence shard of cos/sin is
+    what a sequence-sharded region reads, and they stay free."""
     from_params: set[str] = set()
     for pn in pnodes:
         name = pn.node.name

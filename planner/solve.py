@@ -136,39 +136,43 @@ def _options_key(options: PlanOptions) -> tuple:
 
 def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
                     cost_model: CostModel, plan_with: Any) -> Plan:
-    """A plan that pays a last-resort redistribution or leaves a matrix replicated that tp
-    could shard is planned again, with a 4x wider beam and, unless the options say
-    otherwise, partial statistics; where that plan still falls short, the wider beam ranked
-    by what states still owe (``FrontierSolver.ahead``) is tried too. The second plan is
-    kept when it does neither more often and one of them less, and moves no more large
-    collectives per layer and direction than Megatron's bound (4, counting sequence
-    parallelism's pairs) or the first plan (a collective of less than an eighth of the
-    layer's largest, a norm's statistic, is not counted), and no more bytes per layer and
-    direction than the first plan or two of the first plan's largest collectives of the
-    layer (Megatron's two all-reduces).
+    """The plan kept when the first one falls short:
 
-    The wider beam: rotary embeddings make many plans of equal cost, and 64 states can fill
-    with them while the plan that pays more early (a replicated k/v meeting sharded query
-    heads, the all-reduce of a MoE block's input ahead of its router) to save more later is
-    dropped; stacked experts left sliced where tp divides them count as a shortfall too.
-    Ranked by cost plus what they owe, states that saved a collective by leaving a value in
-    a layout its later readers cannot take (a residual stream reduce-scattered along h, a
-    norm ahead) no longer crowd out those that paid already (Qwen-Image's and Sana's
-    modulation gathers). Either ranking can lose a plan the other keeps (LTX-Video at tp 2
-    ranked so needed 1024 states), so the ranked search is the third try, not the second.
-    Partial statistics: Megatron's plan keeps every norm's dim whole; OLMo2's q/k norms over
-    all heads then force o_proj and down_proj whole, while a partial statistic all-reduces
-    only a [.., 1] statistic per norm. Their premium keeps the plan from trading Megatron's
-    replicated residual stream for k/v projections narrower than it.
+        shortfalls(p) = (p's last-resort redistributions, the matrices p leaves replicated
+                         that tp could shard + the stacked experts p slices where tp
+                         divides them)
+        alt           = the plan with a 4x wider beam and, unless the options say otherwise,
+                        partial statistics; where alt still falls short, the same ranked by
+                        cost plus what states still owe (``FrontierSolver.ahead``) if it
+                        falls short less (or as much, at a lower cost)
+        keep alt  iff   shortfalls(alt) < shortfalls(first)  (none more, at least one fewer)
+                   and, per layer and direction,
+                        large collectives(alt) <= max(4, large collectives(first))
+                        bytes(alt) <= max(1.05 bytes(first), 2.05 largest(first))
 
-    A first search that was exhaustive (its beam cut no state, and the graph has no
-    premium strategy the wider search would add) found the least cost already: the wider
-    searches solve the same problem and would find that cost again, so they are skipped (a
-    k/v projection narrower than tp's heads is whole in every plan)."""
+    A large collective carries at least an eighth of the bytes of the first plan's largest
+    of the layer (a norm's statistic does not); 4 is Megatron's count with sequence
+    parallelism's pairs, 2 x largest its two all-reduces.
+
+    The wider beam: plans of equal cost (rotary embeddings) fill 64 states while the plan
+    that pays early to save later (a replicated k/v meeting sharded query heads, a MoE
+    block's input all-reduced ahead of its router) is dropped. The ranking by what states
+    owe keeps states that paid already ahead of those that saved a collective by leaving a
+    value in a layout its later readers cannot take (a residual stream reduce-scattered
+    along h, a norm ahead); neither ranking finds every plan the other does, so both are
+    tried, the plain one first. Partial statistics: a norm over a sharded dim all-reduces
+    its [.., 1] statistic instead of keeping the dim whole (q/k norms over all heads would
+    otherwise hold the attention's output projection and the MLP's down projection whole);
+    their premium keeps a plan from trading a replicated residual stream for k/v
+    projections narrower than it.
+
+    A first search that was exhaustive (its beam cut no state, and no premium strategy was
+    left out) found the least cost already: the wider searches solve the same problem, so
+    they are skipped (a k/v projection narrower than tp's heads is whole in every plan)."""
     def shortfalls(plan: Plan) -> tuple[int, int]:
         # wide matrices count even where their replication is Megatron's choice for the
-        # plan at hand (OLMoE's q/k projections before norms over all heads): a plan with
-        # partial statistics may shard them
+        # plan at hand (q/k projections ahead of norms over all heads): a plan with partial
+        # statistics may shard them
         stuck = [node for node, _, odd in replicated_products(plan, gm, options.reported,
                                                               wide_heads=True)
                  if not odd]
@@ -201,8 +205,8 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
         if count > max(4, counted_before.get(key, 0)):
             return plan
     # nor more bytes than the first plan or Megatron's two reductions of the layer's largest
-    # tensor: DeepSeek-V3's MLA shards its q down-projection (1536 x 7168) only by
-    # all-reducing every head's q, 2.7x Megatron's bytes, where Megatron keeps it whole
+    # tensor: a low-rank down-projection is sharded only by all-reducing every head's
+    # output, several times Megatron's bytes, where Megatron keeps it whole
     bytes_before = {key: sum(v) for key, v in _layer_sizes(plan, cost_model).items()}
     for key, values in _layer_sizes(alt, cost_model).items():
         limit = max(1.05 * bytes_before.get(key, 0.0), 2.05 * reference.get(key[0], 0.0))

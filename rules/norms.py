@@ -62,12 +62,13 @@ def sum_mean_rule(call: OpCall) -> Iterator[Strategy]:
             yield Strategy((Shard(dim, blocks),), P, name="partial sum")
         elif x.floating:
             # A mean over sharded features (a norm's statistic over a column-parallel
-            # projection, OLMo2's q/k norm): each rank's local mean / tp, summed by an
-            # all-reduce of the statistic alone. Priced as 3/4 of an n x n matrix held
-            # whole: less than the n-wide projection it lets the plan shard (OLMo2's
-            # q_proj), more than half the stream's width squared, so that a block's two
-            # norms never buy a residual stream sharded along h for the sake of k/v
-            # projections (at most half as wide as the stream when tp exceeds their heads).
+            # projection, a q/k norm over all heads): each rank's local mean / tp, summed by
+            # an all-reduce of the statistic alone. Priced as 3/4 of an n x n matrix held
+            # whole: less than the n-wide projection it lets the plan shard (the q
+            # projection ahead of it), more than half the stream's width squared, so that a
+            # block's two norms never buy a residual stream sharded along h for the sake of
+            # k/v projections (at most half as wide as the stream when tp exceeds their
+            # heads).
             size = x.static(dim)
             if size is None:
                 continue  # a split sequence (sequence parallelism): not a norm's features

@@ -175,15 +175,15 @@ CAST_LIKE = [aten.type_as.default, aten.to.other]
 
 @rules.register(*CAST_LIKE)
 def cast_like_rule(call: OpCall) -> Iterator[Strategy]:
-    """``x.type_as(other)``: ``other`` gives its dtype only.
+    """``x.type_as(other)``: ``other`` gives its dtype only, never its values.
 
     Where ``other`` broadcasts against ``x`` (mostly the tensor ``x`` was computed from, as
-    a norm's ``output.type_as(x)``), the elementwise strategies: its layout lines up with
-    ``x``'s. Where it does not (torchtitan's ``xq_out.type_as(xv)``, v of fewer heads), ``x``'s
-    shard passes through and ``other`` may be replicated or sharded along any dim. Only the
-    first case existed before: q's layout was then tied to v's shape. Offering every layout
-    of ``other`` in the first case too only widens the search (Gemma-2's beam then lost
-    Megatron's plan).
+    a norm's ``output.type_as(x)``): the elementwise strategies, ``other``'s layout lined up
+    with ``x``'s. Where it does not (torchtitan's ``xq_out.type_as(xv)``, v of fewer heads
+    than q): ``x``'s shard passes through and ``other`` may be replicated or sharded along
+    any dim, so q's layout is not tied to v's shape. The broadcasting case offers the
+    elementwise strategies alone: every layout of ``other`` there adds strategies that are
+    no cheaper and crowd a bounded beam.
     """
     x, other = call.inputs[0], call.inputs[1]
     if _broadcasts(other.shape, x.shape):
