@@ -10,11 +10,9 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import traceback
-import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -23,11 +21,12 @@ from torch.utils import _pytree as pytree
 
 import autotp
 from autotp.capture.named_models import load_model, parse_overrides
-from autotp.capture.trace import capture, make_call
-from autotp.errors import AutotpError, ConfigError, PlanError
+from autotp.capture.trace import capture
+from autotp.errors import AutotpError, ConfigError
 from autotp.features.dot import to_dot
+from autotp.features.explain import explain
 from autotp.features.page import to_html
-from autotp.features.report import to_dict, to_json, to_table, why_replicated_lines
+from autotp.features.report import to_json, to_table
 from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
                                     sharded_step, worst_outcome)
 from autotp.ops import positive_int
@@ -40,9 +39,7 @@ from autotp.planner.job.configure import (Estimate, Planner, Request, attention_
 from autotp.planner.job.estimate_view import write
 from autotp.planner.job.hardware import PRESETS
 from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS, precision
-from autotp.planner.problem import block_counts, build_problem, leaf_candidates
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.rules.registry import Registry
 from autotp.runtime.launch import run_processes
 
 
@@ -160,85 +157,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _collective_counts(plan: Any) -> tuple[int, int]:
-    fwd = sum(1 for c in plan.collectives if c.phase == "forward")
-    return fwd, len(plan.collectives) - fwd
-
-
-def _param_bytes(plan: Any) -> int:
-    return sum(math.prod(p.local_shape) * 4 for p in plan.params.values())
-
-
 def cmd_explain(args: argparse.Namespace) -> int:
-    loaded, captured, plan = _prepare(args, meta=True)
-    target = args.target
-    node_name = None
-    for node in captured.gm.graph.nodes:
-        if node.op == "get_attr" and (node.target == target or target in
-                                      plan.params.get(node.target, _NoNames).names):
-            node_name = node.name
-            target = node.target
-            break
-        if node.name == target:
-            node_name = node.name
-            break
-    if node_name is None:
-        raise ConfigError(f"{args.target!r} is neither a parameter nor a node of the graph; "
-                          f"parameters look like {next(iter(plan.params), '?')!r}")
-    cost_model = _cost_model(args)
-    is_param = target in plan.params
-    if is_param:
-        pnodes = build_problem(captured, args.tp, block_counts(captured.gm), Registry.default(),
-                               cost_model, _options(args, strict=args.strict))
-        by_name = {pn.node.name: pn for pn in pnodes}
-        candidates: list[Any] = leaf_candidates(pnodes, by_name)[node_name]
-        chosen = plan.params[target].layout
-        print(f"{target} {list(plan.params[target].global_shape)}: stored {chosen}")
-    else:
-        choice = plan.choices.get(node_name)
-        if choice is None:
-            raise ConfigError(f"{node_name} is not an op with a layout choice")
-        node = next(n for n in captured.gm.graph.nodes if n.name == node_name)
-        call = make_call(node, args.tp, block_counts(captured.gm))
-        candidates = list(range(len(Registry.default().strategies(call))))
-        strategies = Registry.default().strategies(call)
-        chosen = choice.strategy
-        print(f"{node_name} = {choice.op} (layer {choice.layer}, {choice.source}): {chosen}")
-    base_fwd, base_bwd = _collective_counts(plan)
-    base_bytes = _param_bytes(plan)
-    print(f"{len(candidates)} candidate(s); each forced in turn, everything else re-planned:")
-    for candidate in candidates:
-        label = str(candidate) if is_param else str(strategies[candidate])
-        try:
-            # a forced alternative may replicate what strict mode refuses: show its cost
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                alt = plan_graph(captured, args.tp, cost_model=cost_model,
-                                 options=_options(args, strict=False,
-                                                  force=((node_name, candidate),)),
-                                 model_name=args.model)
-        except PlanError as exc:
-            reason = str(exc).splitlines()[0]
-            print(f"  {label:<48} infeasible: {reason}")
+    _, captured, plan = _prepare(args, meta=True)
+    told = explain(captured, plan, args.target, args.tp, _cost_model(args),
+                   _options(args, strict=args.strict), model_name=args.model)
+    print(told.heading)
+    print(f"{len(told.alternatives)} candidate(s); each forced in turn, everything else "
+          "re-planned:")
+    for alt in told.alternatives:
+        if alt.infeasible is not None:
+            print(f"  {alt.label:<48} infeasible: {alt.infeasible}")
             continue
-        fwd, bwd = _collective_counts(alt)
-        mark = "chosen " if label == chosen else "       "
-        memory = (_param_bytes(alt) - base_bytes) / 2**20
-        print(f"  {mark}{label:<48} collectives: forward {fwd - base_fwd:+d}, backward "
-              f"{bwd - base_bwd:+d}; parameters per rank {memory:+.1f} MiB; "
-              f"cost {alt.cost - plan.cost:+.3g}")
+        mark = "chosen " if alt.chosen else "       "
+        print(f"  {mark}{alt.label:<48} collectives: forward {alt.forward:+d}, backward "
+              f"{alt.backward:+d}; parameters per rank {alt.param_mib:+.1f} MiB; "
+              f"cost {alt.cost:+.3g}")
     print("cost = parameter memory (matrices dominate) + alpha-beta communication + compute; "
           "the chosen candidate has the least cost")
-    if is_param and target in plan.blocked:
-        report = to_dict(plan, cost_model).get("why_replicated", {})
-        for line in why_replicated_lines({target: report[target]})[1:]:
-            print(f"kept whole although tp could shard it; what stops each way: {line.strip()}")
-    del loaded
+    for line in told.kept_whole:
+        print(f"kept whole although tp could shard it; what stops each way: {line}")
     return 0
-
-
-class _NoNames:
-    names: tuple = ()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

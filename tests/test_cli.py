@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "golden", "gpt2_tp2.json")
@@ -186,6 +187,30 @@ def test_explain_shows_candidates_and_the_chosen_one() -> None:
     assert any(line.strip().startswith("chosen S(0)") for line in lines)
     replicated = next(line for line in lines if line.strip().startswith("R "))
     assert "parameters per rank +" in replicated  # replicating costs memory
+
+
+def test_explain_an_op_marks_its_chosen_strategy() -> None:
+    """An op's candidates are its rules' strategies: the plan's own is marked and costs no more
+    than the plan; the others cost at least as much, or no plan takes them."""
+    import transformers
+
+    from autotp.capture.trace import capture
+    from autotp.features.explain import explain
+    from autotp.planner.cost import CostModel
+    from autotp.planner.solve import PlanOptions, plan_graph
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64,
+                                                                 n_head=4, vocab_size=128))
+    captured = capture(model, (), {"input_ids": torch.randint(0, 128, (2, 8))})
+    plan = plan_graph(captured, 2)
+    node = next(n for n, c in plan.choices.items() if c.op == "aten.mm.default")
+    told = explain(captured, plan, node, 2, CostModel(), PlanOptions())
+    assert told.heading.startswith(f"{node} = aten.mm.default")
+    chosen = [a for a in told.alternatives if a.chosen]
+    assert len(chosen) == 1 and chosen[0].cost == pytest.approx(0.0, abs=1e-6)
+    assert len(told.alternatives) > 1
+    assert all(a.infeasible is not None or a.cost >= -1e-6 for a in told.alternatives)
 
 
 def test_verify_in_simulation_and_processes() -> None:

@@ -1,0 +1,113 @@
+"""Why a plan chose a layout: every candidate of one parameter or op forced in turn, the rest
+of the program re-planned around it, and what each costs beside the chosen one.
+
+A parameter's candidates are the layouts it can be stored in (``leaf_candidates``); an op's
+are its rules' strategies. Forcing one and re-planning everything else gives the least cost
+the plan could have with that choice: the chosen candidate is the one whose cost is least.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from autotp.capture.trace import Captured, make_call
+from autotp.errors import ConfigError, PlanError
+from autotp.features.report import to_dict, why_replicated_lines
+from autotp.planner.cost import CostModel
+from autotp.planner.plan import Plan
+from autotp.planner.problem import block_counts, build_problem, leaf_candidates
+from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.rules.registry import Registry
+
+
+@dataclass
+class Alternative:
+    label: str  # the layout or strategy forced
+    chosen: bool
+    infeasible: Optional[str] = None  # the planner's reason, when no plan takes it
+    forward: int = 0  # collectives, relative to the chosen plan's
+    backward: int = 0
+    param_mib: float = 0.0  # parameters per rank, relative (fp32)
+    cost: float = 0.0  # the plan's cost, relative
+
+
+@dataclass
+class Explanation:
+    heading: str  # what the target is and what the plan chose
+    alternatives: list[Alternative]
+    kept_whole: list[str] = field(default_factory=list)  # what stops each way of sharding it
+
+
+def explain(captured: Captured, plan: Plan, target: str, tp: int, cost_model: CostModel,
+            options: PlanOptions, model_name: Optional[str] = None) -> Explanation:
+    """``target``: a parameter (its name or any name tied to it) or a node of the program."""
+    node = _find(captured, plan, target)
+    registry = Registry.default()
+    param = node.target if node.op == "get_attr" and node.target in plan.params else None
+    if param is not None:
+        pnodes = build_problem(captured, tp, block_counts(captured.gm), registry, cost_model,
+                               options)
+        by_name = {pn.node.name: pn for pn in pnodes}
+        forced: list[Any] = leaf_candidates(pnodes, by_name)[node.name]
+        labels = [str(c) for c in forced]
+        chosen = plan.params[param].layout
+        heading = f"{param} {list(plan.params[param].global_shape)}: stored {chosen}"
+    else:
+        choice = plan.choices.get(node.name)
+        if choice is None:
+            raise ConfigError(f"{node.name} is not an op with a layout choice")
+        strategies = registry.strategies(make_call(node, tp, block_counts(captured.gm)))
+        forced, labels = list(range(len(strategies))), [str(s) for s in strategies]
+        chosen = str(choice.strategy)
+        heading = f"{node.name} = {choice.op} (layer {choice.layer}, {choice.source}): {chosen}"
+    base_fwd, base_bwd = _collective_counts(plan)
+    base_bytes = _param_bytes(plan)
+    alternatives = []
+    for candidate, label in zip(forced, labels):
+        try:
+            # a forced alternative may replicate what strict mode refuses: show its cost
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                alt = plan_graph(captured, tp, cost_model=cost_model,
+                                 options=replace(options, strict=False,
+                                                 force=((node.name, candidate),)),
+                                 model_name=model_name)
+        except PlanError as exc:
+            alternatives.append(Alternative(label, label == chosen,
+                                            infeasible=str(exc).splitlines()[0]))
+            continue
+        fwd, bwd = _collective_counts(alt)
+        alternatives.append(Alternative(
+            label, label == chosen, forward=fwd - base_fwd, backward=bwd - base_bwd,
+            param_mib=(_param_bytes(alt) - base_bytes) / 2**20, cost=alt.cost - plan.cost))
+    kept_whole = []
+    if param is not None and param in plan.blocked:
+        report = to_dict(plan, cost_model).get("why_replicated", {})
+        kept_whole = [line.strip() for line in why_replicated_lines({param: report[param]})[1:]]
+    return Explanation(heading, alternatives, kept_whole)
+
+
+def _find(captured: Captured, plan: Plan, target: str) -> Any:
+    for node in captured.gm.graph.nodes:
+        if node.op == "get_attr" and (node.target == target or node.target in plan.params
+                                      and target in plan.params[node.target].names):
+            return node
+        if node.name == target:
+            return node
+    raise ConfigError(f"{target!r} is neither a parameter nor a node of the graph; "
+                      f"parameters look like {next(iter(plan.params), '?')!r}")
+
+
+def _collective_counts(plan: Plan) -> tuple[int, int]:
+    fwd = sum(1 for c in plan.collectives if c.phase == "forward")
+    return fwd, len(plan.collectives) - fwd
+
+
+def _param_bytes(plan: Plan) -> int:
+    return sum(math.prod(p.local_shape) * 4 for p in plan.params.values())
+
+
+__all__ = ["Alternative", "Explanation", "explain"]
