@@ -3,5 +3,6 @@ layout (pretrained), training checkpoints (checkpoint), generation with a sharde
 (generate; its programs: steps), pipeline stages (pipeline; the program cut between its
 layers: cut), verification against the unsharded model (verify), exact gradient clipping
 (clipping), the plan's reports (report) and pictures (render: the view; dot: Graphviz;
-page: HTML), what autograd keeps for backward, measured (saved_tensors), and the rules'
-testing helpers (testing)."""
+page: HTML), why a layout was chosen, each candidate forced and re-planned (explain), what
+autograd keeps for backward, measured (saved_tensors), and the rules' testing helpers
+(testing)."""
