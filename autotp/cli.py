@@ -184,7 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.overrides)
     with progress.step(f"building {args.model} with random weights"):
         loaded = load_model(args.model, overrides, meta=False)
-    model = loaded.model.float()
+    model = loaded.model.float().eval()  # dropout off: the ranks would draw other masks
     sim = None
     if args.procs:  # each process checks the gradient flow of its plan (parallelize)
         with progress.step(f"running {args.tp} gloo processes"):
@@ -281,7 +281,7 @@ def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
                    strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     loaded = load_model(spec, overrides, meta=False)
-    model = loaded.model.float()
+    model = loaded.model.float().eval()  # as cmd_verify's
     sharded = autotp.parallelize(model, world_size, example_args=loaded.example_args,
                                  example_kwargs=loaded.example_kwargs, strict=strict,
                                  sequence_parallel=sequence_parallel)

@@ -220,6 +220,12 @@ def test_verify_in_simulation_and_processes() -> None:
         assert "[(2, 2)]" in out
 
 
+def test_verify_a_model_with_dropout_compares_in_eval_mode() -> None:
+    """GPT-2's dropouts would draw other masks on the ranks than on the unsharded model."""
+    out = autotp("verify", *SMALL_GPT2, "--tp", "2").stdout
+    assert "OK: the sharded model matches the unsharded one" in out
+
+
 def test_python_m_and_console_script_agree() -> None:
     import sysconfig
 
