@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.capture.fusion import logsumexp_and_gather
+from autotp.runtime.fusion import logsumexp_and_gather
 from autotp.runtime.layers import program_nodes
 from models import BUILDERS, example
 

@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
-from autotp.capture.fusion import full_slice, fuse_repeated_kv_attention
+from autotp.runtime.fusion import full_slice, fuse_repeated_kv_attention
 from autotp.capture.trace import Captured, capture
 from autotp.layout import Replicate, Shard, parse_layout, shard_tensor
 from autotp.ops import arg_seq, node_arg

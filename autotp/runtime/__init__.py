@@ -1,5 +1,6 @@
 """Runtime: the plan rewritten into one program per rank (rewrite), each op lowered to local
-shards (lowerings), its collectives and their autograd (collectives, comm, regather),
+shards (lowerings), peephole fusions of the rank program (fusion), its collectives and their
+autograd (collectives, comm, regather),
 gathers joined ahead of the first layer (batching), rows routed to their experts (routed_rows),
 tracked randomness (random), the program cut at its layers (layers), and process launching
 for the CPU tests and examples (launch)."""

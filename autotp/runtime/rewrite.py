@@ -22,7 +22,7 @@ from torch import nn
 
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
 from autotp.ops import arg_node, node_arg
-from autotp.capture.fusion import fuse_bias_adds, fuse_logsumexp_gather
+from autotp.runtime.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
     GradBucket,
