@@ -16,22 +16,18 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-import torch
-from torch.utils import _pytree as pytree
 
 import autotp
 from autotp.capture.named_models import load_model, parse_overrides
 from autotp.capture.trace import capture
 from autotp.errors import AutotpError, ConfigError
+from autotp.features.check_model import check_model
 from autotp.features.dot import to_dot
 from autotp.features.explain import explain
 from autotp.features.page import to_html
 from autotp.features.report import to_json, to_table
-from autotp.features.verify import (compare, first_divergence, layer_counts, reference_step,
-                                    sharded_step, worst_outcome)
 from autotp.ops import positive_int
 from autotp.planner.cost import CostModel
-from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.job import hardware as hw_module
 from autotp.planner.job.configure import (Estimate, Planner, Request, attention_heads,
                                           capture_for_training, parse_mesh, search,
@@ -40,7 +36,6 @@ from autotp.planner.job.estimate_view import write
 from autotp.planner.job.hardware import PRESETS
 from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS, precision
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.runtime.launch import run_processes
 
 
 class Progress:
@@ -181,42 +176,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     progress = Progress(not args.quiet)
-    overrides = parse_overrides(args.overrides)
-    with progress.step(f"building {args.model} with random weights"):
-        loaded = load_model(args.model, overrides, meta=False)
-    model = loaded.model.float().eval()  # dropout off: the ranks would draw other masks
-    sim = None
-    if args.procs:  # each process checks the gradient flow of its plan (parallelize)
-        with progress.step(f"running {args.tp} gloo processes"):
-            results = run_processes(_verify_worker, args.tp, args.model, overrides, args.strict,
-                                    args.sequence_parallel)
-        outcome = worst_outcome(results)
-    else:
-        with progress.step("tracing, planning and rewriting all ranks"):
-            sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
-                                  example_kwargs=loaded.example_kwargs, strict=args.strict,
-                                  sequence_parallel=args.sequence_parallel)
-        assert sim.captured is not None, "simulate keeps what it captured"
-        flow = check_gradient_flow(sim.plan, sim.captured.gm)  # simulate raised if it fails
-        if flow.params:
-            print(f"gradient flow: each of {len(flow.params)} trainable parameters gets its "
-                  "whole gradient in its own layout (proven on the plan)")
-        call_args, call_kwargs = _example(loaded, sim)
-        with progress.step("running the unsharded and the sharded model"):
-            reference = reference_step(model, _caller(call_args, call_kwargs), generic_loss,
-                                       first_float)
-            got = sim.run(lambda m: sharded_step(m, _caller(call_args, call_kwargs),
-                                                 generic_loss, first_float))
-        outcomes = []
-        for rank, rank_got in enumerate(got):  # every rank, not only rank 0
-            cmp = compare(reference, rank_got)
-            outcomes.append({"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
-                             "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
-                             "worst_param": cmp.worst_param,
-                             "counts": layer_counts(sim.ranks[rank].comm.log)})
-        outcome = worst_outcome(outcomes)
-    ok = (outcome["output_diff"] <= args.atol and outcome["loss_diff"] <= args.atol
-          and outcome["grad_rel"] <= args.atol and outcome["counts_agree"])
+    how = f"running {args.tp} gloo processes" if args.procs else \
+        "tracing, planning, rewriting and running all ranks"
+    with progress.step(f"building {args.model} with random weights, {how}"):
+        checked = check_model(args.model, parse_overrides(args.overrides), args.tp,
+                              strict=args.strict, sequence_parallel=args.sequence_parallel,
+                              procs=args.procs)
+    if checked.proven:  # simulate raised if the proof fails; each process proves its own
+        print(f"gradient flow: each of {checked.proven} trainable parameters gets its whole "
+              "gradient in its own layout (proven on the plan)")
+    outcome = checked.outcome
     if not outcome["counts_agree"]:
         print("the ranks executed different collectives")
     print(f"{args.model} tp={args.tp} ({'gloo processes' if args.procs else 'simulation'}, "
@@ -228,73 +197,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     per_layer = sorted({(v["forward"], v["backward"]) for k, v in counts.items()
                         if k is not None and k != -1})
     print(f"collectives executed per layer (forward, backward): {per_layer}")
-    if ok:
+    if checked.ok(args.atol):
         print("OK: the sharded model matches the unsharded one")
         return 0
     print(f"MISMATCH (tolerance {args.atol:g})")
-    # Localize in simulation: the same rewritten programs as the processes run.
-    if sim is None:
-        sim = autotp.simulate(model, args.tp, example_args=loaded.example_args,
-                              example_kwargs=loaded.example_kwargs, strict=args.strict,
-                              sequence_parallel=args.sequence_parallel)
-    call_args, call_kwargs = _example(loaded, sim)
-    found = first_divergence(sim, call_args, call_kwargs, atol=args.atol)
+    found = checked.first_divergence(args.atol)
     print(found if found else "no forward value diverges: the difference is in the backward "
           "pass (gradients)")
     return EXIT_VERDICT
-
-
-def _example(loaded: Any, sim: Any) -> tuple[tuple, dict]:
-    captured = sim.captured
-    if loaded.example_args is None and loaded.example_kwargs is None:
-        return (), {k: v for k, v in captured.example_kwargs.items()}
-    return tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
-
-
-def _caller(args: tuple, kwargs: dict) -> Any:
-    def call(m: torch.nn.Module) -> Any:
-        return m(*args, **kwargs)
-
-    return call
-
-
-def float_leaves(out: Any) -> list[torch.Tensor]:
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    return [x for x in pytree.tree_leaves(out)
-            if isinstance(x, torch.Tensor) and x.is_floating_point()]
-
-
-def generic_loss(out: Any) -> torch.Tensor:
-    """A scalar touching every floating output (the model's own loss if it returns one)."""
-    leaves = float_leaves(out)
-    if not leaves:
-        raise ConfigError("the model returns no floating-point tensor to compare")
-    return sum(x.float().pow(2).mean() for x in leaves)  # type: ignore[return-value]
-
-
-def first_float(out: Any) -> torch.Tensor:
-    return torch.cat([x.detach().float().reshape(-1) for x in float_leaves(out)])
-
-
-def _verify_worker(rank: int, world_size: int, spec: str, overrides: dict,
-                   strict: bool, sequence_parallel: bool = False) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    loaded = load_model(spec, overrides, meta=False)
-    model = loaded.model.float().eval()  # as cmd_verify's
-    sharded = autotp.parallelize(model, world_size, example_args=loaded.example_args,
-                                 example_kwargs=loaded.example_kwargs, strict=strict,
-                                 sequence_parallel=sequence_parallel)
-    if loaded.example_args is None and loaded.example_kwargs is None:
-        args, kwargs = (), dict(sharded._example)
-    else:
-        args, kwargs = tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
-    reference = reference_step(model, _caller(args, kwargs), generic_loss, first_float)
-    got = sharded_step(sharded, _caller(args, kwargs), generic_loss, first_float)
-    cmp = compare(reference, got)
-    return {"output_diff": cmp.output_diff, "loss_diff": cmp.loss_diff,
-            "grad_diff": cmp.grad_diff, "grad_rel": cmp.grad_rel,
-            "worst_param": cmp.worst_param, "counts": layer_counts(sharded.comm.log)}
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

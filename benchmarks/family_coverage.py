@@ -336,7 +336,7 @@ def check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
 
 def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
     import autotp
-    from autotp.cli import first_float, generic_loss
+    from autotp.features.check_model import first_float, generic_loss
     from autotp.features.verify import compare, reference_step, sharded_step
 
     family = FAMILIES[name]

@@ -39,20 +39,21 @@ def nanogpt() -> nn.Module:
     return model, (torch.randint(0, 128, (2, 16)),)
 
 
-class DropoutMLP(nn.Module):
-    """Dropout in training mode draws different masks on different shards: verify must see
-    the mismatch and point at the dropout."""
+class NoisyMLP(nn.Module):
+    """Dropout in every mode (``training=True``; verify runs in eval mode) on a sharded
+    activation: the ranks draw other masks than the unsharded model; verify must see the
+    mismatch and point at the dropout."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
-        self.drop = nn.Dropout(0.5)
         self.down = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.drop(torch.relu(self.up(x))))
+        h = torch.relu(self.up(x))
+        return x + self.down(nn.functional.dropout(h, 0.5, training=True))
 
 
-def dropout_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
+def noisy_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     torch.manual_seed(0)
-    return DropoutMLP().train(), (torch.randn(2, 8, 32),)
+    return NoisyMLP(), (torch.randn(2, 8, 32),)

@@ -239,7 +239,7 @@ def test_python_m_and_console_script_agree() -> None:
 
 
 def test_verify_reports_a_mismatch_and_the_first_diverging_node() -> None:
-    result = autotp("verify", f"{FACTORIES}:dropout_mlp", "--tp", "2", check=False)
+    result = autotp("verify", f"{FACTORIES}:noisy_mlp", "--tp", "2", check=False)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "MISMATCH" in result.stdout
     assert "first diverging value: dropout = aten.dropout.default" in result.stdout
