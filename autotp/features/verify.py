@@ -84,7 +84,7 @@ def compare(reference: StepResult, got: StepResult) -> Comparison:
     for name, ref in reference.grads.items():
         if name not in got.grads:
             raise AssertionError(f"the sharded model has no gradient for {name}")
-        diff = float((ref - got.grads[name]).abs().max()) if ref.numel() else 0.0
+        diff = max_difference(ref, got.grads[name])
         rel = diff / max(float(ref.abs().max()) if ref.numel() else 0.0, floor, 1e-12)
         grad_diff = max(grad_diff, diff)
         if rel > grad_rel:
