@@ -2,5 +2,6 @@
 shards (lowerings), peephole fusions of the rank program (fusion), its collectives and their
 autograd (collectives, comm, regather),
 gathers joined ahead of the first layer (batching), rows routed to their experts (routed_rows),
-tracked randomness (random), the program cut at its layers (layers), and process launching
-for the CPU tests and examples (launch)."""
+tracked randomness (random), the program cut at its layers (layers), attention over a
+sequence sharded on a context-parallel group (context: ring and Ulysses), and process
+launching for the CPU tests and examples (launch)."""

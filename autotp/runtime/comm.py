@@ -25,7 +25,7 @@ from autotp.errors import AutotpError, ConfigError
 
 @dataclass(frozen=True)
 class CollectiveEvent:
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | shift
     phase: str  # forward | backward
     layer: Optional[int]
     nbytes: int
@@ -73,6 +73,12 @@ class Communicator:
                    ) -> torch.Tensor:
         """Rows ``tensor[sum(send[:d]) : sum(send[:d + 1])]`` go to rank d; the result holds
         the ``recv[s]`` rows from each rank s, in rank order (expert dispatch)."""
+        raise NotImplementedError
+
+    def shift(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One step around the ring: ``tensor`` goes to rank + 1; the result is what rank - 1
+        sent (context parallelism's key/value blocks). Every rank sends a tensor of the same
+        shape and dtype."""
         raise NotImplementedError
 
 
@@ -175,6 +181,22 @@ class ProcessGroupComm(Communicator):
         self._wait(dist.all_to_all_single(out, tensor.contiguous(), recv, send,
                                           group=self.group, async_op=True),
                    "all_to_all", self._uses_nccl(out))
+        return out
+
+    def shift(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check_device(tensor)
+        send = tensor.contiguous()
+        if self.world_size == 1:
+            return send.clone()
+        out = torch.empty_like(send)
+        to, source = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        if self.group is not None:  # point-to-point ops name global ranks
+            to, source = dist.get_global_rank(self.group, to), \
+                dist.get_global_rank(self.group, source)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, self.group),
+                                        dist.P2POp(dist.irecv, out, source, self.group)])
+        for work in works:
+            self._wait(work, "shift", self._uses_nccl(out))
         return out
 
     def made_once(self, key: str, make: Callable[[], str]) -> str:
@@ -307,6 +329,10 @@ class ThreadComm(Communicator):
             raise RuntimeError(f"simulated rank {self.rank}: {out.shape[0]} rows arrived, "
                                f"{sum(recv)} expected")
         return out
+
+    def shift(self, tensor: torch.Tensor) -> torch.Tensor:
+        source = (self.rank - 1) % self.world_size
+        return self._exchange(tensor, lambda parts: parts[source].clone())
 
     def abort(self) -> None:
         self.hub.barrier.abort()

@@ -1,0 +1,373 @@
+"""Context parallelism's attention: the sequence sharded over a group of cp ranks, attention
+computed exactly across the shards, forward and backward.
+
+Token layout (``SequenceLayout``). The sequence is cut into chunks and each rank holds some of
+them, in order. Contiguous: cp chunks, rank r holds chunk r. Balanced (for causal attention):
+2 cp chunks, rank r holds chunks r and 2 cp - 1 - r, so that every rank has the same number of
+(query, key) pairs under the causal mask. ``positions(rank)`` gives the global positions of
+a rank's tokens (what rotary tables and position embeddings read); ``shard`` and ``unshard``
+move a tensor between the global order and the ranks' shards.
+
+Two ways to attend across the shards:
+
+- ``ulysses_attention``: an all-to-all turns the sequence shards of q, k and v into head
+  shards (each rank: every token, 1/cp of the heads), attention runs whole on them, and a
+  second all-to-all turns the output back. The query and key/value heads must divide by cp.
+  Each rank sends (cp - 1)/cp of q, k, v and the output each way.
+- ``ring_attention``: each rank keeps its queries; the key/value blocks pass around the ring
+  (cp - 1 shifts) and the partial results are merged by their log-sum-exp (the online
+  softmax). Any head count. Backward passes the blocks around again with their gradient
+  accumulators, which are home after cp shifts. A pair of chunks that the mask hides
+  entirely (the future under a causal mask, what lies beyond a sliding window) is skipped.
+
+``attention_strategy`` picks one by the bytes each sends and says why.
+
+Masks are given by positions, never as an [S, S] tensor: ``causal``; ``window`` (with causal,
+a query at position p sees the keys at p - window < position <= p); ``key_mask`` ([b, S] in
+the global order, True where a key is a real token: padding). A query that no key is left
+for gets zeros (scaled_dot_product_attention's math would give NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from autotp.errors import ConfigError
+from autotp.runtime.comm import Communicator
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    cp: int
+    balanced: bool  # 2 cp chunks, rank r holds r and 2 cp - 1 - r
+
+    @property
+    def chunks(self) -> int:
+        return 2 * self.cp if self.balanced else self.cp
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        return (rank, 2 * self.cp - 1 - rank) if self.balanced else (rank,)
+
+    def check(self, length: int) -> None:
+        if length % self.chunks:
+            how = (f"causal attention at cp={self.cp} cuts it into 2 x cp = {self.chunks} "
+                   "chunks, two per rank" if self.balanced
+                   else f"cp={self.cp} cuts it into {self.chunks} chunks")
+            raise ConfigError(
+                f"sequence length {length} does not divide by {self.chunks}: {how}; pad the "
+                f"sequence to a multiple of {self.chunks} (or choose a cp that divides it)")
+
+    def positions(self, rank: int, length: int,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+        """The global positions of ``rank``'s tokens in a sequence of ``length``."""
+        self.check(length)
+        size = length // self.chunks
+        return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                          for c in self.chunks_of(rank)])
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        return x.index_select(dim, self.positions(rank, x.shape[dim], x.device))
+
+    def unshard(self, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Every rank's shard (in rank order) -> the tensor in the global order."""
+        joined = torch.cat(shards, dim=dim)
+        return joined.index_select(dim, self._to_global(joined.shape[dim], joined.device))
+
+    def _rank_order(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
+        """The global positions of the ranks' tokens laid end to end, rank after rank."""
+        return torch.cat([self.positions(r, length, device) for r in range(self.cp)])
+
+    def _to_global(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
+        return torch.argsort(self._rank_order(length, device))
+
+
+def attention_strategy(heads: int, kv_heads: int, cp: int) -> tuple[str, str]:
+    """("ulysses" or "ring", why): the one that sends fewer bytes per rank and layer.
+
+    Per rank and per layer, in units of one rank's query block: Ulysses sends (cp - 1)/cp of
+    q, k, v and the output, 2 (1 + kv_heads/heads) (cp - 1)/cp; the ring sends k and v
+    cp - 1 times, 2 (kv_heads/heads) (cp - 1). Both twice as much again in backward."""
+    ratio = kv_heads / heads
+    ring = 2 * ratio * (cp - 1)
+    if heads % cp or kv_heads % cp:
+        return "ring", (f"{heads} query and {kv_heads} key/value heads do not divide by "
+                        f"cp={cp} (Ulysses splits both)")
+    ulysses = 2 * (1 + ratio) * (cp - 1) / cp
+    if ring < ulysses:
+        return "ring", (f"the ring sends {ring:.2f} and Ulysses {ulysses:.2f} query blocks "
+                        "per rank and layer")
+    return "ulysses", (f"Ulysses sends {ulysses:.2f} and the ring {ring:.2f} query blocks "
+                       "per rank and layer")
+
+
+# ---- the mask of one pair of chunks -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Mask:
+    causal: bool
+    window: Optional[int]
+
+    def of(self, qpos: torch.Tensor, kpos: torch.Tensor) -> Optional[torch.Tensor]:
+        """[sq, sk] True where a query may see a key; None where it may see every key."""
+        if not self.causal:
+            return None
+        allowed = kpos[None, :] <= qpos[:, None]
+        if self.window is not None:
+            allowed &= qpos[:, None] - kpos[None, :] < self.window
+        return allowed
+
+    def hides(self, qpos: torch.Tensor, kpos: torch.Tensor) -> bool:
+        """Whether no query of the chunk sees any key of the other (by their ranges alone)."""
+        if not self.causal:
+            return False
+        q_lo, q_hi, k_lo, k_hi = int(qpos[0]), int(qpos[-1]), int(kpos[0]), int(kpos[-1])
+        if k_lo > q_hi:  # every key in every query's future
+            return True
+        return self.window is not None and q_lo - k_hi >= self.window
+
+
+def _pieces(positions: torch.Tensor, chunks: int) -> list[tuple[slice, torch.Tensor]]:
+    """A rank's tokens as its chunks: (slice of the local sequence, their global positions)."""
+    size = positions.numel() // chunks
+    return [(slice(i * size, (i + 1) * size), positions[i * size:(i + 1) * size])
+            for i in range(chunks)]
+
+
+def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int
+           ) -> Iterator[tuple[slice, slice, Optional[torch.Tensor]]]:
+    for qs, qp in _pieces(qpos, chunks):
+        for ks, kp in _pieces(kpos, chunks):
+            if not mask.hides(qp, kp):
+                yield qs, ks, mask.of(qp, kp)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[torch.Tensor],
+            keys: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [b, h, sq, d] against k [b, h, sk, d] (at least float32), -inf where masked."""
+    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if keys is not None:  # [b, sk]
+        s = s.masked_fill(~keys[:, None, None, :], float("-inf"))
+    return s
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """What the ring accumulates in: float32, or the inputs' dtype where wider."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_expand``: each key/value head sums its query heads' parts."""
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _send_around(comm: Communicator, tensors: list[torch.Tensor], phase: str,
+                 label: str) -> list[torch.Tensor]:
+    """One shift of several tensors, as one message per dtype."""
+    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for indexes in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indexes])
+        comm.log.record("shift", phase, None, flat.numel() * flat.element_size(), label)
+        got = comm.shift(flat)
+        for i, part in zip(indexes, got.split([tensors[i].numel() for i in indexes])):
+            out[i] = part.view(tensors[i].shape)
+    return [t for t in out if t is not None]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                comm: Communicator, layout: SequenceLayout, mask: _Mask,
+                key_mask: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
+        b, hq, sq, d = q.shape
+        groups = hq // k.shape[1]
+        length = sq * layout.cp
+        qpos = layout.positions(comm.rank, length, q.device)
+        chunks = len(layout.chunks_of(0))
+        wide = torch.promote_types(q.dtype, torch.float32)
+        top = q.new_full((b, hq, sq), float("-inf"), dtype=wide)  # running max
+        total = q.new_zeros((b, hq, sq), dtype=wide)  # running sum of exp
+        acc = q.new_zeros((b, hq, sq, v.shape[-1]), dtype=wide)
+        block = [k, v]
+        for step in range(layout.cp):
+            source = (comm.rank - step) % layout.cp
+            kpos = layout.positions(source, length, q.device)
+            kb, vb = _expand(block[0], groups), _expand(block[1], groups)
+            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
+                keys = key_mask[:, kpos[ks]] if key_mask is not None else None
+                s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
+                new_top = torch.maximum(top[:, :, qs], s.amax(-1))
+                safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
+                p = torch.exp(s - safe[..., None])
+                kept = torch.exp(top[:, :, qs] - safe)
+                total[:, :, qs] = total[:, :, qs] * kept + p.sum(-1)
+                acc[:, :, qs] = acc[:, :, qs] * kept[..., None] + \
+                    torch.matmul(p, _wide(vb[:, :, ks]))
+                top[:, :, qs] = new_top
+            if step < layout.cp - 1:
+                block = _send_around(comm, block, "forward", label)
+        empty = total == 0  # a query no key is left for
+        out = torch.where(empty[..., None], torch.zeros_like(acc),
+                          acc / torch.where(empty, torch.ones_like(total), total)[..., None])
+        lse = torch.where(empty, torch.full_like(top, float("inf")), top + torch.log(total))
+        ctx.save_for_backward(q, k, v, out, lse, key_mask)
+        ctx.setup = (comm, layout, mask, scale, label)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse, key_mask = ctx.saved_tensors
+        comm, layout, mask, scale, label = ctx.setup
+        b, hq, sq, d = q.shape
+        groups = hq // k.shape[1]
+        length = sq * layout.cp
+        qpos = layout.positions(comm.rank, length, q.device)
+        chunks = len(layout.chunks_of(0))
+        do = _wide(grad)
+        delta = (do * out).sum(-1)  # [b, hq, sq]
+        dq = torch.zeros(q.shape, dtype=do.dtype, device=q.device)
+        block = [k, v]
+        grads = [torch.zeros_like(_wide(k)), torch.zeros_like(_wide(v))]
+        for step in range(layout.cp):
+            source = (comm.rank - step) % layout.cp
+            kpos = layout.positions(source, length, q.device)
+            kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
+            dk = torch.zeros_like(kb)
+            dv = torch.zeros_like(vb)
+            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
+                keys = key_mask[:, kpos[ks]] if key_mask is not None else None
+                s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
+                p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
+                dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
+                dp = torch.matmul(do[:, :, qs], vb[:, :, ks].transpose(-1, -2))
+                ds = p * (dp - delta[:, :, qs, None])
+                dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
+                dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), _wide(q[:, :, qs])) * scale
+            grads = [grads[0] + _fold(dk, groups), grads[1] + _fold(dv, groups)]
+            # the block's gradient travels with it; after cp shifts it is home
+            if step < layout.cp - 1:
+                moved = _send_around(comm, [*block, *grads], "backward", label)
+                block, grads = moved[:2], moved[2:]
+            else:
+                grads = _send_around(comm, grads, "backward", label)
+        return (dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype),
+                None, None, None, None, None, None)
+
+
+def _heads_of(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """[b, h, s/cp, d] sequence shard -> [b, h/cp, s, d] head shard, tokens in rank order."""
+    cp = comm.world_size
+    b, h, s, d = x.shape
+    blocks = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # block c -> rank c
+    got = comm.all_to_all(blocks.reshape(cp, -1), [1] * cp, [1] * cp)
+    return got.view(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _tokens_of(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_heads_of``."""
+    cp = comm.world_size
+    b, hc, s_all, d = x.shape
+    s = s_all // cp
+    blocks = x.reshape(b, hc, cp, s, d).permute(2, 0, 1, 3, 4).contiguous()  # tokens of rank c
+    got = comm.all_to_all(blocks.reshape(cp, -1), [1] * cp, [1] * cp)
+    return got.view(cp, b, hc, s, d).transpose(0, 1).reshape(b, cp * hc, s, d)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, to_heads: bool,
+                label: str) -> torch.Tensor:
+        ctx.setup = (comm, to_heads, label)
+        comm.log.record("all_to_all", "forward", None, x.numel() * x.element_size(), label)
+        return _heads_of(comm, x) if to_heads else _tokens_of(comm, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        comm, to_heads, label = ctx.setup
+        comm.log.record("all_to_all", "backward", None, grad.numel() * grad.element_size(),
+                        label)
+        return (_tokens_of(comm, grad) if to_heads else _heads_of(comm, grad)), None, None, None
+
+
+def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
+             layout: SequenceLayout, key_mask: Optional[torch.Tensor]) -> None:
+    if comm.world_size != layout.cp:
+        raise ConfigError(f"cp={layout.cp} but the context-parallel group has "
+                          f"{comm.world_size} ranks: give a group of cp ranks")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or \
+            (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        raise ConfigError(f"attention takes q, k, v as [batch, heads, tokens, head dim]; got "
+                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ConfigError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} "
+                          "key/value heads")
+    layout.check(q.shape[2] * layout.cp)
+    if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], q.shape[2] * layout.cp):
+        raise ConfigError(f"key_mask must be [batch, whole sequence] = "
+                          f"{[q.shape[0], q.shape[2] * layout.cp]}, got {list(key_mask.shape)}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
+                   layout: SequenceLayout, *, causal: bool = False,
+                   window: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
+                   scale: Optional[float] = None, label: str = "ring") -> torch.Tensor:
+    """Attention of this rank's queries over every rank's keys and values: q [b, hq, s/cp, d],
+    k and v [b, hk, s/cp, d] (hk dividing hq) as ``layout`` shards the sequence."""
+    _checked(q, k, v, comm, layout, key_mask)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keys = key_mask.bool() if key_mask is not None else None
+    out: torch.Tensor = _RingAttention.apply(q, k, v, comm, layout, _Mask(causal, window),
+                                             keys, scale, label)
+    return out
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
+                      layout: SequenceLayout, *, causal: bool = False,
+                      window: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
+                      scale: Optional[float] = None, label: str = "ulysses") -> torch.Tensor:
+    """As ``ring_attention``, by all-to-alls between sequence and head shards; the query and
+    key/value heads divide by cp."""
+    _checked(q, k, v, comm, layout, key_mask)
+    if q.shape[1] % layout.cp or k.shape[1] % layout.cp:
+        raise ConfigError(
+            f"Ulysses attention splits the heads over cp={layout.cp}: {q.shape[1]} query and "
+            f"{k.shape[1]} key/value heads do not divide by it; use ring attention")
+    length = q.shape[2] * layout.cp
+    to_global = layout._to_global(length, q.device)
+    qh, kh, vh = (_AllToAll.apply(x, comm, True, label).index_select(2, to_global)
+                  for x in (q, k, v))
+    positions = torch.arange(length, device=q.device)
+    allowed = _Mask(causal, window).of(positions, positions)
+    if key_mask is not None:
+        keys = key_mask.bool()[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    groups = qh.shape[1] // kh.shape[1]
+    if allowed is not None:
+        # a query no key is left for gets zeros, as in ring_attention
+        empty = ~allowed.any(-1, keepdim=True)
+        allowed = allowed | empty
+    out = F.scaled_dot_product_attention(qh, _expand(kh, groups), _expand(vh, groups),
+                                         attn_mask=allowed, scale=scale)
+    if allowed is not None:
+        out = out.masked_fill(empty, 0.0)
+    back = _AllToAll.apply(out.index_select(2, layout._rank_order(length, q.device)), comm,
+                           False, label)
+    result: torch.Tensor = back
+    return result

@@ -1,0 +1,126 @@
+"""Context-parallel attention (autotp.runtime.context) against the unsharded
+scaled_dot_product_attention: output and the gradients of q, k and v, fp32, at most 1e-5 of
+each tensor's largest entry, on simulated ranks (threads) and on gloo processes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import context_cases as cc
+from autotp.errors import ConfigError
+from autotp.runtime.comm import ThreadComm, ThreadHub
+from autotp.runtime.context import SequenceLayout, attention_strategy, ring_attention, \
+    ulysses_attention
+from autotp.runtime.launch import run_processes
+
+RTOL = 1e-5
+
+
+def _on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
+    hub, out, errors = ThreadHub(cp, timeout=60), [None] * cp, []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = work(ThreadComm(hub, rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test
+            errors.append(exc)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", list(cc.CASES))
+def test_matches_unsharded_attention(name: str, strategy: str, cp: int) -> None:
+    case = cc.CASES[name]
+    if strategy == "ulysses" and case.kv_heads % cp:
+        pytest.skip("Ulysses splits the key/value heads: refused (test_ulysses_refuses...)")
+    for rank, diffs in enumerate(_on_ranks(cp, lambda comm: cc.run(comm, case, strategy))):
+        assert max(diffs.values()) <= RTOL, (rank, diffs)
+
+
+def test_layout_balances_causal_work_and_round_trips() -> None:
+    layout = SequenceLayout(4, balanced=True)
+    assert layout.positions(1, 16).tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+    # every rank has the same number of (query, key) pairs under the causal mask
+    pairs = [int((layout.positions(r, 16)[:, None] >= torch.arange(16)).sum()) for r in range(4)]
+    assert len(set(pairs)) == 1, pairs
+    x = torch.arange(2 * 16).view(2, 16)
+    assert torch.equal(layout.unshard([layout.shard(x, 1, r) for r in range(4)], 1), x)
+
+
+def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
+    """At cp 4, balanced: each rank computes 2 x 2 chunk pairs per step of the ring when
+    nothing is hidden; under the causal mask half of the 64 pairs are skipped, alike on every
+    rank (the ring shifts 3 times forward either way)."""
+    counted: list[int] = []
+    import autotp.runtime.context as context
+
+    real = context._scores
+
+    def counting(*args: Any) -> torch.Tensor:
+        counted.append(1)
+        return real(*args)
+
+    case = cc.CASES["causal"]
+    context._scores = counting  # type: ignore[assignment]
+    try:
+        logs = _on_ranks(4, lambda comm: (cc.run(comm, case, "ring"), comm.log)[1])
+    finally:
+        context._scores = real  # type: ignore[assignment]
+    # forward and backward, 4 ranks: (64 pairs - 28 hidden) x 2
+    assert len(counted) == 2 * (4 * 4 * 4 - 28), len(counted)
+    assert all(log.count("forward", kind="shift", any_layer=True) == 3 for log in logs)
+    assert all(log.count("backward", kind="shift", any_layer=True) == 4 for log in logs)
+
+
+def test_strategy_by_bytes_sent() -> None:
+    assert attention_strategy(32, 32, 4)[0] == "ulysses"  # MHA: all-to-all sends less
+    assert attention_strategy(32, 8, 4)[0] == "ring"  # GQA: the ring's k, v are small
+    strategy, why = attention_strategy(12, 4, 8)
+    assert strategy == "ring" and "do not divide by cp=8" in why
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    layout = SequenceLayout(2, balanced=True)
+    with pytest.raises(ConfigError, match="sequence length 6 does not divide by 4"):
+        layout.positions(0, 6)
+
+    def ulysses(comm: ThreadComm) -> None:
+        q = torch.randn(1, 6, 4, 8)
+        k = torch.randn(1, 3, 4, 8)
+        ulysses_attention(q, k, k, comm, layout)
+
+    with pytest.raises(ConfigError, match="3 key/value heads do not divide by it; use ring"):
+        _on_ranks(2, ulysses)
+
+    def wrong_group(comm: ThreadComm) -> None:
+        q = torch.randn(1, 2, 4, 8)
+        ring_attention(q, q, q, comm, SequenceLayout(4, balanced=False))
+
+    with pytest.raises(ConfigError, match="cp=4 but the context-parallel group has 2 ranks"):
+        _on_ranks(2, wrong_group)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gloo_processes_match_unsharded_attention(cp: int) -> None:
+    """Every case, ring and Ulysses, through torch.distributed's gloo (point-to-point shifts,
+    all_to_all_single) in one launch."""
+    for rank, results in enumerate(run_processes(cc.process_cases, cp, timeout=240)):
+        shifts = results.pop("shifts")
+        assert len(results) >= len(cc.CASES) + 1, results.keys()
+        for name, diffs in results.items():
+            assert max(diffs.values()) <= RTOL, (rank, name, diffs)
+        assert shifts["forward"] > 0
