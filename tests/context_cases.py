@@ -23,8 +23,8 @@ class Case:
     causal: bool = True
     balanced: bool = True
     window: Optional[int] = None
-    padding: bool = False  # the second sequence ends in padding
-    length: int = 16
+    padding: Optional[str] = None  # "right" or "left": the second sequence's 5 pad tokens
+    length: int = 24  # 2 x cp chunks at cp 2, 3 and 4
 
 
 CASES = {
@@ -32,9 +32,12 @@ CASES = {
     "causal-contiguous": Case(balanced=False),
     "bidirectional": Case(causal=False, balanced=False),
     "gqa": Case(heads=8, kv_heads=2),
-    "window": Case(window=5, length=24),
-    "padding": Case(padding=True),
-    "bidirectional-padding": Case(causal=False, balanced=False, padding=True),
+    "gqa-6-3": Case(heads=6, kv_heads=3),
+    "window": Case(window=5),
+    "padding": Case(padding="right"),
+    # causal with the pad tokens first: their queries see no key at all (zeros, no gradient)
+    "left-padding": Case(padding="left"),
+    "bidirectional-padding": Case(causal=False, balanced=False, padding="right"),
 }
 
 
@@ -46,8 +49,10 @@ def inputs(case: Case) -> tuple[torch.Tensor, ...]:
     v = torch.randn(b, case.kv_heads, s, d, generator=gen)
     grad = torch.randn(b, case.heads, s, d, generator=gen)
     keys = torch.ones(b, s, dtype=torch.bool)
-    if case.padding:
+    if case.padding == "right":
         keys[1, s - 5:] = False
+    elif case.padding == "left":
+        keys[1, :5] = False
     return q, k, v, grad, keys
 
 
@@ -63,8 +68,10 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
     if case.window is not None:
         allowed &= pos[:, None] - pos[None, :] < case.window
     mask = allowed[None, None] & keys[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+    empty = ~mask.any(-1, keepdim=True)  # a query no key is left for: zeros
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty,
                                          enable_gqa=case.heads != case.kv_heads)
+    out = out.masked_fill(empty, 0.0)
     out.backward(grad)
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
 
@@ -81,6 +88,8 @@ def run(comm: Communicator, case: Case, strategy: str) -> dict[str, float]:
     out.backward(layout.shard(grad, 2, comm.rank))
     want = reference(case)
     got = {"out": out.detach(), "q": mine[0].grad, "k": mine[1].grad, "v": mine[2].grad}
+    for name, tensor in got.items():
+        assert tensor is not None and bool(torch.isfinite(tensor).all()), (name, tensor)
     return {name: max_difference(layout.shard(want[name], 2, comm.rank), got[name],
                                  relative=True) for name in want}
 
@@ -93,7 +102,7 @@ def process_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     results = {}
     for name, case in CASES.items():
         for strategy in ("ring", "ulysses"):
-            if strategy == "ulysses" and case.kv_heads % world_size:
+            if strategy == "ulysses" and (case.heads % world_size or case.kv_heads % world_size):
                 continue
             results[f"{name}-{strategy}"] = run(comm, case, strategy)
     results["shifts"] = {"forward": float(comm.log.count("forward", kind="shift",

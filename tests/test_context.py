@@ -40,13 +40,13 @@ def _on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 @pytest.mark.parametrize("name", list(cc.CASES))
 def test_matches_unsharded_attention(name: str, strategy: str, cp: int) -> None:
     case = cc.CASES[name]
-    if strategy == "ulysses" and case.kv_heads % cp:
-        pytest.skip("Ulysses splits the key/value heads: refused (test_ulysses_refuses...)")
+    if strategy == "ulysses" and (case.heads % cp or case.kv_heads % cp):
+        pytest.skip("Ulysses splits the heads: refused (test_bad_input_is_a_clear_error)")
     for rank, diffs in enumerate(_on_ranks(cp, lambda comm: cc.run(comm, case, strategy))):
         assert max(diffs.values()) <= RTOL, (rank, diffs)
 
@@ -57,7 +57,7 @@ def test_layout_balances_causal_work_and_round_trips() -> None:
     # every rank has the same number of (query, key) pairs under the causal mask
     pairs = [int((layout.positions(r, 16)[:, None] >= torch.arange(16)).sum()) for r in range(4)]
     assert len(set(pairs)) == 1, pairs
-    x = torch.arange(2 * 16).view(2, 16)
+    x = torch.arange(2 * 16).view(2, 16)  # (the cases' length, 24, serves cp 2, 3 and 4)
     assert torch.equal(layout.unshard([layout.shard(x, 1, r) for r in range(4)], 1), x)
 
 
@@ -84,6 +84,39 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     assert len(counted) == 2 * (4 * 4 * 4 - 28), len(counted)
     assert all(log.count("forward", kind="shift", any_layer=True) == 3 for log in logs)
     assert all(log.count("backward", kind="shift", any_layer=True) == 4 for log in logs)
+
+
+def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:
+    """bfloat16 q, k, v under autocast at cp 2: the ring's output and gradients are no
+    further from the float64 attention than scaled_dot_product_attention's own in bfloat16
+    (the ring scores and merges in float32 whatever autocast says)."""
+    case = cc.Case(length=64)
+    q, k, v, grad, _ = cc.inputs(case)
+    layout = SequenceLayout(2, balanced=True)
+
+    def attend(dtype: torch.dtype, sharded: bool) -> list[torch.Tensor]:
+        if not sharded:
+            xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True)
+            out.backward(grad.to(dtype))
+            return [out.detach().double(), *(x.grad.double() for x in xs)]
+
+        def rank(comm: ThreadComm) -> list[torch.Tensor]:
+            xs = [layout.shard(t, 2, comm.rank).to(dtype).requires_grad_() for t in (q, k, v)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = ring_attention(*xs, comm, layout, causal=True)
+            out.backward(layout.shard(grad, 2, comm.rank).to(dtype))
+            return [out.detach().double(), *(x.grad.double() for x in xs)]
+
+        parts = _on_ranks(2, rank)
+        return [layout.unshard([p[i] for p in parts], 2) for i in range(4)]
+
+    exact = attend(torch.float64, sharded=False)
+    ring = attend(torch.bfloat16, sharded=True)
+    sdpa = attend(torch.bfloat16, sharded=False)
+    for name, want, a, b in zip(["out", "q", "k", "v"], exact, ring, sdpa):
+        ring_err, sdpa_err = (float((x - want).abs().max() / want.abs().max()) for x in (a, b))
+        assert ring_err <= 1.5 * sdpa_err, (name, ring_err, sdpa_err)
 
 
 def test_strategy_by_bytes_sent() -> None:
@@ -113,8 +146,16 @@ def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="cp=4 but the context-parallel group has 2 ranks"):
         _on_ranks(2, wrong_group)
 
+    for causal, window in [(False, 3), (True, 0)]:
+        def windowed(comm: ThreadComm, causal: bool = causal, window: int = window) -> None:
+            q = torch.randn(1, 2, 4, 8)
+            ring_attention(q, q, q, comm, layout, causal=causal, window=window)
 
-@pytest.mark.parametrize("cp", [2, 4])
+        with pytest.raises(ConfigError, match=f"window={window}: a sliding window needs"):
+            _on_ranks(2, windowed)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
 def test_gloo_processes_match_unsharded_attention(cp: int) -> None:
     """Every case, ring and Ulysses, through torch.distributed's gloo (point-to-point shifts,
     all_to_all_single) in one launch."""

@@ -25,7 +25,10 @@ Two ways to attend across the shards:
 Masks are given by positions, never as an [S, S] tensor: ``causal``; ``window`` (with causal,
 a query at position p sees the keys at p - window < position <= p); ``key_mask`` ([b, S] in
 the global order, True where a key is a real token: padding). A query that no key is left
-for gets zeros (scaled_dot_product_attention's math would give NaN).
+for gets zeros and passes no gradient.
+
+The ring computes in float32 (or the inputs' dtype where wider), autocast or not, and saves
+its output and log-sum-exp for backward, which recomputes each pair's scores.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from autotp.errors import ConfigError
 from autotp.runtime.comm import Communicator
@@ -152,7 +156,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[to
     """q [b, h, sq, d] against k [b, h, sk, d] (at least float32), -inf where masked."""
     s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
     if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~allowed.to(s.device), float("-inf"))
     if keys is not None:  # [b, sk]
         s = s.masked_fill(~keys[:, None, None, :], float("-inf"))
     return s
@@ -196,10 +200,18 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 comm: Communicator, layout: SequenceLayout, mask: _Mask,
                 key_mask: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # scores and merge in float32
+            return _RingAttention._forward(ctx, q, k, v, comm, layout, mask, key_mask, scale,
+                                           label)
+
+    @staticmethod
+    def _forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 comm: Communicator, layout: SequenceLayout, mask: _Mask,
+                 key_mask: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
         b, hq, sq, d = q.shape
         groups = hq // k.shape[1]
         length = sq * layout.cp
-        qpos = layout.positions(comm.rank, length, q.device)
+        qpos = layout.positions(comm.rank, length)  # on the host: no device sync per pair
         chunks = len(layout.chunks_of(0))
         wide = torch.promote_types(q.dtype, torch.float32)
         top = q.new_full((b, hq, sq), float("-inf"), dtype=wide)  # running max
@@ -208,10 +220,10 @@ class _RingAttention(torch.autograd.Function):
         block = [k, v]
         for step in range(layout.cp):
             source = (comm.rank - step) % layout.cp
-            kpos = layout.positions(source, length, q.device)
+            kpos = layout.positions(source, length)
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
             for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
-                keys = key_mask[:, kpos[ks]] if key_mask is not None else None
+                keys = key_mask[:, kpos[ks].to(key_mask.device)] if key_mask is not None else None
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 new_top = torch.maximum(top[:, :, qs], s.amax(-1))
                 safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
@@ -232,13 +244,19 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        with torch.autocast(grad.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse, key_mask = ctx.saved_tensors
         comm, layout, mask, scale, label = ctx.setup
         b, hq, sq, d = q.shape
         groups = hq // k.shape[1]
         length = sq * layout.cp
-        qpos = layout.positions(comm.rank, length, q.device)
+        qpos = layout.positions(comm.rank, length)
         chunks = len(layout.chunks_of(0))
         do = _wide(grad)
         delta = (do * out).sum(-1)  # [b, hq, sq]
@@ -247,12 +265,12 @@ class _RingAttention(torch.autograd.Function):
         grads = [torch.zeros_like(_wide(k)), torch.zeros_like(_wide(v))]
         for step in range(layout.cp):
             source = (comm.rank - step) % layout.cp
-            kpos = layout.positions(source, length, q.device)
+            kpos = layout.positions(source, length)
             kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
             dk = torch.zeros_like(kb)
             dv = torch.zeros_like(vb)
             for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
-                keys = key_mask[:, kpos[ks]] if key_mask is not None else None
+                keys = key_mask[:, kpos[ks].to(key_mask.device)] if key_mask is not None else None
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
                 dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
@@ -307,7 +325,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
-             layout: SequenceLayout, key_mask: Optional[torch.Tensor]) -> None:
+             layout: SequenceLayout, causal: bool, window: Optional[int],
+             key_mask: Optional[torch.Tensor]) -> None:
     if comm.world_size != layout.cp:
         raise ConfigError(f"cp={layout.cp} but the context-parallel group has "
                           f"{comm.world_size} ranks: give a group of cp ranks")
@@ -319,6 +338,10 @@ def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicat
         raise ConfigError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} "
                           "key/value heads")
     layout.check(q.shape[2] * layout.cp)
+    if window is not None and (not causal or window < 1):
+        raise ConfigError(f"window={window}: a sliding window needs causal=True and a window "
+                          "of at least 1 (a query at position p sees the keys at "
+                          "p - window < position <= p)")
     if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], q.shape[2] * layout.cp):
         raise ConfigError(f"key_mask must be [batch, whole sequence] = "
                           f"{[q.shape[0], q.shape[2] * layout.cp]}, got {list(key_mask.shape)}")
@@ -330,9 +353,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
                    scale: Optional[float] = None, label: str = "ring") -> torch.Tensor:
     """Attention of this rank's queries over every rank's keys and values: q [b, hq, s/cp, d],
     k and v [b, hk, s/cp, d] (hk dividing hq) as ``layout`` shards the sequence."""
-    _checked(q, k, v, comm, layout, key_mask)
+    _checked(q, k, v, comm, layout, causal, window, key_mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keys = key_mask.bool() if key_mask is not None else None
+    keys = key_mask.to(q.device, torch.bool) if key_mask is not None else None
     out: torch.Tensor = _RingAttention.apply(q, k, v, comm, layout, _Mask(causal, window),
                                              keys, scale, label)
     return out
@@ -344,7 +367,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
                       scale: Optional[float] = None, label: str = "ulysses") -> torch.Tensor:
     """As ``ring_attention``, by all-to-alls between sequence and head shards; the query and
     key/value heads divide by cp."""
-    _checked(q, k, v, comm, layout, key_mask)
+    _checked(q, k, v, comm, layout, causal, window, key_mask)
     if q.shape[1] % layout.cp or k.shape[1] % layout.cp:
         raise ConfigError(
             f"Ulysses attention splits the heads over cp={layout.cp}: {q.shape[1]} query and "
@@ -353,19 +376,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     to_global = layout._to_global(length, q.device)
     qh, kh, vh = (_AllToAll.apply(x, comm, True, label).index_select(2, to_global)
                   for x in (q, k, v))
-    positions = torch.arange(length, device=q.device)
-    allowed = _Mask(causal, window).of(positions, positions)
-    if key_mask is not None:
-        keys = key_mask.bool()[:, None, None, :]
-        allowed = keys if allowed is None else allowed & keys
-    groups = qh.shape[1] // kh.shape[1]
-    if allowed is not None:
+    gqa = qh.shape[1] != kh.shape[1]
+    if window is None and key_mask is None:  # SDPA's own causal path: no [S, S] mask
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
+                                             enable_gqa=gqa)
+    else:  # a window or padding: the mask as a tensor
+        positions = torch.arange(length, device=q.device)
+        allowed = _Mask(causal, window).of(positions, positions)
+        if key_mask is not None:
+            keys = key_mask.to(q.device, torch.bool)[:, None, None, :]
+            allowed = keys if allowed is None else allowed & keys
+        assert allowed is not None
         # a query no key is left for gets zeros, as in ring_attention
         empty = ~allowed.any(-1, keepdim=True)
-        allowed = allowed | empty
-    out = F.scaled_dot_product_attention(qh, _expand(kh, groups), _expand(vh, groups),
-                                         attn_mask=allowed, scale=scale)
-    if allowed is not None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed | empty,
+                                             scale=scale, enable_gqa=gqa)
         out = out.masked_fill(empty, 0.0)
     back = _AllToAll.apply(out.index_select(2, layout._rank_order(length, q.device)), comm,
                            False, label)
