@@ -241,6 +241,21 @@ def test_compare_reports_the_largest_absolute_gradient_difference() -> None:
     assert cmp.worst_param == "small" and cmp.grad_rel == pytest.approx(0.2)
 
 
+def test_a_nan_is_never_within_a_tolerance() -> None:
+    """A NaN output or gradient fails every comparison (max() over Python floats would skip
+    it); the same infinity on both sides (a mask's -inf) is no difference."""
+    from autotp.features.verify import StepResult, compare, max_difference
+
+    nan = float("nan")
+    assert max_difference(torch.ones(3), torch.tensor([1.0, nan, 1.0])) == float("inf")
+    assert max_difference(torch.tensor([nan]), torch.tensor([nan])) == float("inf")
+    inf = float("-inf")
+    assert max_difference(torch.tensor([inf, 1.0]), torch.tensor([inf, 1.5])) == 0.5
+    reference = StepResult(torch.zeros(1), 0.0, {"w": torch.ones(2)})
+    cmp = compare(reference, StepResult(torch.zeros(1), 0.0, {"w": torch.tensor([1.0, nan])}))
+    assert cmp.grad_diff == float("inf") and not cmp.ok(), cmp
+
+
 def test_parameter_bytes_follow_the_dtype() -> None:
     """A bf16 model's plan counts 2 bytes per parameter (not 4), per rank and in total."""
     from autotp.planner.cost import CostModel

@@ -11,6 +11,7 @@ training step (loaded weights, a decoding step's logits).
 from __future__ import annotations
 
 import copy
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
@@ -97,7 +98,8 @@ Values = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 
 def max_difference(want: Values, got: Values, *, relative: bool = False) -> float:
     """The largest ``|got - want|`` over a tensor, or over every entry of a state dict (an
-    entry of ``want`` that ``got`` lacks is an infinite difference), compared in fp32;
+    entry of ``want`` that ``got`` lacks is an infinite difference, and so is a NaN on either
+    side), compared in fp32;
     ``relative``: each entry's divided by its largest ``|want|``. ``compare``'s measure for
     what is not a training step (loaded weights, a second step's logits, a cache)."""
     if isinstance(want, torch.Tensor):
@@ -109,9 +111,12 @@ def max_difference(want: Values, got: Values, *, relative: bool = False) -> floa
         if name not in got:
             return float("inf")
         a, b = a.detach().float(), got[name].detach().float()
-        diff = float((a - b).abs().max()) if a.numel() else 0.0
+        # equal entries differ by 0 (the same infinity too: a mask's -inf in both)
+        diff = float(torch.where(a == b, 0.0, (a - b).abs()).max()) if a.numel() else 0.0
         if relative:
             diff /= max(float(a.abs().max()) if a.numel() else 0.0, 1e-30)
+        if math.isnan(diff):  # a NaN on either side: never within a tolerance
+            return float("inf")
         worst = max(worst, diff)
     return worst
 
@@ -201,7 +206,7 @@ def first_divergence(sim: Any, args: tuple = (), kwargs: Optional[dict] = None,
         else:
             diff = float((got.float() - expected.float()).abs().max()) if got.numel() else 0.0
         scale = float(expected.abs().max()) if expected.numel() else 0.0
-        if diff > atol * (1.0 + scale):
+        if not diff <= atol * (1.0 + scale):  # NaN diverges too
             return Divergence(node.name, str(node.target), text, diff, source_of(node))
     return None
 
