@@ -50,14 +50,25 @@ def prepare(
     gather_outputs: bool = True,
     ep: int = 1,
     share: Any = None,
+    cp: int = 1,
 ) -> tuple[Captured, Plan]:
     """``model`` traced and planned; ``share``: see ``plan_graph`` (one rank of a group
-    plans)."""
+    plans). ``cp`` > 1: the group is a context-parallel group of cp ranks (tp 1)."""
     tp = positive_int("tp", tp)
     ep = positive_int("ep", ep)
+    cp = positive_int("cp", cp)
+    if cp > 1:
+        if tp != 1:
+            raise ConfigError(f"tp={tp} with cp={cp}: context parallelism runs with tp=1 "
+                              "for now (each rank holds every parameter); pass tp=1")
+        if ep != 1 or sequence_parallel:
+            raise ConfigError("context parallelism shards the sequence itself: pass no ep "
+                              "and no sequence_parallel with cp")
+        tp = cp
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
-                          gather_outputs=bool(gather_outputs), expert_parallel=ep)
+                          gather_outputs=bool(gather_outputs), expert_parallel=ep,
+                          context_parallel=cp > 1)
     plan = plan_graph(captured, tp, registry=registry, cost_model=cost_model,
                       options=options, model_name=_model_name(model), share=share)
     return captured, plan
@@ -74,12 +85,14 @@ def plan(
     sequence_parallel: bool = False,
     gather_outputs: bool = True,
     ep: int = 1,
+    cp: int = 1,
 ) -> Plan:
     """The tensor-parallel plan of ``model`` at degree ``tp`` (with ``ep``: experts also split
-    over ep data-parallel ranks); needs no process group."""
+    over ep data-parallel ranks; with ``cp`` and tp 1: the sequence split over cp ranks);
+    needs no process group."""
     return prepare(model, tp, example_args=example_args, example_kwargs=example_kwargs,
                    strict=strict, cost_model=cost_model, sequence_parallel=sequence_parallel,
-                   gather_outputs=gather_outputs, ep=ep)[1]
+                   gather_outputs=gather_outputs, ep=ep, cp=cp)[1]
 
 
 def default_device() -> torch.device:
@@ -138,6 +151,8 @@ def parallelize(
     device: Any = None,
     ep: Optional[int] = None,
     ep_group: Any = None,
+    cp: Optional[int] = None,
+    cp_group: Any = None,
 ) -> ShardedModule:
     """This rank's tensor-parallel version of ``model`` (call on every rank of ``group``).
 
@@ -182,6 +197,13 @@ def parallelize(
     world's tp * ep ranks are split into tp groups of consecutive ranks. The experts'
     gradients sum every ep rank's tokens: see ``ShardedModule.expert_parameters`` and
     ``finish_expert_gradients``.
+
+    ``cp``, ``cp_group``: context parallelism (with tp 1): every rank of ``cp_group``
+    (default: the whole world) takes the same whole inputs and computes 1/cp of the
+    sequence, the r-th contiguous part on rank r; attention passes the key/value blocks
+    around the group (ring attention, ``autotp.runtime.context``), parameters are held whole
+    and their gradients summed over the group after backward. The sequence length of every
+    call must be divisible by cp.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
@@ -191,6 +213,17 @@ def parallelize(
             "call torch.distributed.init_process_group() first (use autotp.simulate for a "
             "single-process run)"
         )
+    cp = 1 if cp is None else positive_int("cp", cp)
+    if cp > 1:
+        return _context_parallel(model, cp, process_group(cp_group), tp, group, ep,
+                                 example_args=example_args, example_kwargs=example_kwargs,
+                                 strict=strict, cost_model=cost_model, timeout=timeout,
+                                 check_plan=check_plan, grad_sync=grad_sync,
+                                 sequence_parallel=sequence_parallel,
+                                 gather_outputs=gather_outputs, compile=compile,
+                                 checkpoint=checkpoint, init=init, device=device)
+    if cp_group is not None:
+        raise ConfigError("cp_group= without cp=: pass cp, the size of the group")
     group = process_group(group)
     group, ep_group = _expert_groups(tp, ep, group, process_group(ep_group))
     world = dist.get_world_size(group)
@@ -230,6 +263,54 @@ def parallelize(
         weights.close()
     sharded.source = ModelInfo.of(model)
     sharded.strict = strict
+    sharded.placed_on = device if meta else None
+    return sharded
+
+
+def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int], group: Any,
+                      ep: Optional[int], **options: Any) -> ShardedModule:
+    """``parallelize`` with context parallelism: the plan of the cp group, built as a
+    tensor-parallel group's is."""
+    if tp not in (None, 1) or group is not None:
+        raise ConfigError(f"cp={cp} with tp={tp}: context parallelism runs with tp=1 for now "
+                          "(each rank holds every parameter); pass tp=1 and cp_group=")
+    if ep not in (None, 1):
+        raise ConfigError("cp with ep: expert parallelism across context-parallel ranks is "
+                          "not there yet; pass no ep")
+    world = dist.get_world_size(cp_group)
+    if world != cp:
+        raise ConfigError(f"cp={cp} but the context-parallel group has {world} ranks: pass "
+                          f"cp_group= a group of {cp} ranks (e.g. mesh['cp']), or cp={world}")
+    comm = ProcessGroupComm(cp_group, timeout=options.pop("timeout"))
+    check_plan = options.pop("check_plan")
+    captured, the_plan = prepare(
+        model, 1, cp=cp, example_args=options.pop("example_args"),
+        example_kwargs=options.pop("example_kwargs"), strict=options["strict"],
+        cost_model=options.pop("cost_model"),
+        sequence_parallel=options.pop("sequence_parallel"),
+        gather_outputs=options.pop("gather_outputs"), share=comm.made_once)
+    if check_plan:
+        check_gradient_flow(the_plan, captured.gm)
+    meta = has_meta_parameters(model)
+    device = options.pop("device")
+    if device is None and meta:
+        device = default_device()
+    device = torch.device(device) if device is not None else None
+    checkpoint = options.pop("checkpoint")
+    weights = maybe_deferred(_weights(model, captured, the_plan, comm.rank, checkpoint,
+                                      options.pop("init"), device))
+    seed = None
+    if checkpoint is not None:
+        seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"
+                            else torch.device("cpu"))
+    try:
+        sharded = build_rank(captured, the_plan, comm.rank, comm, check_plan=check_plan,
+                             grad_sync=options.pop("grad_sync"), compile=options.pop("compile"),
+                             weights=weights, device=device if meta else None, seed=seed)
+    finally:
+        weights.close()
+    sharded.source = ModelInfo.of(model)
+    sharded.strict = options["strict"]
     sharded.placed_on = device if meta else None
     return sharded
 
@@ -346,19 +427,23 @@ def simulate(
     registry: Optional[Registry] = None,
     check_plan: bool = True,
     ep: int = 1,
+    cp: int = 1,
 ) -> Simulation:
     """Build all ``tp`` ranks of ``model`` in this process (the same rewritten programs as
     ``parallelize``), connected by in-memory collectives. ``registry``: the rules (default
     ``Registry.default()``), e.g. one without some op's rule to exercise the fallback.
     ``check_plan``: prove first that every parameter's gradient arrives whole in its own
     layout (``autotp.planner.gradflow``), as ``parallelize`` does. ``ep``: expert
-    parallelism over ep simulated data-parallel ranks too (tp * ep threads)."""
+    parallelism over ep simulated data-parallel ranks too (tp * ep threads). ``cp``: context
+    parallelism over cp simulated ranks (with tp 1): each takes the whole inputs and computes
+    its share of the sequence."""
     ep = positive_int("ep", ep)
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
                                  cost_model=cost_model, registry=registry,
                                  sequence_parallel=sequence_parallel,
-                                 gather_outputs=gather_outputs, ep=ep)
+                                 gather_outputs=gather_outputs, ep=ep, cp=cp)
+    tp = the_plan.tp
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
     ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []

@@ -79,7 +79,7 @@ class ShardedModule(nn.Module):
         self._plan_checked = not check_plan
         # input -> its sequence dims, whose sizes tp must divide (sequence parallelism)
         self._seq_dims: dict[str, list[int]] = {}
-        if plan.sequence_parallel:
+        if plan.sequence_parallel or plan.context_parallel:
             symbols = sequence_symbols(captured.dim_names)
             for node in captured.gm.graph.nodes:
                 val = node.meta.get("val")
@@ -123,6 +123,11 @@ class ShardedModule(nn.Module):
         inputs (and, for sampling, the same seed)."""
         from autotp.features.generate import decoder_of  # layer: it imports this module
 
+        if self.plan.context_parallel:
+            raise ConfigError(
+                f"generate() on a context-parallel model (cp={self.plan.tp}): decoding adds "
+                "one token at a time, which context parallelism does not split; parallelize "
+                "the model again without cp (tp=...) to generate")
         return decoder_of(self).generate(inputs, **kwargs)
 
     def check_plan(self) -> None:
@@ -193,11 +198,13 @@ class ShardedModule(nn.Module):
                     _check_input(name, value, example)
                     for dim in self._seq_dims.get(name, ()):
                         if value.shape[dim] % self.plan.tp:
+                            what, degree = ("context parallelism", "cp") if \
+                                self.plan.context_parallel else ("sequence parallelism", "tp")
                             raise ConfigError(
-                                f"sequence parallelism needs the sequence length divisible by "
-                                f"tp={self.plan.tp}, but {name!r} has {value.shape[dim]} "
-                                f"along dim {dim}: pad the sequence to a multiple of "
-                                f"{self.plan.tp}")
+                                f"{what} needs the sequence length divisible by "
+                                f"{degree}={self.plan.tp}, but {name!r} has "
+                                f"{value.shape[dim]} along dim {dim}: pad the sequence to a "
+                                f"multiple of {self.plan.tp}")
                 call[name] = value
             elif isinstance(example, torch.Tensor):
                 raise ConfigError(f"missing input {name!r} (the example had it)")

@@ -30,6 +30,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
     plan.cost = total
     plan.sequence_parallel = options.sequence_parallel
+    plan.context_parallel = options.context_parallel
     plan.ep = options.expert_parallel
     plan.dims = {str(k): v for k, v in dims.items()}
     values: dict[str, Any] = {}

@@ -101,6 +101,8 @@ class Plan:
     node_layers: dict[str, Optional[int]] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # the layout each output is returned in
     sequence_parallel: bool = False
+    # the group is a context-parallel group (tp 1): the sequence is sharded over its ranks
+    context_parallel: bool = False
     # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
     states: dict[str, str] = field(default_factory=dict)
     last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
@@ -139,7 +141,9 @@ class Plan:
         return table
 
     def summary(self) -> str:
-        lines = [f"autotp plan: {self.model}, tp={self.tp}, {self.layers} layer(s)"]
+        degree = f"cp={self.tp} (context parallel, tp=1)" if self.context_parallel else \
+            f"tp={self.tp}"
+        lines = [f"autotp plan: {self.model}, {degree}, {self.layers} layer(s)"]
         sharded = [n for n, p in self.params.items() if p.layout.startswith("S")]
         lines.append(f"  parameters: {len(sharded)} sharded, {len(self.params) - len(sharded)} "
                      "replicated")
@@ -204,6 +208,7 @@ class Plan:
         plan.node_layers = dict(data.get("node_layers", {}))
         plan.outputs = list(data.get("outputs", []))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
+        plan.context_parallel = bool(data.get("context_parallel", False))
         plan.states = dict(data.get("states", {}))
         plan.last_resorts = int(data.get("last_resorts", 0))
         plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}

@@ -12,6 +12,7 @@ import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -111,6 +112,10 @@ class PlanOptions:
     # expert parallelism over this many data-parallel ranks (autotp.runtime.routed_rows): every
     # grouped product holds its experts whole, tp * ep ways
     expert_parallel: int = 1
+    # context parallelism: the group shards the sequence of every value that has one
+    # (attention by the ring, autotp.runtime.context); parameters are held whole, their
+    # gradients summed over the group
+    context_parallel: bool = False
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:
@@ -299,7 +304,8 @@ def build_problem(
     strategy_memo: dict[Any, list[Strategy]] = {}
     call_memo: dict[Any, Any] = {}  # _shared_key -> _call_key, sparing make_call
     size_memo: dict[Any, float] = {}
-    split = sequence_symbols(dims) if options.sequence_parallel else frozenset()
+    split = sequence_symbols(dims) if options.sequence_parallel or options.context_parallel \
+        else frozenset()
     routed_rows = _expert_rows(gm)
     constants: set[str] = set()  # values that read no input, parameter or state
     for node in gm.graph.nodes:
@@ -341,7 +347,8 @@ def build_problem(
                     call = make_call(node, tp, blocks, split)
                     rows = _routed_rows(node, routed_rows)
                     call = replace(call, routed=rows, experts=routed_rows.get(rows),
-                                   ep=options.expert_parallel)
+                                   ep=options.expert_parallel,
+                                   context=options.context_parallel)
                     memo_key = _call_key(call)
                     if memo_key not in strategy_memo:  # repeated layers repeat their calls
                         strategy_memo[memo_key] = registry.strategies(call)
@@ -357,6 +364,7 @@ def build_problem(
                     kept = [s for s in pn.strategies if not s.premium]
                     pn.premium_dropped = len(kept) < len(pn.strategies)
                     pn.strategies = kept
+
             elif _deterministic(node) and all(n.name in constants for n in ins):
                 # a constant (a mask built by a Python loop, a factory with no rule): the
                 # same values on every rank, whatever it computes, so replicated is exact
@@ -412,9 +420,52 @@ def build_problem(
     for pn in pnodes:
         pn.saved = pn.node.name in kept
         pn.invariant = pn.node.name in invariant
-    if not options.sequence_parallel:
+    if options.context_parallel:
+        _shard_the_sequence(pnodes, split)
+    elif not options.sequence_parallel:
         _replicate_input_constants(pnodes, grad)
     return pnodes
+
+
+def _shard_the_sequence(pnodes: list[PNode], split: frozenset) -> None:
+    """Context parallelism: what the parameters reach (the activations) keeps the sequence
+    sharded wherever an op can; values of the inputs alone (positions, masks, shifted labels)
+    may also be computed whole on every rank, and are sliced where an activation reads them."""
+    from_params: set[str] = set()
+    for pn in pnodes:
+        if pn.is_param or any(n in from_params for n in pn.inputs):
+            from_params.add(pn.node.name)
+        if pn.kind == "op" and pn.node.name in from_params:
+            pn.strategies = _sequence_sharded(pn.strategies, pn.node.meta.get("val"), split)
+
+
+def sequence_dims(val: Any, split: frozenset) -> frozenset:
+    """The dims of ``val`` whose size holds a sequence symbol (the sequence, or a dim it is
+    merged into: [B * T] rows)."""
+    if not isinstance(val, torch.Tensor) or not split:
+        return frozenset()
+    return frozenset(d for d, size in enumerate(val.shape)
+                     if isinstance(size_expr(size), sympy.Expr)
+                     and size_expr(size).free_symbols & split)
+
+
+def _sequence_sharded(strategies: list[Strategy], val: Any, split: frozenset
+                      ) -> list[Strategy]:
+    """Context parallelism: the strategies that keep every output holding the sequence
+    sharded along it. An op with none (one that mixes the sequence: a cumulative sum over
+    it) keeps them all, and the plan gathers what it reads."""
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+
+    def sharded(strategy: Strategy) -> bool:
+        outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+        for out, v in zip(outs, vals):
+            dims = sequence_dims(v, split)
+            if dims and not (isinstance(out, Shard) and out.dim in dims):
+                return False
+        return True
+
+    kept = [s for s in strategies if sharded(s)]
+    return kept or strategies
 
 
 def _replicate_input_constants(pnodes: list[PNode], grad: dict[str, bool]) -> None:

@@ -119,9 +119,11 @@ def plan_graph(
     else:
         plan = Plan.from_json(share(plan_key(captured, key_parts), lambda: made().to_json()))
     plan.fallbacks = fallbacks + plan.fallbacks
-    check_divisibility(plan, tp, options.strict)
-    note_replicated_products(plan, gm, options.strict, options.reported, problem=lambda:
-                             build_problem(captured, tp, blocks, registry, cost_model, options))
+    if not options.context_parallel:  # (context parallelism holds every matrix whole)
+        check_divisibility(plan, tp, options.strict)
+        note_replicated_products(plan, gm, options.strict, options.reported, problem=lambda:
+                                 build_problem(captured, tp, blocks, registry, cost_model,
+                                               options))
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan
@@ -284,6 +286,8 @@ def solve(
         return _transitions(pn, entries, cost, by_name, tp, cost_model, options)
 
     candidates = leaf_candidates(pnodes, by_name)
+    if options.context_parallel:  # every rank holds the parameters whole
+        candidates = {name: [R] for name in candidates}
     for name, layout in options.force:
         leaf = by_name[name] if name in candidates else None
         if leaf is not None and (leaf.is_param or leaf.is_state or layout == R):
@@ -421,7 +425,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
     Shards originate at parameters: a replicated activation is sliced only to meet another
     activation that already arrives sharded (a replicated k/v meeting sharded query heads),
     never to start a shard by itself (that would turn a free replicated op into a
-    row-parallel one whose only gain is parameter memory, paid with an all-reduce).
+    row-parallel one whose only gain is parameter memory, paid with an all-reduce). With
+    context parallelism they originate at the inputs, sliced along the sequence.
 
     Each read's outcome depends on the read alone, not on the state: it is worked out once
     per plan (``_read``, memoized in ``pn.reads``) and its costs added in the same order.
@@ -449,8 +454,8 @@ def _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options, to_
             cost += term
         if keeps:
             new_entries[name] = (have, materialized | {want})
-    if sliced and not anchored:
-        return None
+    if sliced and not anchored and not options.context_parallel:
+        return None  # (context parallelism starts its sequence shards at the inputs)
     return cost, new_entries
 
 

@@ -49,7 +49,10 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
     extra = len(call.inputs) - len(in_specs)
     for letter in dict.fromkeys(lhs.replace(",", "")):
         holders = [i for i, spec in enumerate(in_specs) if letter in spec]
-        probe = TensorMeta((sizes[letter],), metas[holders[0]].dtype)
+        # with context parallelism the sequence's letter may be sharded (the activation's
+        # tokens, the weight read whole); elsewhere only static sizes are
+        probe = TensorMeta((sizes[letter],), metas[holders[0]].dtype,
+                           metas[holders[0]].split if call.context else frozenset())
         if letter in out_spec:
             # a batch letter shared by the operands keeps plain shards, or heads sharded
             # inside a merged batch (Bloom's [B*H, T, D] bmm)

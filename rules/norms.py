@@ -14,6 +14,9 @@
   communication. The mask is sharded with the heads, or read replicated when it broadcasts
   over them. With GQA (fewer k/v heads) the k/v heads must be divisible by tp as well; a
   single k/v head broadcast to every query head (Falcon's multi-query) is read whole.
+  With context parallelism (``OpCall.context``) attention also takes q, k and v sharded
+  along the sequence: ring attention (autotp.runtime.context) passes the key/value blocks
+  around the group; the mask is read by this rank's query rows, every key column whole.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Iterator, Sequence
 import torch
 
 from autotp.layout import P, P_LSE, R, Layout, Shard
-from autotp.rules.registry import OpCall, RuleSet, Strategy, normalize_dim, shardable_dims
+from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta, normalize_dim, \
+    shardable_dims
 
 aten = torch.ops.aten
 rules = RuleSet()
@@ -165,3 +169,23 @@ def sdpa_rule(call: OpCall) -> Iterator[Strategy]:
             else:
                 continue
         yield Strategy(tuple(inputs), Shard(dim), name="heads")
+    if call.context:
+        yield from _ring(call, q, k, v, mask)
+
+
+def _ring(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta,
+          mask: "TensorMeta | None") -> Iterator[Strategy]:
+    seq = q.ndim - 2
+    if not all(x.shardable(seq, call.tp) for x in (q, k, v)) or \
+            call.arg("dropout_p", 0.0):
+        return
+    inputs: list[Layout] = [Shard(seq), Shard(seq), Shard(seq)]
+    if mask is not None:
+        rows = seq - (q.ndim - mask.ndim)  # the mask's query dim
+        if rows < 0 or mask.shape[rows] == 1:
+            inputs.append(R)
+        elif mask.shape[rows] == q.shape[seq]:
+            inputs.append(Shard(rows))
+        else:
+            return
+    yield Strategy(tuple(inputs), Shard(seq), name="ring")

@@ -159,6 +159,9 @@ class OpCall:
     # rows are dispatched to the ranks that own their experts, so experts are split tp * ep
     # ways and a routed row cannot read replicated data by its position (see _routed_variants)
     ep: int = 1
+    # context parallelism (autotp.runtime.context): the group shards the sequence of every
+    # activation, and attention may take its queries, keys and values sharded along it
+    context: bool = False
 
     def arg(self, name: str, default: Any = None) -> Any:
         """The argument the op's schema calls ``name`` (see ``autotp.ops.argument``)."""

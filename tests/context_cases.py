@@ -6,12 +6,14 @@ them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from autotp.features.verify import max_difference
+import autotp
+from autotp.features.verify import compare, main_output, max_difference, reference_step, \
+    sharded_step
 from autotp.runtime.comm import Communicator
 from autotp.runtime.context import SequenceLayout, ring_attention, ulysses_attention
 
@@ -25,6 +27,9 @@ class Case:
     window: Optional[int] = None
     padding: Optional[str] = None  # "right" or "left": the second sequence's 5 pad tokens
     length: int = 24  # 2 x cp chunks at cp 2, 3 and 4
+    # the mask given as scaled_dot_product_attention's attn_mask (its rows this rank's
+    # queries): "bool" or "additive" (0 or -inf); the ring only
+    explicit: Optional[str] = None
 
 
 CASES = {
@@ -38,6 +43,8 @@ CASES = {
     # causal with the pad tokens first: their queries see no key at all (zeros, no gradient)
     "left-padding": Case(padding="left"),
     "bidirectional-padding": Case(causal=False, balanced=False, padding="right"),
+    "explicit-bool": Case(window=7, padding="left", explicit="bool"),
+    "explicit-additive": Case(padding="right", explicit="additive"),
 }
 
 
@@ -56,10 +63,8 @@ def inputs(case: Case) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad, keys
 
 
-def reference(case: Case) -> dict[str, torch.Tensor]:
-    """The unsharded attention: scaled_dot_product_attention over the whole sequence."""
-    q, k, v, grad, keys = (t.clone() for t in inputs(case))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+def mask_of(case: Case, keys: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s]: True where a query sees a key."""
     s = case.length
     pos = torch.arange(s)
     allowed = torch.ones(s, s, dtype=torch.bool)
@@ -67,7 +72,14 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
         allowed = pos[None, :] <= pos[:, None]
     if case.window is not None:
         allowed &= pos[:, None] - pos[None, :] < case.window
-    mask = allowed[None, None] & keys[:, None, None, :]
+    return allowed[None, None] & keys[:, None, None, :]
+
+
+def reference(case: Case) -> dict[str, torch.Tensor]:
+    """The unsharded attention: scaled_dot_product_attention over the whole sequence."""
+    q, k, v, grad, keys = (t.clone() for t in inputs(case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = mask_of(case, keys)
     empty = ~mask.any(-1, keepdim=True)  # a query no key is left for: zeros
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty,
                                          enable_gqa=case.heads != case.kv_heads)
@@ -82,9 +94,16 @@ def run(comm: Communicator, case: Case, strategy: str) -> dict[str, float]:
     layout = SequenceLayout(comm.world_size, case.balanced)
     q, k, v, grad, keys = inputs(case)
     mine = [layout.shard(t, 2, comm.rank).requires_grad_() for t in (q, k, v)]
-    attend = ring_attention if strategy == "ring" else ulysses_attention
-    out = attend(*mine, comm, layout, causal=case.causal, window=case.window,
-                 key_mask=keys if case.padding else None)
+    if case.explicit:  # this rank's rows of the whole mask, as a model would build it
+        assert strategy == "ring"
+        rows = layout.shard(mask_of(case, keys), 2, comm.rank)
+        if case.explicit == "additive":
+            rows = torch.zeros(rows.shape).masked_fill(~rows, float("-inf"))
+        out = ring_attention(*mine, comm, layout, attn_mask=rows)
+    else:
+        attend = ring_attention if strategy == "ring" else ulysses_attention
+        out = attend(*mine, comm, layout, causal=case.causal, window=case.window,
+                     key_mask=keys if case.padding else None)
     out.backward(layout.shard(grad, 2, comm.rank))
     want = reference(case)
     got = {"out": out.detach(), "q": mine[0].grad, "k": mine[1].grad, "v": mine[2].grad}
@@ -102,9 +121,78 @@ def process_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     results = {}
     for name, case in CASES.items():
         for strategy in ("ring", "ulysses"):
-            if strategy == "ulysses" and (case.heads % world_size or case.kv_heads % world_size):
+            if strategy == "ulysses" and (case.heads % world_size or case.kv_heads % world_size
+                                          or case.explicit):
                 continue
             results[f"{name}-{strategy}"] = run(comm, case, strategy)
     results["shifts"] = {"forward": float(comm.log.count("forward", kind="shift",
                                                           any_layer=True))}
     return results
+
+
+# ---- whole models under context parallelism -----------------------------------------------
+
+
+def model_inputs(name: str, padded: bool) -> dict[str, torch.Tensor]:
+    """Whole inputs, the same on every rank: 16 tokens (labels for the model's own loss; the
+    second sequence left-padded by 4 where ``padded``)."""
+    import models
+
+    ids = torch.randint(0, models.VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    if name == "nanogpt":
+        return {"idx": ids}
+    kwargs = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, :4] = 0
+        kwargs["attention_mask"] = mask
+    return kwargs
+
+
+def model_loss(name: str, out: Any) -> torch.Tensor:
+    import models
+
+    if name == "nanogpt":  # next-token cross-entropy outside the model
+        ids = model_inputs(name, False)["idx"]
+        return models.loss_of(out, ids)
+    return out.loss
+
+
+def model_output(name: str, out: Any) -> torch.Tensor:
+    return main_output(out) if name == "nanogpt" else out.logits
+
+
+def _step_functions(name: str, inputs: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
+    """The call, the loss and the output to compare, for ``verify``'s steps."""
+    return (lambda m: m(**inputs), lambda out: model_loss(name, out),
+            lambda out: model_output(name, out))
+
+
+def process_models(rank: int, world_size: int, names: list[str], padded: bool
+                   ) -> dict[str, Any]:
+    """``autotp.parallelize(model, tp=1, cp=world_size)`` of each model against the unsharded
+    model: output, loss and every gradient (``verify.compare``); then the bad inputs."""
+    import models
+
+    results: dict[str, Any] = {}
+    for name in names:
+        model = models.BUILDERS[name]().eval()
+        inputs = model_inputs(name, padded and name != "nanogpt")
+        sharded = autotp.parallelize(model, tp=1, cp=world_size, example_kwargs=inputs)
+        call, loss, pick = _step_functions(name, inputs)
+        results[name] = compare(reference_step(model, call, loss, pick),
+                                sharded_step(sharded, call, loss, pick))
+        results[f"{name}-rings"] = sum(c.strategy.endswith("[ring]")
+                                       for c in sharded.plan.choices.values())
+    errors = []
+    for bad in (lambda: autotp.parallelize(models.llama(), tp=1, cp=world_size + 1,
+                                           example_kwargs=model_inputs("llama", False)),
+                lambda: sharded(**{k: v[:, :15] for k, v in inputs.items()})):
+        try:
+            bad()
+            errors.append("no error")
+        except autotp.AutotpError as exc:
+            errors.append(str(exc))
+    results["errors"] = errors
+    return results
+

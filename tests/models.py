@@ -73,11 +73,22 @@ def nanogpt(seed: int = 0) -> torch.nn.Module:
     return perturb(model, seed=10_000 + seed, **VECTOR_NOISE)
 
 
+def mistral_window(seed: int = 0) -> torch.nn.Module:
+    """A sliding window of 5 tokens (transformers builds the windowed causal mask), GQA."""
+    tf = _quiet_transformers()
+    torch.manual_seed(seed)
+    config = tf.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                              max_position_embeddings=64, sliding_window=5)
+    return perturb(tf.MistralForCausalLM(config), seed=10_000 + seed, **VECTOR_NOISE)
+
+
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
     "gpt2": gpt2,
     "llama": llama,
     "bert": bert,
     "nanogpt": nanogpt,
+    "mistral_window": mistral_window,
 }
 
 

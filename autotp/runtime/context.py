@@ -39,6 +39,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autotp.errors import ConfigError
@@ -152,14 +153,40 @@ def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[torch.Tensor],
-            keys: Optional[torch.Tensor]) -> torch.Tensor:
-    """q [b, h, sq, d] against k [b, h, sk, d] (at least float32), -inf where masked."""
+            extra: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [b, h, sq, d] against k [b, h, sk, d] (at least float32), -inf where masked;
+    ``extra``: a boolean mask (True: kept) or an additive one, [b|1, h|1, sq|1, sk]."""
     s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
     if allowed is not None:
         s = s.masked_fill(~allowed.to(s.device), float("-inf"))
-    if keys is not None:  # [b, sk]
-        s = s.masked_fill(~keys[:, None, None, :], float("-inf"))
+    if extra is not None:
+        s = s.masked_fill(~extra, float("-inf")) if extra.dtype == torch.bool \
+            else s + extra.to(s.dtype)
     return s
+
+
+def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                device: torch.device) -> Optional[torch.Tensor]:
+    """The key padding and the explicit mask as one [b|1, h|1, sq|1, S] mask (columns in the
+    global order): boolean, or additive where ``attn_mask`` is."""
+    keys = key_mask.to(device, torch.bool)[:, None, None, :] if key_mask is not None else None
+    if attn_mask is None:
+        return keys
+    mask = attn_mask.to(device)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dtype == torch.bool:
+        return mask if keys is None else mask & keys
+    return mask if keys is None else mask.masked_fill(~keys, float("-inf"))
+
+
+def _block(extra: Optional[torch.Tensor], rows: slice, columns: torch.Tensor
+           ) -> Optional[torch.Tensor]:
+    """The part of the mask for some of this rank's queries and one block's keys."""
+    if extra is None:
+        return None
+    part = extra if extra.shape[2] == 1 else extra[:, :, rows]
+    return part.index_select(3, columns.to(extra.device))
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -199,15 +226,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 comm: Communicator, layout: SequenceLayout, mask: _Mask,
-                key_mask: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
+                extra: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):  # scores and merge in float32
-            return _RingAttention._forward(ctx, q, k, v, comm, layout, mask, key_mask, scale,
+            return _RingAttention._forward(ctx, q, k, v, comm, layout, mask, extra, scale,
                                            label)
 
     @staticmethod
     def _forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  comm: Communicator, layout: SequenceLayout, mask: _Mask,
-                 key_mask: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
+                 extra: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
         b, hq, sq, d = q.shape
         groups = hq // k.shape[1]
         length = sq * layout.cp
@@ -223,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
             kpos = layout.positions(source, length)
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
             for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
-                keys = key_mask[:, kpos[ks].to(key_mask.device)] if key_mask is not None else None
+                keys = _block(extra, qs, kpos[ks])
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 new_top = torch.maximum(top[:, :, qs], s.amax(-1))
                 safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
@@ -239,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.where(empty[..., None], torch.zeros_like(acc),
                           acc / torch.where(empty, torch.ones_like(total), total)[..., None])
         lse = torch.where(empty, torch.full_like(top, float("inf")), top + torch.log(total))
-        ctx.save_for_backward(q, k, v, out, lse, key_mask)
+        ctx.save_for_backward(q, k, v, out, lse, extra)
         ctx.setup = (comm, layout, mask, scale, label)
         return out.to(q.dtype)
 
@@ -251,7 +278,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        q, k, v, out, lse, key_mask = ctx.saved_tensors
+        q, k, v, out, lse, extra = ctx.saved_tensors
         comm, layout, mask, scale, label = ctx.setup
         b, hq, sq, d = q.shape
         groups = hq // k.shape[1]
@@ -270,7 +297,7 @@ class _RingAttention(torch.autograd.Function):
             dk = torch.zeros_like(kb)
             dv = torch.zeros_like(vb)
             for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
-                keys = key_mask[:, kpos[ks].to(key_mask.device)] if key_mask is not None else None
+                keys = _block(extra, qs, kpos[ks])
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
                 dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
@@ -350,14 +377,24 @@ def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicat
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
                    layout: SequenceLayout, *, causal: bool = False,
                    window: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
-                   scale: Optional[float] = None, label: str = "ring") -> torch.Tensor:
+                   attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   label: str = "ring") -> torch.Tensor:
     """Attention of this rank's queries over every rank's keys and values: q [b, hq, s/cp, d],
-    k and v [b, hk, s/cp, d] (hk dividing hq) as ``layout`` shards the sequence."""
+    k and v [b, hk, s/cp, d] (hk dividing hq) as ``layout`` shards the sequence.
+    ``attn_mask``: scaled_dot_product_attention's mask for this rank's queries (boolean, True
+    where kept, or additive), broadcastable to [b, hq, s/cp, s]: its rows this rank's
+    queries, its columns every key in the global order."""
     _checked(q, k, v, comm, layout, causal, window, key_mask)
+    length = q.shape[2] * layout.cp
+    if attn_mask is not None and (attn_mask.shape[-1] != length or attn_mask.dim() < 2 or
+                                  attn_mask.shape[-2] not in (1, q.shape[2])):
+        raise ConfigError(f"attn_mask must have this rank's {q.shape[2]} queries (or 1) as "
+                          f"rows and all {length} keys as columns; got "
+                          f"{list(attn_mask.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keys = key_mask.to(q.device, torch.bool) if key_mask is not None else None
+    extra = _extra_mask(key_mask, attn_mask, q.device)
     out: torch.Tensor = _RingAttention.apply(q, k, v, comm, layout, _Mask(causal, window),
-                                             keys, scale, label)
+                                             extra, scale, label)
     return out
 
 
@@ -396,3 +433,33 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
                            False, label)
     result: torch.Tensor = back
     return result
+
+
+class RingAttention(nn.Module):
+    """``aten.scaled_dot_product_attention`` of a rank program whose plan shards q, k and v
+    along the sequence over the group (contiguous shards: rank r holds the r-th 1/cp of
+    it): the same arguments, computed by ``ring_attention``. The mask arrives with this
+    rank's query rows and every key column."""
+
+    def __init__(self, comm: Communicator, label: str):
+        super().__init__()
+        self.comm = comm
+        self.label = label
+        self.layout = SequenceLayout(comm.world_size, balanced=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                is_causal: bool = False, *, scale: Optional[float] = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        if dropout_p:
+            raise ConfigError(f"{self.label}: attention dropout (dropout_p={dropout_p}) under "
+                              "context parallelism: put the model in eval mode or set the "
+                              "attention dropout to 0")
+        if attn_mask is not None and is_causal:
+            raise ConfigError(f"{self.label}: attn_mask with is_causal=True")
+        if k.shape[1] != q.shape[1] and not enable_gqa:
+            raise ConfigError(f"{self.label}: {q.shape[1]} query and {k.shape[1]} key/value "
+                              "heads without enable_gqa")
+        return ring_attention(q, k, v, self.comm, self.layout, causal=is_causal,
+                              attn_mask=attn_mask, scale=scale, label=self.label)
+

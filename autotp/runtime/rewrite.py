@@ -32,6 +32,7 @@ from autotp.runtime.collectives import (
 )
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
+from autotp.runtime.context import RingAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
@@ -270,6 +271,29 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
     return {node.name: new.name for node, new in ctx.lowered.items()}
 
 
+def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Communicator
+                         ) -> dict[str, str]:
+    """Context parallelism: attention whose plan takes q, k, v sharded along the sequence
+    (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group;
+    returns original node -> the node now holding its value."""
+    renamed: dict[str, str] = {}
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for node in list(graph.nodes):
+        choice = plan.choices.get(node.name)
+        if node.op != "call_function" or node.target != sdpa or choice is None or \
+                not choice.strategy.endswith("[ring]"):
+            continue
+        name = f"autotp_ring_{node.name}"
+        root.add_module(name, RingAttention(comm, node.name))
+        with graph.inserting_before(node):
+            new = graph.call_module(name, node.args, node.kwargs)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        renamed[node.name] = new.name
+    return renamed
+
+
 def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
                      tracker: RngTracker) -> dict[str, str]:
     """Dropout draws from the replicated stream on replicated values and from this rank's
@@ -348,6 +372,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank, routes)
+    lowered.update(ring_attention_calls(graph, plan, root, comm))
     lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
