@@ -39,6 +39,9 @@ def embedding_rule(call: OpCall) -> Iterator[Strategy]:
     # toward that row's frequency: no vocab parallelism then.
     if weight.shardable(0, call.tp) and not call.arg("scale_grad_by_freq", False):
         yield Strategy((Shard(0), R), P, name="vocab parallel")
+    if call.context:  # each rank looks up its own tokens in the whole table
+        for d, blocks in shardable_dims(indices, call):
+            yield Strategy((R, Shard(d, blocks)), Shard(d, blocks), name="tokens")
 
 
 @rules.register(aten.gather.default)

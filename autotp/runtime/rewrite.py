@@ -285,13 +285,74 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
             continue
         name = f"autotp_ring_{node.name}"
         root.add_module(name, RingAttention(comm, node.name))
+        args, kwargs = _grouped_kv(node)
         with graph.inserting_before(node):
-            new = graph.call_module(name, node.args, node.kwargs)
+            new = graph.call_module(name, args, kwargs)
         new.meta.update(node.meta)
+        repeated = [a for a in node.args[1:3] if isinstance(a, fx.Node)]
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        for value in repeated:  # the repeated keys and values no reader takes any more
+            _erase_unread(graph, value)
         renamed[node.name] = new.name
     return renamed
+
+
+def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
+    """``node`` and the views it was made of, as far as nothing else reads them."""
+    views = {torch.ops.aten.reshape.default, torch.ops.aten.expand.default,
+             torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default}
+    while node.op == "call_function" and node.target in views and not node.users:
+        source = node.args[0]
+        graph.erase_node(node)
+        if not isinstance(source, fx.Node):
+            return
+        node = source
+
+
+def _repeated_heads(value: Any) -> Optional[fx.Node]:
+    """``x`` where ``value`` is ``x`` [b, h, t, d] with each head repeated g times
+    (transformers' ``repeat_kv``: unsqueeze at dim 2, expand to [b, h, g, t, d], reshape to
+    [b, h * g, t, d], full slices between them); None otherwise."""
+    aten = torch.ops.aten
+
+    def through_full_slices(n: Any) -> Any:
+        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and \
+                len(n.args) >= 3 and n.args[2] in (0, None) and \
+                (len(n.args) < 4 or n.args[3] is None or n.args[3] >= 2**62):
+            n = n.args[0]
+        return n
+
+    if not (isinstance(value, fx.Node) and value.target == aten.reshape.default):
+        return None
+    expand = value.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target == aten.expand.default):
+        return None
+    unsqueeze = through_full_slices(expand.args[0])
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target == aten.unsqueeze.default
+            and unsqueeze.args[1] == 2):
+        return None
+    source = through_full_slices(unsqueeze.args[0])
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    return source if isinstance(val, torch.Tensor) and val.dim() == 4 else None
+
+
+def _grouped_kv(node: fx.Node) -> tuple[tuple, dict]:
+    """An attention call's arguments with keys and values whose heads were repeated for
+    grouped-query attention replaced by the unrepeated ones (``enable_gqa``): the ring sends
+    and saves hk heads, not hq."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) < 3:
+        return tuple(args), kwargs
+    k, v = _repeated_heads(args[1]), _repeated_heads(args[2])
+    if k is None or v is None:
+        return tuple(args), kwargs
+    k_val, v_val = k.meta["val"], v.meta["val"]
+    if k_val.shape[1] != v_val.shape[1]:
+        return tuple(args), kwargs
+    args[1], args[2] = k, v
+    kwargs["enable_gqa"] = True
+    return tuple(args), kwargs
 
 
 def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,

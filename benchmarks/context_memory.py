@@ -1,0 +1,104 @@
+"""Activation memory per rank against the context-parallel degree, measured.
+
+    python benchmarks/context_memory.py [--cp 1 2 4] [--layers 4] [--hidden 256] [--seq 512]
+
+Activation memory is what autograd keeps from the forward pass for the backward pass: every
+tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``),
+parameters excluded. Each cp runs in the in-process simulation (the rank programs
+``autotp.parallelize(..., cp=)`` builds), each rank measured in its own thread; the table
+shows the largest rank. Two programs of transformers' LLaMA (SDPA, causal, GQA):
+
+- ``layers``: ``LlamaModel`` (the decoder without its head), output returned as each rank's
+  sequence shard (``gather_outputs=False``);
+- ``with loss``: ``LlamaForCausalLM`` with ``labels=``: the model's own loss, whose
+  ``logits.view(-1, vocab)`` is gathered whole on every rank for now (docs/parallelism.md).
+
+``x cp`` is the activation memory at cp times cp over cp 1's: 1.00 where everything scales
+as 1/cp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(head: bool, args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                      intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+                                      num_attention_heads=8, num_key_value_heads=2,
+                                      vocab_size=args.vocab, max_position_embeddings=args.seq,
+                                      attn_implementation="sdpa")
+    cls = transformers.LlamaForCausalLM if head else transformers.LlamaModel
+    return cls(config).eval()
+
+
+def measure(head: bool, cp: int, args: argparse.Namespace) -> tuple[int, float]:
+    """(the largest rank's activation bytes, seconds of its forward and backward)."""
+    import autotp
+    from autotp.features.saved_tensors import count_saved
+
+    model = build(head, args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids} if head else {"input_ids": ids}
+    example = {k: v[:2, :64] for k, v in inputs.items()}
+    params = list(model.parameters())
+
+    def step(m: torch.nn.Module) -> tuple[int, float]:
+        start = time.perf_counter()
+        with count_saved(exclude=[*m.parameters(), *params]) as saved:
+            out = m(**inputs)
+        loss = out.loss if head else out.last_hidden_state.float().pow(2).mean()
+        loss.backward()
+        return saved.nbytes, time.perf_counter() - start
+
+    if cp == 1:
+        return step(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gathered logits' fallback note
+        sim = autotp.simulate(model, 1, cp=cp, example_kwargs=example, gather_outputs=False)
+    per_rank = sim.run(step)
+    return max(b for b, _ in per_rank), max(t for _, t in per_rank)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+    mib = 1 << 20
+    print(f"activation memory per rank (saved for backward), LLaMA B={args.batch} "
+          f"T={args.seq} hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32; "
+          "simulated ranks (threads)")
+    print(f"{'program':<10} {'cp':>3} {'per rank':>10} {'/ cp 1':>7} {'x cp':>6} "
+          f"{'fwd+bwd s':>10}")
+    for head in (False, True):
+        base = None
+        for cp in args.cp:
+            nbytes, seconds = measure(head, cp, args)
+            base = base if base is not None else (nbytes if cp == 1 else None)
+            ratio = nbytes / base if base else float("nan")
+            print(f"{'with loss' if head else 'layers':<10} {cp:>3} {nbytes / mib:>8.1f}Mi "
+                  f"{ratio:>7.3f} {ratio * cp:>6.2f} {seconds:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
