@@ -24,8 +24,6 @@ import os
 import sys
 import time
 import warnings
-from typing import Any
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -316,10 +316,13 @@ def _repeated_heads(value: Any) -> Optional[fx.Node]:
     [b, h * g, t, d], full slices between them); None otherwise."""
     aten = torch.ops.aten
 
+    def whole(n: fx.Node) -> bool:  # slice(x, dim, 0 or None, None or the largest int)
+        start = n.args[2] if len(n.args) > 2 else None
+        end = n.args[3] if len(n.args) > 3 else None
+        return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2**62))
+
     def through_full_slices(n: Any) -> Any:
-        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and \
-                len(n.args) >= 3 and n.args[2] in (0, None) and \
-                (len(n.args) < 4 or n.args[3] is None or n.args[3] >= 2**62):
+        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and whole(n):
             n = n.args[0]
         return n
 
