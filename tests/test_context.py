@@ -230,3 +230,23 @@ def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str]) -> None:
         assert f"cp={cp + 1} but the context-parallel group has {cp} ranks" in wrong_group
         assert "divisible by cp=" in odd_length and "has 15" in odd_length
 
+
+def test_command_line_plans_with_cp() -> None:
+    """``autotp plan --tp 1 --cp 2``: the plan's table names the degree and the ring; --cp
+    with --tp 2 is refused."""
+    import contextlib
+    import io
+
+    from autotp.cli import main
+
+    model = ["hf:llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+             "--set", "intermediate_size=128", "--set", "num_attention_heads=4",
+             "--set", "num_key_value_heads=2", "--set", "vocab_size=256", "-q"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["plan", *model, "--tp", "1", "--cp", "2"]) == 0, err.getvalue()
+        assert main(["plan", *model, "--tp", "2", "--cp", "2"]) != 0
+    text = out.getvalue()
+    assert "cp=2 (context parallel, tp=1)" in text and "2 call(s) by ring attention" in text
+    assert "--cp 2 runs with --tp 1" in err.getvalue()
+

@@ -6,7 +6,8 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
     {"schema": "autotp.plan/1", "model": str, "tp": int, "layers": int,
      "batch": int, "seq": int, "bandwidth_GBps": float, "latency_us": float,
      "step_latency_us": float,  # per ring step: 2(tp-1) for an all-reduce, tp-1 otherwise
-     "sequence_parallel": bool, "outputs": ["R" | "S(2)" ...],  # as returned to the user
+     "sequence_parallel": bool, "context_parallel": bool (tp is then the cp degree),
+     "outputs": ["R" | "S(2)" ...],  # as returned to the user
      "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
                        "local_shape": [int], "layer": int | null, "aliases": [str],
                        "grad_sync": bool}},
@@ -245,7 +246,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
         "latency_us": round(cost_model.latency * 1e6, 6),
         "step_latency_us": round(cost_model.step_latency * 1e6, 6),
         "params": params, "collectives": collectives,
-        "sequence_parallel": plan.sequence_parallel, "outputs": list(plan.outputs),
+        "sequence_parallel": plan.sequence_parallel, "context_parallel": plan.context_parallel,
+        "outputs": list(plan.outputs),
         "summary": {
             "forward_collectives": totals["forward"][0],
             "backward_collectives": totals["backward"][0],
@@ -275,10 +277,16 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     data = to_dict(plan, cost_model)
     batch, seq = cost_model.batch, cost_model.seq
     ep = f", ep={plan.ep}" if plan.ep > 1 else ""
-    lines = [f"autotp plan: {plan.model}, tp={plan.tp}{ep}, {plan.layers} layers; bytes at "
+    degree = f"cp={plan.tp} (context parallel, tp=1)" if plan.context_parallel else \
+        f"tp={plan.tp}"
+    lines = [f"autotp plan: {plan.model}, {degree}{ep}, {plan.layers} layers; bytes at "
              f"B={batch} T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
              f"{cost_model.latency * 1e6:g} us + {cost_model.step_latency * 1e6:g} us per ring "
              f"step"]
+    if plan.context_parallel:
+        rings = sum(c.strategy.endswith("[ring]") for c in plan.choices.values())
+        lines.append(f"attention: {rings} call(s) by ring attention (key/value blocks passed "
+                     f"around the {plan.tp} ranks inside the op, not listed below)")
 
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
         out = []
