@@ -201,6 +201,27 @@ def test_models_match_the_unsharded_model(name: str, cp: int, padded: bool) -> N
                       pick=lambda out: cc.model_output(name, out))
 
 
+def test_eager_einsum_attention_gathers_keys_and_values() -> None:
+    """x-transformers' decoder (rotary, attention as einsums and a softmax, no SDPA) at
+    cp 2: the scores' product keeps this rank's queries and reads every key, so each
+    attention block all-gathers k and v forward and reduce-scatters their gradients
+    (context parallelism by gathered keys and values), and the model stays exact."""
+    xt = pytest.importorskip("x_transformers")
+    from autotp.features.verify import assert_equivalent, perturb
+
+    torch.manual_seed(0)
+    model = perturb(xt.TransformerWrapper(
+        num_tokens=128, max_seq_len=32,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
+    tokens = torch.randint(0, 128, (2, 16))
+    sim = autotp.simulate(model, 1, cp=2, example_kwargs={"x": tokens})
+    per_layer = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}
+    assert per_layer and all(counts == {("forward", "all_gather"): 2,
+                                        ("backward", "reduce_scatter"): 2}
+                             for counts in per_layer.values()), per_layer
+    assert_equivalent(model, sim, kwargs={"x": tokens})
+
+
 def test_context_parallel_bad_input_is_a_clear_error() -> None:
     import models
 
