@@ -244,6 +244,16 @@ def parallelize(
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
     ep_comm = ProcessGroupComm(ep_group, timeout=timeout) if ep > 1 else None
+    return _built(model, captured, the_plan, comm, checkpoint=checkpoint, init=init,
+                  device=device, strict=strict, check_plan=check_plan, grad_sync=grad_sync,
+                  compile=compile, keep_gathered=keep_gathered, ep_comm=ep_comm)
+
+
+def _built(model: nn.Module, captured: Captured, the_plan: Plan, comm: Communicator, *,
+           checkpoint: Any, init: bool, device: Any, strict: bool,
+           **build_options: Any) -> ShardedModule:
+    """This rank's module of a planned model: its weights (the model's, a checkpoint's
+    slices or initialized), placed on ``device`` where the model has none."""
     meta = has_meta_parameters(model)
     if device is None and meta:
         device = default_device()
@@ -255,10 +265,8 @@ def parallelize(
         seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"
                             else torch.device("cpu"))
     try:
-        sharded = build_rank(captured, the_plan, comm.rank, comm, check_plan=check_plan,
-                         grad_sync=grad_sync, compile=compile, weights=weights,
-                         device=device if meta else None, seed=seed,
-                         keep_gathered=keep_gathered, ep_comm=ep_comm)
+        sharded = build_rank(captured, the_plan, comm.rank, comm, weights=weights,
+                             device=device if meta else None, seed=seed, **build_options)
     finally:
         weights.close()
     sharded.source = ModelInfo.of(model)
@@ -291,28 +299,10 @@ def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int
         gather_outputs=options.pop("gather_outputs"), share=comm.made_once)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
-    meta = has_meta_parameters(model)
-    device = options.pop("device")
-    if device is None and meta:
-        device = default_device()
-    device = torch.device(device) if device is not None else None
-    checkpoint = options.pop("checkpoint")
-    weights = maybe_deferred(_weights(model, captured, the_plan, comm.rank, checkpoint,
-                                      options.pop("init"), device))
-    seed = None
-    if checkpoint is not None:
-        seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"
-                            else torch.device("cpu"))
-    try:
-        sharded = build_rank(captured, the_plan, comm.rank, comm, check_plan=check_plan,
-                             grad_sync=options.pop("grad_sync"), compile=options.pop("compile"),
-                             weights=weights, device=device if meta else None, seed=seed)
-    finally:
-        weights.close()
-    sharded.source = ModelInfo.of(model)
-    sharded.strict = options["strict"]
-    sharded.placed_on = device if meta else None
-    return sharded
+    return _built(model, captured, the_plan, comm, checkpoint=options["checkpoint"],
+                  init=options["init"], device=options["device"], strict=options["strict"],
+                  check_plan=check_plan, grad_sync=options["grad_sync"],
+                  compile=options["compile"])
 
 
 def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: Any
