@@ -86,7 +86,8 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     # forward and backward, 4 ranks: (64 pairs - 28 hidden) x 2
     assert len(counted) == 2 * (4 * 4 * 4 - 28), len(counted)
     assert all(log.count("forward", kind="shift", any_layer=True) == 3 for log in logs)
-    assert all(log.count("backward", kind="shift", any_layer=True) == 4 for log in logs)
+    # backward: the blocks 3 times, their gradient accumulators 4 (the last one home)
+    assert all(log.count("backward", kind="shift", any_layer=True) == 7 for log in logs)
 
 
 def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:

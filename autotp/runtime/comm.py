@@ -81,6 +81,14 @@ class Communicator:
         shape and dtype."""
         raise NotImplementedError
 
+    def start_shift(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``shift`` begun now and finished by calling what it returns, so that work between
+        the two overlaps the transfer (the ring's next block travels while this one is
+        computed). ``tensor`` must not change until then. Where the transport cannot wait
+        apart from starting (threads), the shift is done here."""
+        out = self.shift(tensor)
+        return lambda: out
+
 
 class CollectiveError(AutotpError, RuntimeError):
     """A collective did not complete: another rank failed, exited, or is stuck."""
@@ -184,10 +192,14 @@ class ProcessGroupComm(Communicator):
         return out
 
     def shift(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.start_shift(tensor)()
+
+    def start_shift(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         self._check_device(tensor)
         send = tensor.contiguous()
         if self.world_size == 1:
-            return send.clone()
+            out = send.clone()
+            return lambda: out
         out = torch.empty_like(send)
         to, source = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         if self.group is not None:  # point-to-point ops name global ranks
@@ -195,9 +207,12 @@ class ProcessGroupComm(Communicator):
                 dist.get_global_rank(self.group, source)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, self.group),
                                         dist.P2POp(dist.irecv, out, source, self.group)])
-        for work in works:
-            self._wait(work, "shift", self._uses_nccl(out))
-        return out
+
+        def finish() -> torch.Tensor:
+            for work in works:
+                self._wait(work, "shift", self._uses_nccl(out))
+            return out
+        return finish
 
     def made_once(self, key: str, make: Callable[[], str]) -> str:
         """What ``make`` returns on rank 0, on every rank: rank 0 makes it (a plan, minutes

@@ -16,9 +16,11 @@ Two ways to attend across the shards:
   Each rank sends (cp - 1)/cp of q, k, v and the output each way.
 - ``ring_attention``: each rank keeps its queries; the key/value blocks pass around the ring
   (cp - 1 shifts) and the partial results are merged by their log-sum-exp (the online
-  softmax). Any head count. Backward passes the blocks around again with their gradient
-  accumulators, which are home after cp shifts. A pair of chunks that the mask hides
-  entirely (the future under a causal mask, what lies beyond a sliding window) is skipped.
+  softmax). Any head count. Backward passes the blocks around again, each block's gradient
+  accumulator one step behind it, home after cp shifts. Every shift is begun before the
+  step's products and awaited after them, so the transfer overlaps the compute. A pair of
+  chunks that the mask hides entirely (the future under a causal mask, what lies beyond a
+  sliding window) is skipped.
 
 ``attention_strategy`` picks one by the bytes each sends and says why.
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -207,19 +209,26 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _send_around(comm: Communicator, tensors: list[torch.Tensor], phase: str,
-                 label: str) -> list[torch.Tensor]:
-    """One shift of several tensors, as one message per dtype."""
-    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+                 label: str) -> Callable[[], list[torch.Tensor]]:
+    """One shift of several tensors, as one message per dtype, begun now: what it returns
+    waits for it and gives the tensors rank - 1 sent."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    started = []
     for indexes in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indexes])
         comm.log.record("shift", phase, None, flat.numel() * flat.element_size(), label)
-        got = comm.shift(flat)
-        for i, part in zip(indexes, got.split([tensors[i].numel() for i in indexes])):
-            out[i] = part.view(tensors[i].shape)
-    return [t for t in out if t is not None]
+        started.append((indexes, comm.start_shift(flat)))
+
+    def finish() -> list[torch.Tensor]:
+        out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+        for indexes, wait in started:
+            got = wait()
+            for i, part in zip(indexes, got.split([tensors[i].numel() for i in indexes])):
+                out[i] = part.view(tensors[i].shape)
+        return [t for t in out if t is not None]
+    return finish
 
 
 class _RingAttention(torch.autograd.Function):
@@ -246,6 +255,9 @@ class _RingAttention(torch.autograd.Function):
         acc = q.new_zeros((b, hq, sq, v.shape[-1]), dtype=wide)
         block = [k, v]
         for step in range(layout.cp):
+            # the next block travels while this one is computed
+            coming = _send_around(comm, block, "forward", label) \
+                if step < layout.cp - 1 else None
             source = (comm.rank - step) % layout.cp
             kpos = layout.positions(source, length)
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
@@ -260,8 +272,8 @@ class _RingAttention(torch.autograd.Function):
                 acc[:, :, qs] = acc[:, :, qs] * kept[..., None] + \
                     torch.matmul(p, _wide(vb[:, :, ks]))
                 top[:, :, qs] = new_top
-            if step < layout.cp - 1:
-                block = _send_around(comm, block, "forward", label)
+            if coming is not None:
+                block = coming()
         empty = total == 0  # a query no key is left for
         out = torch.where(empty[..., None], torch.zeros_like(acc),
                           acc / torch.where(empty, torch.ones_like(total), total)[..., None])
@@ -288,9 +300,14 @@ class _RingAttention(torch.autograd.Function):
         do = _wide(grad)
         delta = (do * out).sum(-1)  # [b, hq, sq]
         dq = torch.zeros(q.shape, dtype=do.dtype, device=q.device)
+        # Each block's gradient accumulator travels one step behind it: rank r adds its share
+        # to the accumulator rank r - 1 sent after the step before, and sends it on; after
+        # the last step it arrives home. Both shifts overlap the next step's products.
         block = [k, v]
-        grads = [torch.zeros_like(_wide(k)), torch.zeros_like(_wide(v))]
+        passing: Optional[Callable[[], list[torch.Tensor]]] = None  # the accumulator coming
         for step in range(layout.cp):
+            coming = _send_around(comm, block, "backward", label) \
+                if step < layout.cp - 1 else None
             source = (comm.rank - step) % layout.cp
             kpos = layout.positions(source, length)
             kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
@@ -305,13 +322,14 @@ class _RingAttention(torch.autograd.Function):
                 ds = p * (dp - delta[:, :, qs, None])
                 dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
                 dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), _wide(q[:, :, qs])) * scale
-            grads = [grads[0] + _fold(dk, groups), grads[1] + _fold(dv, groups)]
-            # the block's gradient travels with it; after cp shifts it is home
-            if step < layout.cp - 1:
-                moved = _send_around(comm, [*block, *grads], "backward", label)
-                block, grads = moved[:2], moved[2:]
-            else:
-                grads = _send_around(comm, grads, "backward", label)
+            grads = [_fold(dk, groups), _fold(dv, groups)]
+            if passing is not None:
+                grads = [a + b for a, b in zip(passing(), grads)]
+            passing = _send_around(comm, grads, "backward", label)
+            if coming is not None:
+                block = coming()
+        assert passing is not None
+        grads = passing()  # home after cp shifts
         return (dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype),
                 None, None, None, None, None, None)
 
