@@ -30,7 +30,7 @@ from autotp.ops import positive_int
 from autotp.planner.cost import CostModel
 from autotp.planner.job import hardware as hw_module
 from autotp.planner.job.configure import (Estimate, Planner, Request, attention_heads,
-                                          capture_for_training, parse_mesh, search,
+                                          capture_for_training, parse_mesh_dims, search,
                                           training_example)
 from autotp.planner.job.estimate_view import write
 from autotp.planner.job.hardware import PRESETS
@@ -230,6 +230,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise ConfigError("autotp estimate needs a MODEL (or --calibrate)")
     if args.gpus is None or args.global_batch is None:
         raise ConfigError("autotp estimate needs --gpus N and --global-batch B")
+    cp = None if args.cp is None else positive_int("--cp", args.cp)
+    mesh = None
+    if args.mesh:
+        dims = parse_mesh_dims(args.mesh)
+        mesh = (dims["pp"], dims["dp"], dims["tp"])
+        if cp is not None and "cp=" in args.mesh.replace(" ", "") and cp != dims["cp"]:
+            raise ConfigError(f"--cp {cp} and --mesh {args.mesh} disagree: give cp once")
+        cp = dims["cp"] if cp is None else cp
     start = time.perf_counter()
     with progress.step(f"building {args.model} on the meta device"):
         loaded = load_model(args.model, parse_overrides(args.overrides), meta=True)
@@ -241,8 +249,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                                  args.dtype)
     req = Request(
         gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
-        gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch,
-        mesh=parse_mesh(args.mesh) if args.mesh else None, checkpointing=args.checkpointing,
+        gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch, cp=cp,
+        mesh=mesh, checkpointing=args.checkpointing,
         sequence_parallel=args.sequence_parallel,
         dtype=args.dtype, precision=args.precision, optimizer=args.optimizer,
         dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
@@ -283,10 +291,13 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dp-shard", default="fsdp", choices=["fsdp", "optimizer", "none"],
                    help="what data parallelism shards: everything (FSDP2, default), the "
                         "optimizer state, or nothing (DDP)")
-    s.add_argument("--mesh", help="evaluate this mesh only: pp=P,dp=D,tp=T")
+    s.add_argument("--mesh", help="evaluate this mesh only: pp=P,dp=D,tp=T (and cp=C)")
     s.add_argument("--ep", type=int,
                    help="expert parallelism: split the experts over ep of the dp ranks too "
                         "(searched for a mixture of experts; 1 otherwise)")
+    s.add_argument("--cp", type=int,
+                   help="context parallelism: the sequence split over this many ranks "
+                        "(searched; 1 for none)")
     s.add_argument("--checkpointing", choices=["none", "selective", "full"],
                    help="activation recomputation (searched)")
     s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
@@ -334,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--procs", action="store_true", help="real gloo processes, not simulation")
     v.add_argument("--atol", type=float, default=1e-4, help="tolerance (outputs, gradients)")
     v.set_defaults(func=cmd_verify)
-    s = sub.add_parser("estimate", help="memory and step time of every tp x pp x dp, ranked")
+    s = sub.add_parser("estimate",
+                       help="memory and step time of every tp x cp x pp x dp, ranked")
     _add_estimate_args(s)
     s.set_defaults(func=cmd_estimate)
     return parser

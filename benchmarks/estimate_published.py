@@ -1,6 +1,6 @@
 """``autotp estimate`` against published measurements: predicted beside published.
 
-    python benchmarks/estimate_published.py [--only activations,megatron,llama70b,gpu]
+    python benchmarks/estimate_published.py [--only activations,megatron,llama70b,context,gpu]
 
 1. activations: activation memory per layer of a Megatron-style GPT (pre-LayerNorm, fused
    qkv, eager softmax attention with dropout on the probabilities, 4h GELU MLP, dropouts;
@@ -17,7 +17,12 @@
 3. llama70b: a LLaMA-2-70B shape on 64 A100-80GB (8 per node), global batch 512 x 4096
    tokens, bf16: the whole search on the meta device, its time, the best configuration and
    its MFU (published Megatron runs of this size sit near 50 %), and why the others are out.
-4. gpu (only where CUDA is present): LLaMA shapes at tp 1 trained on this GPU (bfloat16,
+4. context: a LLaMA-3-8B shape on 32 H100 (4 nodes of 8), global batch 8 sequences of
+   524,288 tokens: the search over tp x cp x pp x dp, the best configuration beside the best
+   without context parallelism (none fits: a sequence's activations and logits alone
+   outgrow a GPU), and the same model at 8,192 tokens, where the best keeps the sequence
+   whole and the table says what cp would cost.
+5. gpu (only where CUDA is present): LLaMA shapes at tp 1 trained on this GPU (bfloat16,
    fused AdamW): the forward and backward time, the optimizer step, the model states, what
    the forward leaves for backward and the peak, each predicted beside measured.
 
@@ -210,6 +215,25 @@ def llama70b() -> None:
     print("   " + to_table(est, top=8).replace("\n", "\n   "))
 
 
+def context() -> None:
+    from autotp.planner.job.configure import estimate
+    from autotp.planner.job.estimate_view import to_table
+
+    transformers = _quiet()
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      num_hidden_layers=32, vocab_size=128256,
+                                      max_position_embeddings=524288)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    for seq, batch in ((524288, 8), (8192, 256)):
+        est = estimate(model, gpus=32, global_batch=batch, seq=seq, hardware="h100",
+                       model_name="LLaMA-3-8B shape")
+        print(f"4. LLaMA-3-8B shape, 32 x H100 (8 per node), global batch {batch} x {seq}, "
+              "bf16")
+        print("   " + to_table(est, top=6).replace("\n", "\n   "))
+
+
 # (hidden, layers, micro-batch, sequence, recomputation) of the LLaMA shapes timed on a GPU
 GPU_CASES = ((1024, 8, 8, 1024, "none"), (2048, 8, 4, 2048, "none"),
              (2048, 8, 4, 2048, "full"), (4096, 4, 2, 4096, "none"))
@@ -284,14 +308,14 @@ def measure(hidden: int, layers: int, batch: int, seq: int, policy: str,
 
 def gpu() -> None:
     if not torch.cuda.is_available():
-        print("4. no CUDA device: the predicted-against-measured step is skipped")
+        print("5. no CUDA device: the predicted-against-measured step is skipped")
         return
     from autotp.planner.job.hardware import PRESETS, calibrate
 
     name = torch.cuda.get_device_name().lower()
     base = PRESETS["h200" if "h200" in name else "h100" if "h100" in name else "a100-80gb"]
     hw, _ = calibrate(base, dtype="bfloat16")
-    print(f"4. {torch.cuda.get_device_name()}: predicted (calibrated {base.name}) / measured, "
+    print(f"5. {torch.cuda.get_device_name()}: predicted (calibrated {base.name}) / measured, "
           "tp 1, LLaMA shapes, everything bfloat16, fused AdamW")
     print(f"   {'h':>5} {'L':>2} {'b':>2} {'s':>5} {'ckpt':>4} | {'fwd+bwd ms':>15} "
           f"{'optimizer ms':>13} | {'states GiB':>11} {'saved GiB':>11} {'peak GiB':>11}")
@@ -313,7 +337,8 @@ def gpu() -> None:
               f"peak {m.total / got['peak']:.2f}x)")
 
 
-STEPS = {"activations": activations, "megatron": megatron, "llama70b": llama70b, "gpu": gpu}
+STEPS = {"activations": activations, "megatron": megatron, "llama70b": llama70b,
+         "context": context, "gpu": gpu}
 
 
 def main() -> int:

@@ -313,7 +313,8 @@ def test_cli_estimate_writes_the_schema(tmp_path) -> None:
     first = data["configs"][0]
     assert first["fits"] and set(first["memory"]) >= {"parameters", "gradients", "optimizer",
                                                       "activations", "total"}
-    parts = ("compute_s", "tp_comm_s", "ep_comm_s", "pp_bubble_s", "dp_comm_s", "optimizer_s")
+    parts = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_bubble_s", "dp_comm_s",
+             "optimizer_s")
     assert set(first["time"]) == {"step_s", *parts}
     assert first["time"]["optimizer_s"] > 0
     assert math.isclose(sum(first["time"][k] for k in parts),
@@ -506,3 +507,157 @@ def test_expert_exchanges_predicted_match_the_simulation() -> None:
             predicted[(c.layer, c.phase)] = predicted.get((c.layer, c.phase), 0) + c.nbytes
     assert measured == {key: 2 * nbytes for key, nbytes in predicted.items()}, (measured,
                                                                                  predicted)
+
+
+# ---- context parallelism ---------------------------------------------------------------
+
+def _llama_on_meta(layers: int = 2) -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_attention_heads=8, num_key_value_heads=2,
+                                      num_hidden_layers=layers, vocab_size=1024,
+                                      max_position_embeddings=1 << 20)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
+    """At cp 4 a rank's program is the cp 1 program on a quarter of the sequence: every
+    product, the attention's work (its queries against every key), the activations kept and
+    the tp collectives a quarter; each attention adds its ring, one shift carrying the kv
+    heads' blocks (b x T/cp x kv heads/tp x head dim x 2 tensors x 2 bytes; transformers'
+    repeat of the kv heads for GQA is read through) forward, with their float32 gradients
+    backward, and the gradients' shift home."""
+    from autotp.planner.job.configure import training_example
+
+    model = _llama_on_meta()
+    captured = capture(model, None, training_example(model))
+    plan = plan_graph(captured, 2)
+    seq, tp, cp, kv, head = 4096, 2, 4, 2, 32
+    one = build_profile(captured, plan, 1, seq, dtype_bytes=2)
+    four = build_profile(captured, plan, 1, seq, dtype_bytes=2, cp=cp)
+    assert (four.cp, four.seq) == (cp, seq // cp)
+
+    def saved(prof: Any, layer: int) -> float:
+        return sum(s.nbytes for s in prof.saved if s.layer == layer)
+
+    def tp_bytes(prof: Any, layer: int) -> float:
+        return sum(c.nbytes for c in prof.comms if c.layer == layer and c.group == "tp")
+
+    for layer in one.layers:
+        for kind in ("gemm", "attention"):
+            mine = [op.flops for op in four.ops if op.layer == layer and op.kind == kind]
+            whole = [op.flops for op in one.ops if op.layer == layer and op.kind == kind]
+            assert mine and sum(mine) == pytest.approx(sum(whole) / cp, rel=1e-9), kind
+        assert saved(four, layer) == pytest.approx(saved(one, layer) / cp)
+        assert tp_bytes(one, layer) > 0
+        assert tp_bytes(four, layer) == pytest.approx(tp_bytes(one, layer) / cp)
+        ring = {(c.kind, c.phase): c.nbytes for c in four.comms
+                if c.layer == layer and c.group == "cp"}
+        blocks = 1 * (seq // cp) * (kv // tp) * head * 2 * 2
+        grads = blocks // 2 * 4
+        assert ring == {("shift", "forward"): blocks, ("shift", "backward"): blocks + grads,
+                        ("shift_home", "backward"): grads}
+    assert not [c for c in one.comms if c.group == "cp"]
+    with pytest.raises(ConfigError, match="cp=3 does not divide the sequence 4096"):
+        build_profile(captured, plan, 1, seq, cp=3)
+
+
+def test_the_ring_shows_only_where_it_outlasts_the_attention() -> None:
+    """Each of the cp - 1 shifts overlaps one step's attention (1/cp of it; backward 2.5x):
+    what the shift takes beyond that is added; the gradients' last shift home is not
+    hidden; an eager attention's gather over cp is a plain all-gather."""
+    from autotp.planner.job.profile import Comm
+    from autotp.planner.job.timing import _ring_time, collective_time
+
+    hw = Hardware(name="hand", flops={"float16": 100e12}, memory=1e9, memory_bandwidth=1e12,
+                  intra_node_bandwidth=100e9, inter_node_bandwidth=10e9,
+                  intra_node_latency=10e-6, intra_node_step_latency=5e-6,
+                  inter_node_latency=20e-6, inter_node_step_latency=10e-6,
+                  collective_efficiency=0.5, gemm_efficiency=0.5, gemm_knee=0.0,
+                  memory_efficiency=0.5, kernel_overhead=0.0, host_overhead=0.0)
+    one = hw.ring_latency(1, True) + 100e6 / 50e9  # a 100 MB shift over NVLink at 50 GB/s
+    forward = Comm("shift", "forward", 0, 100e6, group="cp")
+    # the attention's 4 ms forward hides 1 ms per step: each of 3 shifts shows one - 1 ms
+    assert _ring_time(hw, forward, 4, True, [4e-3], 0) == pytest.approx(3 * (one - 1e-3))
+    # backward: 2.5 x 4 ms over 4 steps = 2.5 ms per step, more than the shift: hidden
+    backward = Comm("shift", "backward", 0, 100e6, group="cp")
+    assert _ring_time(hw, backward, 4, True, [4e-3], 0) == 0.0
+    home = Comm("shift_home", "backward", 0, 100e6, group="cp")
+    assert _ring_time(hw, home, 4, True, [4e-3], 0) == pytest.approx(one)
+    # across nodes the same shift takes 10 GB/s x 0.5
+    assert _ring_time(hw, forward, 4, False, [0.0], 0) == pytest.approx(
+        3 * (hw.ring_latency(1, False) + 100e6 / 5e9))
+    gather = Comm("all_gather", "forward", 0, 100e6, group="cp")
+    assert _ring_time(hw, gather, 4, True, [], 0) == collective_time(hw, "all_gather", 100e6,
+                                                                     4, True)
+    assert _ring_time(hw, forward, 1, True, [4e-3], 0) == 0.0
+
+
+def test_context_parallelism_is_searched_where_the_sequence_outgrows_a_gpu() -> None:
+    """A long sequence whose activations fit no GPU whole: the best configuration splits it
+    over cp ranks, and the table sets it beside the best without cp (none here, with the
+    closest one's shortfall); its mesh binds init_device_mesh with a cp dim and its
+    parallelize arguments carry cp. At a sequence that fits whole, the best keeps it whole
+    and the table says what the best with cp would cost."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.planner.job.configure import Estimate, training_example
+    from autotp.planner.job.estimate_view import to_json, to_table
+
+    model = _llama_on_meta()
+    captured = capture(model, None, training_example(model))
+    seq = 65536
+    planner = Planner(captured, "llama", seq, 8)
+    hw = replace(PRESETS["h100"], memory=2 * 2**30, gpus_per_node=4)
+    req = Request(gpus=8, global_batch=8, seq=seq, checkpointing="none", dtype="bfloat16")
+    configs = search(planner, hw, req)
+    best = next(c for c in configs if c.fits)
+    assert best.cp > 1 and best.time.cp_comm > 0, best
+    assert not [c for c in configs if c.fits and c.cp == 1]
+    assert best.parallelize_kwargs()["cp"] == best.cp
+    bound = inspect.signature(init_device_mesh).bind("cuda", **best.device_mesh_kwargs())
+    assert bound.arguments["mesh_shape"] == (best.pp, best.dp, best.cp, best.tp)
+    assert bound.arguments["mesh_dim_names"] == ("pp", "dp", "cp", "tp")
+    est = Estimate(model="llama", hardware=hw, gpus=8, global_batch=8, seq=seq,
+                   dtype="bfloat16", precision="bf16-mixed/adam", configs=configs)
+    table = to_table(est)
+    assert f"cp={best.cp}" in table and "without cp: none fits; the closest" in table
+    assert json.loads(to_json(est))["configs"][0]["cp"] == best.cp
+    # activations per GPU: a quarter of the sequence keeps about a quarter of them
+    by_cp = {c.cp: c for c in configs if c.memory is not None and c.tp == 1 and
+             c.pp == 1 and c.micro_batch == 1 and c.dp * c.cp == 8}
+    assert by_cp[4].memory.activations < by_cp[1].memory.activations / 3
+
+    short = Planner(captured, "llama", 2048, 8)
+    roomy = search(short, replace(hw, memory=80 * 2**30),
+                   replace(req, seq=2048, global_batch=64))
+    assert roomy[0].fits and roomy[0].cp == 1
+    assert any(c.fits and c.cp == 2 for c in roomy)
+    est = Estimate(model="llama", hardware=hw, gpus=8, global_batch=64, seq=2048,
+                   dtype="bfloat16", precision="bf16-mixed/adam", configs=roomy)
+    assert "with cp, the best is" in to_table(est) and "cp is not needed" in to_table(est)
+
+
+def test_context_parallel_bad_input_is_refused_with_the_numbers(tmp_path) -> None:
+    from autotp.planner.job.configure import training_example
+
+    model = _llama_on_meta(1)
+    planner = Planner(capture(model, None, training_example(model)), "llama", 4096, 8)
+    hw = PRESETS["h100"]
+    with pytest.raises(ConfigError, match="cp=3 does not divide the sequence 4096"):
+        search(planner, hw, Request(gpus=6, global_batch=2, seq=4096, cp=3))
+    with pytest.raises(ConfigError, match="cp=2 with ep=2"):
+        search(planner, hw, Request(gpus=4, global_batch=2, seq=4096, cp=2, ep=2))
+    with pytest.raises(ConfigError, match="= 4 GPUs, not the 8"):
+        search(planner, hw, Request(gpus=8, global_batch=2, seq=4096, cp=2, mesh=(1, 2, 1)))
+    with pytest.raises(ConfigError, match="cp must be a positive int, got 0"):
+        search(planner, hw, Request(gpus=8, global_batch=2, seq=4096, cp=0))
+    run = subprocess.run(
+        [sys.executable, "-m", "autotp", "estimate", "hf:llama", "--gpus", "8",
+         "--global-batch", "8", "--cp", "2", "--mesh", "pp=1,dp=2,cp=4,tp=1", "-q"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--cp 2 and --mesh pp=1,dp=2,cp=4,tp=1 disagree" in \
+        run.stderr, run.stderr

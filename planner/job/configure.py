@@ -1,9 +1,10 @@
-"""Which tp x pp x dp to run: every configuration's memory and step time, ranked.
+"""Which tp x cp x pp x dp to run: every configuration's memory and step time, ranked.
 
     estimate = capture the model once (on meta: no weights)
              -> plan it at each tensor-parallel degree, with and without sequence parallelism
-             -> profile each plan at each micro-batch (profile.py: the rank program's ops,
-                saved activations and collectives in numbers)
+             -> profile each plan at each micro-batch and cp (profile.py: the rank
+                program's ops, saved activations and collectives in numbers; with cp,
+                the program on 1/cp of the sequence and attention's ring around cp)
              -> for each pp (stages balanced by time), dp, micro-batch and recomputation
                 policy: peak memory per GPU (memory.py) and step time (timing.py)
              -> refuse what does not fit or cannot be built, with the reason; rank the rest
@@ -56,6 +57,7 @@ class Config:
     sequence_parallel: bool
     checkpointing: str
     ep: int = 1  # experts split over ep of the dp ranks too (autotp.parallelize's ep)
+    cp: int = 1  # the sequence split over cp ranks (context parallelism)
     fits: bool = False
     why: str = ""
     memory: Optional[Memory] = None
@@ -68,7 +70,8 @@ class Config:
 
     @property
     def mesh(self) -> str:
-        return f"pp={self.pp},dp={self.dp},tp={self.tp}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        return f"pp={self.pp},dp={self.dp}{cp},tp={self.tp}"
 
     @property
     def flags(self) -> str:
@@ -77,8 +80,11 @@ class Config:
 
     def device_mesh_kwargs(self) -> dict[str, tuple]:
         """``init_device_mesh("cuda", **config.device_mesh_kwargs())``: the mesh (pp, dp, tp),
-        tp innermost, with those dim names; an ep group is ep consecutive ranks of the dp dim
-        (all of it where ep = dp)."""
+        tp innermost, with those dim names, and a cp dim between dp and tp where cp > 1; an ep
+        group is ep consecutive ranks of the dp dim (all of it where ep = dp)."""
+        if self.cp > 1:
+            return {"mesh_shape": (self.pp, self.dp, self.cp, self.tp),
+                    "mesh_dim_names": ("pp", "dp", "cp", "tp")}
         return {"mesh_shape": (self.pp, self.dp, self.tp), "mesh_dim_names": ("pp", "dp", "tp")}
 
     def parallelize_kwargs(self) -> dict[str, Any]:
@@ -86,11 +92,13 @@ class Config:
         out: dict[str, Any] = {"tp": self.tp, "sequence_parallel": self.sequence_parallel}
         if self.ep > 1:
             out["ep"] = self.ep
+        if self.cp > 1:
+            out["cp"] = self.cp
         return out
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
+            "tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp,
             "micro_batch": self.micro_batch,
             "sequence_parallel": self.sequence_parallel, "checkpointing": self.checkpointing,
             "fits": self.fits, "why": self.why, "memory": None, "time": None,
@@ -105,7 +113,8 @@ class Config:
             t = self.time
             out["time"] = {"step_s": t.step, "compute_s": t.compute, "tp_comm_s": t.tp_comm,
                            "pp_bubble_s": t.pp_bubble, "dp_comm_s": t.dp_comm,
-                           "ep_comm_s": t.ep_comm, "optimizer_s": t.optimizer}
+                           "ep_comm_s": t.ep_comm, "cp_comm_s": t.cp_comm,
+                           "optimizer_s": t.optimizer}
         if self.experts is not None:
             experts, top_k, imbalance = self.experts
             out["experts"] = {"experts": experts, "top_k": top_k,
@@ -149,6 +158,7 @@ class Request:
     micro_batch: Optional[int] = None
     mesh: Optional[tuple[int, int, int]] = None  # (pp, dp, tp)
     ep: Optional[int] = None  # expert parallelism over dp ranks (None: searched, for MoE)
+    cp: Optional[int] = None  # context parallelism (None: searched; 1: none)
     checkpointing: Optional[str] = None
     sequence_parallel: Optional[bool] = None
     dtype: str = "bfloat16"
@@ -161,14 +171,21 @@ class Request:
 
 def parse_mesh(text: str) -> tuple[int, int, int]:
     """``pp=2,dp=4,tp=8`` (any order; a missing dim is 1) -> (pp, dp, tp)."""
-    sizes = {"pp": 1, "dp": 1, "tp": 1}
+    sizes = parse_mesh_dims(text)
+    return sizes["pp"], sizes["dp"], sizes["tp"]
+
+
+def parse_mesh_dims(text: str) -> dict[str, int]:
+    """``pp=2,dp=4,cp=2,tp=8`` (any order; a missing dim is 1) -> each dim's size."""
+    sizes = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in sizes or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh takes pp=P,dp=D,tp=T with positive sizes, got {text!r}")
+            raise ConfigError(f"--mesh takes pp=P,dp=D,tp=T (and cp=C) with positive sizes, "
+                              f"got {text!r}")
         sizes[key] = int(value)
-    return sizes["pp"], sizes["dp"], sizes["tp"]
+    return sizes
 
 
 def _divisors(n: int) -> list[int]:
@@ -199,7 +216,7 @@ class Planner:
         self.heads = heads
         self.plans: dict[tuple[int, bool, int], Any] = {}
         self.errors: dict[tuple[int, bool, int], str] = {}
-        self.profiles: dict[tuple[int, bool, int, int], Profile] = {}
+        self.profiles: dict[tuple[int, bool, int, int, int], Profile] = {}
 
     def plan(self, tp: int, sp: bool, ep: int = 1) -> Any:
         key = (tp, sp, ep)
@@ -218,11 +235,13 @@ class Planner:
         return self.plans[key]
 
     def profile(self, tp: int, sp: bool, micro_batch: int, dtype_bytes: int,
-                ep: int = 1) -> Profile:
-        key = (tp, sp, micro_batch, ep)
+                ep: int = 1, cp: int = 1) -> Profile:
+        """The program of one rank; with ``cp``, on its 1/cp of the sequence (the tp plan
+        is the same: context parallelism adds the ring around attention, not a layout)."""
+        key = (tp, sp, micro_batch, ep, cp)
         if key not in self.profiles:
             self.profiles[key] = build_profile(self.captured, self.plan(tp, sp, ep),
-                                               micro_batch, self.seq, dtype_bytes)
+                                               micro_batch, self.seq, dtype_bytes, cp=cp)
         return self.profiles[key]
 
     def experts(self) -> int:
@@ -244,16 +263,25 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                           f"{', '.join(DATA_PARALLEL)}")
     prec = get_precision(req.precision, req.optimizer)
     hw.peak(req.dtype)
+    if req.cp is not None and positive_int("cp", req.cp) > 1:
+        if req.ep is not None and req.ep > 1:
+            raise ConfigError(f"cp={req.cp} with ep={req.ep}: context parallelism does not "
+                              "combine with expert parallelism; leave one out")
+        if req.seq % req.cp:
+            raise ConfigError(f"cp={req.cp} does not divide the sequence {req.seq}: each cp "
+                              "rank holds an equal share of it")
     if req.mesh is not None:
         pp, dp, tp = req.mesh
-        if pp * dp * tp != req.gpus:
-            raise ConfigError(f"the mesh pp={pp} x dp={dp} x tp={tp} = {pp * dp * tp} GPUs, "
-                              f"not the {req.gpus} of --gpus")
-        meshes = [(pp, dp, tp)]
+        cp = req.cp or 1
+        if pp * dp * cp * tp != req.gpus:
+            raise ConfigError(f"the mesh pp={pp} x dp={dp} x cp={cp} x tp={tp} = "
+                              f"{pp * dp * cp * tp} GPUs, not the {req.gpus} of --gpus")
+        meshes = [(pp, dp, cp, tp)]
     else:
         tps = [t for t in _divisors(req.gpus) if req.tp_across_nodes or t <= g]
-        meshes = [(pp, req.gpus // (tp * pp), tp) for tp in tps
-                  for pp in _divisors(req.gpus // tp)]
+        meshes = [(pp, req.gpus // (tp * cp * pp), cp, tp) for tp in tps
+                  for cp in _context_degrees(req, req.gpus // tp)
+                  for pp in _divisors(req.gpus // (tp * cp))]
     policies = [req.checkpointing] if req.checkpointing else list(POLICIES)
     for policy in policies:
         if policy not in POLICIES:
@@ -266,7 +294,7 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
         raise ConfigError(f"ep={req.ep}: the model has no grouped experts to split; leave ep "
                           "out")
     configs: list[Config] = []
-    for pp, dp, tp in meshes:
+    for pp, dp, cp, tp in meshes:
         sps = [req.sequence_parallel] if req.sequence_parallel is not None else \
             ([False, True] if tp > 1 else [False])
         for sp in sps:
@@ -274,10 +302,10 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                 continue
             if req.global_batch % dp:
                 configs.append(Config(tp, pp, dp, req.micro_batch or 1, sp, policies[0],
-                                      why=f"global batch {req.global_batch} is not divisible "
-                                          f"by dp={dp}"))
+                                      cp=cp, why=f"global batch {req.global_batch} is not "
+                                                 f"divisible by dp={dp}"))
                 continue
-            eps = _expert_degrees(req, experts, tp, dp, g)
+            eps = _expert_degrees(req, experts, tp, dp, g) if cp == 1 else [1]
             if isinstance(eps, str):
                 configs.append(Config(tp, pp, dp, req.micro_batch or 1, sp, policies[0],
                                       ep=req.ep or 1, why=eps))
@@ -290,12 +318,31 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                     for policy in policies:
                         config = _evaluate(planner, hw, req, prec, tp, pp, dp, mb, sp, policy,
                                            dtype_bytes, g, model_flops,
-                                           asked=bool(req.checkpointing), ep=ep)
+                                           asked=bool(req.checkpointing), ep=ep, cp=cp)
                         if config is not None:
                             configs.append(config)
     configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
                                 c.memory.total if c.memory else math.inf))
     return configs
+
+
+def _context_degrees(req: Request, ranks: int) -> list[int]:
+    """The cp to evaluate with ``ranks`` GPUs left beside tp: the asked one, or every cp that
+    divides them and leaves each rank an equal, even share of the sequence (the causal
+    balance holds two chunks of 2 x cp per rank) of at least ``MIN_CP_TOKENS``; 1 for a
+    mixture of experts with ep searched or asked (they do not combine yet)."""
+    if req.cp is not None:
+        return [req.cp] if ranks % req.cp == 0 else []
+    if req.ep is not None and req.ep > 1:
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or (
+        req.seq % (2 * c) == 0 and req.seq // c >= MIN_CP_TOKENS)]
+
+
+# Below this many tokens per rank the ring's shifts outweigh the attention they hide behind
+# (a 4k shard of LLaMA-8B's keys and values takes about as long to send as its attention
+# takes to compute): shorter shards are not searched (``--mesh ...,cp=C`` evaluates any).
+MIN_CP_TOKENS = 1024
 
 
 def _expert_degrees(req: Request, experts: int, tp: int, dp: int,
@@ -327,20 +374,25 @@ def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
 
 def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp: int, pp: int,
               dp: int, mb: int, sp: bool, policy: str, dtype_bytes: int, g: int,
-              model_flops: float, asked: bool = True, ep: int = 1) -> Optional[Config]:
+              model_flops: float, asked: bool = True, ep: int = 1,
+              cp: int = 1) -> Optional[Config]:
     """One configuration evaluated; None for selective recomputation where the attention
     keeps nothing quadratic (a fused attention): the same as none, left out unless asked."""
-    config = Config(tp, pp, dp, mb, sp, policy, ep=ep)
+    config = Config(tp, pp, dp, mb, sp, policy, ep=ep, cp=cp)
     per_replica = req.global_batch // dp
     if per_replica % mb:
         config.why = (f"the global batch {req.global_batch} over dp={dp} is {per_replica}, "
                       f"not a multiple of micro-batch {mb}")
         return config
-    if sp and req.seq % tp:
-        config.why = f"sequence parallelism needs tp={tp} to divide the sequence {req.seq}"
+    if sp and (req.seq // cp) % tp:
+        config.why = (f"sequence parallelism needs tp={tp} to divide the sequence "
+                      f"{req.seq // cp}" + (f" each of cp={cp} holds" if cp > 1 else ""))
+        return config
+    if req.seq % cp:
+        config.why = f"cp={cp} does not divide the sequence {req.seq}"
         return config
     try:
-        prof = planner.profile(tp, sp, mb, dtype_bytes, ep)
+        prof = planner.profile(tp, sp, mb, dtype_bytes, ep, cp)
     except ConfigError as exc:
         config.why = str(exc)
         return config
@@ -352,19 +404,20 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
     if pp > len(prof.layers):
         config.why = f"pp={pp} is more than the {len(prof.layers)} layers"
         return config
-    mesh = MeshShape(tp=tp, pp=pp, dp=dp, gpus_per_node=g, ep=ep)
+    mesh = MeshShape(tp=tp, pp=pp, dp=dp, gpus_per_node=g, ep=ep, cp=cp)
     m = per_replica // mb
     # stages balanced by each layer's time (the embeddings and head weigh on the ends)
     one = {layer: stage_work(prof, hw, [layer], first=False, last=False, policy=policy,
                              dtype=req.dtype, mesh=mesh) for layer in prof.layers}
-    weight = {k: w.forward + w.backward + w.recompute + w.comm for k, w in one.items()}
+    weight = {k: w.forward + w.backward + w.recompute + w.comm + w.ring
+              for k, w in one.items()}
     ends = [stage_work(prof, hw, [], first=side == "first", last=side == "last",
                        policy=policy, dtype=req.dtype, mesh=mesh) for side in ("first", "last")]
     stages = balanced_stages(list(prof.layers), pp, weight,
-                             *(w.forward + w.backward + w.comm for w in ends))
+                             *(w.forward + w.backward + w.comm + w.ring for w in ends))
     config.stages = stages
     memories = [stage_memory(prof, i, stages, micro_batches=m, policy=policy, prec=prec,
-                             dp=dp, dp_shard=req.dp_shard) for i in range(pp)]
+                             dp=dp * cp, dp_shard=req.dp_shard) for i in range(pp)]
     config.memory = max(memories, key=lambda x: x.total)
     works: list[StageWork] = [
         stage_work(prof, hw, stage, first=i == 0, last=i == pp - 1, policy=policy,
@@ -381,7 +434,8 @@ def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp:
         config.mfu = model_flops * req.global_batch / (config.time.step * req.gpus * peak)
     usable = hw.usable_memory
     if config.memory.total > usable:
-        config.why = (f"{_gb(config.memory.total)} on GPU {config.memory.stage * tp * dp} "
+        config.why = (f"{_gb(config.memory.total)} on GPU "
+                      f"{config.memory.stage * tp * cp * dp} "
                       f"(stage {config.memory.stage}) > {_gb(usable)} usable of "
                       f"{_gb(hw.memory)}: " + _largest_part(config.memory))
     else:

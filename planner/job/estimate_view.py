@@ -17,7 +17,8 @@ GIB = float(1 << 30)
 _MEMORY = (("parameters", "#4e79a7"), ("gradients", "#76b7b2"), ("optimizer", "#59a14f"),
            ("activations", "#f28e2b"), ("transient", "#edc948"))
 _TIME = (("compute_s", "compute", "#4e79a7"), ("tp_comm_s", "tp comm", "#e15759"),
-         ("ep_comm_s", "ep all-to-all", "#ff9da7"), ("pp_bubble_s", "pp bubble", "#b07aa1"),
+         ("ep_comm_s", "ep all-to-all", "#ff9da7"), ("cp_comm_s", "cp ring", "#f1ce63"),
+         ("pp_bubble_s", "pp bubble", "#b07aa1"),
          ("dp_comm_s", "dp comm", "#9c755f"), ("optimizer_s", "optimizer", "#bab0ac"))
 
 
@@ -25,16 +26,19 @@ def to_json(est: Estimate) -> str:
     return json.dumps(est.to_dict(), indent=1) + "\n"
 
 
-def _row(rank: str, c: Config, ep: bool = False) -> str:
-    """One configuration; ``ep``: with the expert-parallel degree and all-to-all time."""
+def _row(rank: str, c: Config, ep: bool = False, cp: bool = False) -> str:
+    """One configuration; ``ep``: with the expert-parallel degree and all-to-all time;
+    ``cp``: with the context-parallel degree and the ring's time."""
     m, t = c.memory, c.time
     assert m is not None and t is not None
-    return (f"{rank:>4} {c.tp:>3} {c.pp:>3} {c.dp:>4} " + (f"{c.ep:>3} " if ep else "") +
+    return (f"{rank:>4} {c.tp:>3} " + (f"{c.cp:>3} " if cp else "") +
+            f"{c.pp:>3} {c.dp:>4} " + (f"{c.ep:>3} " if ep else "") +
             f"{c.micro_batch:>3} "
             f"{'on' if c.sequence_parallel else 'off':>3} {c.checkpointing:>9} "
             f"{(m.parameters + m.gradients + m.optimizer) / GIB:>8.1f} "
             f"{m.activations / GIB:>7.1f} {m.transient / GIB:>6.1f} {m.total / GIB:>7.1f} "
             f"{t.step:>8.3f} {t.compute:>8.3f} {t.tp_comm:>7.3f} " +
+            (f"{t.cp_comm:>7.3f} " if cp else "") +
             (f"{t.ep_comm:>7.3f} " if ep else "") + f"{t.pp_bubble:>7.3f} "
             f"{t.dp_comm:>7.3f} {t.optimizer:>7.3f} {c.mfu:>5.1%}")
 
@@ -44,19 +48,21 @@ def to_table(est: Estimate, top: int = 20) -> str:
     fits = [c for c in est.configs if c.fits]
     refused = [c for c in est.configs if not c.fits]
     ep = any(c.ep > 1 for c in est.configs)  # a mixture of experts: ep searched or asked
+    cp = any(c.cp > 1 for c in est.configs)  # context parallelism searched or asked
     lines = [
         f"autotp estimate: {est.model} on {est.gpus} x {hw.name} "
         f"({hw.memory / GIB:.0f} GiB, {hw.gpus_per_node} per node), global batch "
         f"{est.global_batch} x {est.seq} tokens, {est.dtype}, {est.precision}",
         f"{len(est.configs)} configurations, {len(fits)} fit; searched in {est.seconds:.1f} s",
         "",
-        ("    " if ep else "") +
+        ("    " if ep else "") + ("    " if cp else "") +
         "                                  memory per GPU (GiB)               step time (s)",
-        "rank  tp  pp   dp " + ("ep " if ep else "") +
+        "rank  tp " + ("cp  " if cp else "") + "pp   dp " + ("ep " if ep else "") +
         " mb  sp      ckpt   states    act  trans   total     step  compute"
-        "      tp " + ("     ep " if ep else "") + " bubble      dp     opt   MFU",
+        "      tp " + ("     cp " if cp else "") + ("     ep " if ep else "") +
+        " bubble      dp     opt   MFU",
     ]
-    lines += [_row(str(i + 1), c, ep) for i, c in enumerate(fits[:top])]
+    lines += [_row(str(i + 1), c, ep, cp) for i, c in enumerate(fits[:top])]
     if len(fits) > top:
         lines.append(f"  ... {len(fits) - top} more that fit (--top N, or --format json)")
     if not fits:
@@ -79,6 +85,8 @@ def to_table(est: Estimate, top: int = 20) -> str:
                       f"--checkpointing {best.checkpointing}: {best.time.step:.3f} s per step, "
                       f"{best.memory.total / GIB:.1f} GiB on the fullest GPU "
                       f"(stage {best.memory.stage}), MFU {best.mfu:.1%}"]
+        if cp:
+            lines += _context_lines(est, best)
         if best.experts is not None:
             experts, top_k, imbalance = best.experts
             lines.append(f"experts: {experts // (best.tp * best.ep)} of {experts} whole per "
@@ -87,6 +95,39 @@ def to_table(est: Estimate, top: int = 20) -> str:
                          f"{imbalance:.3f}x the mean rows (the expert products are timed "
                          f"at it; a real router's imbalance is the model's and the data's)")
     return "\n".join(lines) + "\n"
+
+
+def _context_lines(est: Estimate, best: Config) -> list[str]:
+    """The best configuration beside the best of the other kind (with cp, without), and why
+    the one that won did."""
+    other = next((c for c in est.configs if c.fits and (c.cp > 1) != (best.cp > 1)), None)
+    lines = []
+    if best.cp > 1:
+        if other is None:
+            closest = min((c for c in est.configs if c.cp == 1 and c.memory is not None),
+                          key=lambda c: c.memory.total, default=None)
+            why = f"; the closest, {closest.mesh}: {closest.why}" if closest else ""
+            lines.append(f"without cp: none fits{why}")
+        else:
+            lines.append(f"without cp, the best is {_brief(other)}: the sequence split over "
+                         f"cp={best.cp} takes {best.time.step / other.time.step:.2f}x its step "
+                         f"time and {best.memory.total / other.memory.total:.2f}x its memory")
+        if best.tp > 1:
+            lines.append(f"note: autotp.parallelize runs cp at tp=1 today; tp={best.tp} x "
+                         f"cp={best.cp} on one mesh is priced here, not yet built")
+    elif other is not None:
+        lines.append(f"with cp, the best is {_brief(other)}: "
+                     f"{other.time.step / best.time.step:.2f}x this step (the ring "
+                     f"{other.time.cp_comm:.3f} s of it); cp is not needed: "
+                     f"{est.seq} tokens fit a GPU whole, and splitting them only adds the ring "
+                     f"and shorter products")
+    return lines
+
+
+def _brief(c: Config) -> str:
+    assert c.memory is not None and c.time is not None
+    return (f"{c.mesh} mb={c.micro_batch} sp={'on' if c.sequence_parallel else 'off'} "
+            f"ckpt={c.checkpointing} ({c.time.step:.3f} s, {c.memory.total / GIB:.1f} GiB)")
 
 
 def _reason_kind(why: str) -> str:

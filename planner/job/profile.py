@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
@@ -38,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.trace import Captured, size_expr, tensor_inputs
+from autotp.errors import ConfigError
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.cost import parse_size_expr
@@ -128,6 +130,7 @@ class Profile:
     top_k: int = 0
     expert_imbalance: float = 1.0
     ep: int = 1  # expert parallelism: the experts split over ep data-parallel ranks as well
+    cp: int = 1  # context parallelism: the sequence split over cp ranks (``seq`` is the shard)
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
@@ -140,21 +143,32 @@ class _Sizes:
         self.seq_syms = frozenset(str(sym) for sym, name in captured.dim_names.items()
                                   if name.startswith("T"))
 
+        self.shapes: dict[int, tuple[int, ...]] = {}  # by the value's id (it outlives us)
+
     def shape(self, val: torch.Tensor) -> tuple[int, ...]:
-        return tuple(_value(size_expr(s), self.subs) for s in val.shape)
+        key = id(val)
+        out = self.shapes.get(key)
+        if out is None:
+            out = self.shapes[key] = tuple(_value(size_expr(s), self.subs) for s in val.shape)
+        return out
 
     def quadratic(self, val: Any) -> bool:
         """Two or more dims (or one dim's square) grow with the sequence."""
         if not isinstance(val, torch.Tensor):
             return False
-        degree = 0
-        for s in val.shape:
-            expr = size_expr(s)
-            if isinstance(expr, int):
-                continue
-            degree += sum(sympy.degree(expr, sym) for sym in expr.free_symbols
-                          if str(sym) in self.seq_syms)
-        return degree >= 2
+        return _quadratic(tuple(str(size_expr(s)) for s in val.shape), self.seq_syms)
+
+
+@lru_cache(maxsize=1 << 14)
+def _quadratic(shape: tuple[str, ...], seq_syms: frozenset) -> bool:
+    degree = 0
+    for text in shape:
+        expr = parse_size_expr(text)
+        if isinstance(expr, int) or expr.is_number:
+            continue
+        degree += sum(sympy.degree(expr, sym) for sym in expr.free_symbols
+                      if str(sym) in seq_syms)
+    return degree >= 2
 
 
 @lru_cache(maxsize=1 << 16)
@@ -205,15 +219,25 @@ def _layout(text: Optional[str]) -> Layout:
 
 
 def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
-                  dtype_bytes: int = 2, mask_bytes: int = 1) -> Profile:
+                  dtype_bytes: int = 2, mask_bytes: int = 1, cp: int = 1) -> Profile:
     """``mask_bytes``: what a dropout keeps per element (CUDA's kernel a bool mask; the CPU
-    kernel a mask of the input's dtype)."""
+    kernel a mask of the input's dtype).
+
+    ``cp``: the program of one of cp ranks splitting the sequence (context parallelism) on
+    top of the plan's tp: every value at ``seq / cp`` tokens, except what attention reads
+    across the whole sequence. A fused attention's queries meet all ``seq`` keys, its key
+    and value blocks going around the cp ranks (``runtime/context.ring_attention``: cp - 1
+    shifts forward; backward, the blocks with their gradients); the work of the attention
+    core, a mask's rows and an eager attention's scores are ``seq / cp x seq``, cp times
+    their size at the shard; an eager attention gathers its keys and values over cp."""
     gm = captured.gm
     tp = plan.tp
-    sizes = _Sizes(captured, micro_batch, seq)
+    if seq % cp:
+        raise ConfigError(f"cp={cp} does not divide the sequence {seq}")
+    sizes = _Sizes(captured, micro_batch, seq // cp)
     layers = sorted({x for x in plan.node_layers.values() if x is not None})
     prof = Profile(tp=tp, sequence_parallel=plan.sequence_parallel, micro_batch=micro_batch,
-                   seq=seq, dtype_bytes=dtype_bytes, layers=layers)
+                   seq=seq // cp, dtype_bytes=dtype_bytes, layers=layers, cp=cp)
     nodes = {n.name: n for n in gm.graph.nodes}
     reads = {(e.value, e.consumer): e for e in plan.edges}
     own = model_dtype(gm)
@@ -254,16 +278,17 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
 
     def keep(key: str, node: fx.Node, nbytes: float, quadratic: bool) -> None:
         if key not in kept and nbytes > 0:
-            kept[key] = Saved(key, plan.node_layers.get(node.name), nbytes, quadratic,
-                              side[node.name])
+            kept[key] = Saved(key, plan.node_layers.get(node.name),
+                              nbytes * (cp if quadratic else 1), quadratic, side[node.name])
 
+    inputs = _inputs_of(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.name not in plan.values:
             continue
         layer = plan.node_layers.get(node.name)
         val = node.meta.get("val")
         out_layout = _layout(plan.values.get(node.name))
-        ins = tensor_inputs(node)
+        ins = inputs[node]
         in_layouts = [read_layout(a, node, i) for i, a in enumerate(ins)]
         # the attention core: ops writing a (.., s, s) tensor, and the products reading one
         quadratic = sizes.quadratic(val) or (node.target in PRODUCTS and any(
@@ -279,11 +304,32 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             # rows routed to this rank's experts: the busiest rank's, which every rank awaits
             busiest = prof.expert_imbalance if any(
                 _routed(x) for x in (*in_layouts, out_layout)) else 1.0
+            flops = 0.0
+            if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
+                flops = busiest * _flops(node, ins, in_layouts, sizes, tp)
+            if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
+                flops *= cp
+                sources = [_kv_source(a, sizes) for a in ins[1:3]]
+                blocks = sum(local_bytes(a, _layout(plan.values.get(a.name))) if a is not b
+                             else local_bytes(a, read_layout(a, node, i))
+                             for i, (a, b) in enumerate(zip(sources, ins[1:3]), 1))
+                moved += (cp - 1) * blocks
+                prof.comms += _ring(layer, side[node.name], blocks, cp, dtype_bytes)
+            elif cp > 1 and quadratic:  # scores, masks: seq / cp rows of seq columns
+                flops, moved = flops * cp, moved * cp
+                if node.target in PRODUCTS:  # an eager attention's keys or values, gathered
+                    operand = 1 if sizes.quadratic(val) else next(
+                        (i for i, a in enumerate(ins) if not sizes.quadratic(
+                            a.meta.get("val"))), None)
+                    if operand is not None and operand < len(ins):
+                        gathered = cp * local_bytes(ins[operand], in_layouts[operand])
+                        prof.comms += [Comm("all_gather", "forward", layer, gathered,
+                                            side[node.name], group="cp"),
+                                       Comm("reduce_scatter", "backward", layer, gathered,
+                                            side[node.name], group="cp")]
             if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
                 prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
-                                   else "gemm",
-                                   busiest * _flops(node, ins, in_layouts, sizes, tp),
-                                   moved, quadratic, side[node.name]))
+                                   else "gemm", flops, moved, quadratic, side[node.name]))
             else:
                 prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
                                    side[node.name]))
@@ -330,12 +376,44 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
         elif saves_output(node):
             keep(node.name, node, local_bytes(node, out_layout), quadratic)
     prof.saved = list(kept.values())
-    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side, own)
+    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side, own) + prof.comms
     if plan.ep > 1:
         prof.comms += _exchanges(gm, plan, sizes, dtype_bytes, own)
     prof.params = _params(gm, plan, side)
     prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
     return prof
+
+
+def _kv_source(node: fx.Node, sizes: _Sizes) -> fx.Node:
+    """Where a key or value operand was last its own size: through the views, copies and
+    expansions that repeat grouped heads (transformers' ``repeat_kv``), which the ring reads
+    through (it sends the kv heads, not the query heads)."""
+    def numel(n: fx.Node) -> float:
+        val = n.meta.get("val")
+        return math.prod(sizes.shape(val)) if isinstance(val, torch.Tensor) else math.inf
+
+    smallest = node
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and \
+            (node.target in VIEWS or node.target in _COPIES):
+        node = node.args[0]
+        if numel(node) < numel(smallest):
+            smallest = node
+    return smallest
+
+
+_COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten._unsafe_view.default,
+                     aten.repeat_interleave.self_int, aten.repeat.default})
+
+
+def _ring(layer: Optional[int], side: str, blocks: float, cp: int,
+          dtype_bytes: int) -> list[Comm]:
+    """One attention's shifts around the cp ranks: forward, the key and value blocks (cp - 1
+    shifts); backward, the blocks with their float32 gradients (cp - 1 shifts) and the
+    gradients home (one more). ``nbytes`` is one shift's message."""
+    grads = blocks / dtype_bytes * 4  # dK, dV accumulate in float32
+    return [Comm("shift", "forward", layer, blocks, side, group="cp"),
+            Comm("shift", "backward", layer, blocks + grads, side, group="cp"),
+            Comm("shift_home", "backward", layer, grads, side, group="cp")]
 
 
 def _routed(layout: Layout) -> bool:
@@ -459,6 +537,19 @@ def _out_numel(node: fx.Node, local: list[tuple[int, ...]]) -> float:
     return math.prod(batch) * rows * b[-1]
 
 
+_INPUTS: "weakref.WeakKeyDictionary[fx.GraphModule, dict[fx.Node, list[fx.Node]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _inputs_of(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """Each node's tensor inputs, worked out once per program (an estimate profiles the same
+    program at every tp, micro-batch and cp)."""
+    out = _INPUTS.get(gm)
+    if out is None or len(out) != len(gm.graph.nodes):
+        out = _INPUTS[gm] = {n: tensor_inputs(n) for n in gm.graph.nodes}
+    return out
+
+
 def _requires_grad(gm: fx.GraphModule, plan: Plan) -> dict[str, bool]:
     params = dict(gm.named_parameters(remove_duplicate=False))
     grad: dict[str, bool] = {}
@@ -473,7 +564,7 @@ def _requires_grad(gm: fx.GraphModule, plan: Plan) -> dict[str, bool]:
                                                             v.dtype.is_complex)
                            for v in (val if isinstance(val, (tuple, list)) else (val,)))
             grad[node.name] = floating and any(grad.get(a.name, False)
-                                               for a in tensor_inputs(node))
+                                               for a in _inputs_of(gm)[node])
             if node.target is operator.getitem:
                 grad[node.name] = grad.get(node.args[0].name, False) and floating
     return grad
