@@ -10,7 +10,9 @@ each piece counts once in the model's norm:
   backward has summed it): counted on tensor-parallel rank 0 only;
 - experts split over expert-parallel ranks (``ep``): summed over those too;
 - a gradient FSDP2 holds sharded over data-parallel ranks (a DTensor): its local shard,
-  summed over the mesh dims it is sharded on;
+  summed over the mesh dims it is sharded on; where those dims take in the tensor-parallel
+  (or context-parallel) ranks too (FSDP2 over dp x cp, the parameters whole on every cp
+  rank), every rank's shard is its own and counts once, with no sum over that group;
 - pipeline stages (``autotp.pipeline_stages``): each stage's parameters, summed over the
   pipeline ranks; a parameter several stages read (a tied embedding and head) has a copy in
   each, holding the same summed gradient, and counts in the first of them only.
@@ -137,17 +139,19 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     first_tp_rank = holder.comm.rank == 0
     device = _local(holder.pieces[0].grad).device if holder.pieces else _device(holder)
     # one running value per set of groups the pieces must still be combined over
-    buckets: dict[tuple[bool, tuple[Any, ...]], torch.Tensor] = {}
+    buckets: dict[tuple[bool, tuple[Any, ...], bool], torch.Tensor] = {}
     for grad, sharded, expert in holder.pieces:
         local = _local(grad).detach().float()
+        groups = tuple(_sharded_mesh_groups(grad))
+        within = _covers(groups, holder.comm)  # FSDP2's shards span the tp group's ranks
         if infinite:
             value = local.abs().max() if local.numel() else torch.zeros((), device=device)
         else:
             value = local.norm(p).pow(p) if local.numel() else torch.zeros((), device=device)
-            if not (sharded or expert or first_tp_rank):
+            if not (sharded or expert or first_tp_rank or within):
                 value = value * 0  # replicated: tp rank 0 counts it (every rank keeps the
                 #                    bucket, so that all make the same collectives)
-        key = (expert, tuple(_sharded_mesh_groups(grad)))
+        key = (expert, groups, within)
         held = buckets.get(key)
         if held is None:
             buckets[key] = value.to(device)
@@ -156,9 +160,10 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     combined = torch.zeros((), device=device)
     # the ranks of one tp group (and one pipeline stage) hold the same buckets and walk them
     # in the same order: their collectives match
-    for (expert, groups), value in sorted(buckets.items(), key=lambda kv: (kv[0][0],
-                                                                            len(kv[0][1]))):
-        value = _over(holder.comm, value, infinite)
+    for (expert, groups, within), value in sorted(
+            buckets.items(), key=lambda kv: (kv[0][0], len(kv[0][1]), kv[0][2])):
+        if not within:
+            value = _over(holder.comm, value, infinite)
         if expert:
             value = _over(holder.ep_comm, value, infinite)
         for group in groups:
@@ -168,6 +173,20 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     if holder.pp_group is not None:  # one collective on every rank, whatever it holds
         dist.all_reduce(combined, op=op, group=holder.pp_group)
     return combined if infinite else combined.pow(1.0 / p)
+
+
+def _covers(groups: tuple[Any, ...], comm: Any) -> bool:
+    """Whether the process groups ``groups`` (FSDP2's sharded mesh dims) take in every rank
+    of the communicator ``comm``'s group."""
+    if not groups or comm is None or comm.world_size == 1:
+        return False
+    mine = getattr(comm, "group", None)
+    if mine is None and not hasattr(comm, "group"):
+        return False  # simulated ranks: no process group, no FSDP2 over them
+    ranks = set(dist.get_process_group_ranks(mine) if mine is not None
+                else range(dist.get_world_size()))
+    held = {r for group in groups for r in dist.get_process_group_ranks(group)}
+    return ranks <= held
 
 
 def _device(holder: _Holder) -> torch.device:
