@@ -23,7 +23,7 @@ degree (tp, ep, pp, ...) given by a user.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -129,3 +129,33 @@ def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def repeated_heads(value: Any) -> Optional[fx.Node]:
+    """``x`` where ``value`` is ``x`` [b, h, t, d] with each head repeated g times
+    (transformers' ``repeat_kv``: unsqueeze at dim 2, expand to [b, h, g, t, d], reshape to
+    [b, h * g, t, d], full slices between them); None otherwise."""
+    aten = torch.ops.aten
+
+    def whole(n: fx.Node) -> bool:  # slice(x, dim, 0 or None, None or the largest int)
+        start = n.args[2] if len(n.args) > 2 else None
+        end = n.args[3] if len(n.args) > 3 else None
+        return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2**62))
+
+    def through_full_slices(n: Any) -> Any:
+        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and whole(n):
+            n = n.args[0]
+        return n
+
+    if not (isinstance(value, fx.Node) and value.target == aten.reshape.default):
+        return None
+    expand = value.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target == aten.expand.default):
+        return None
+    unsqueeze = through_full_slices(expand.args[0])
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target == aten.unsqueeze.default
+            and unsqueeze.args[1] == 2):
+        return None
+    source = through_full_slices(unsqueeze.args[0])
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    return source if isinstance(val, torch.Tensor) and val.dim() == 4 else None

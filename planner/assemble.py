@@ -11,9 +11,10 @@ import torch.fx as fx
 
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.errors import PlanError
+from autotp.ops import node_arg, repeated_heads
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.coalesce import join_siblings
-from autotp.planner.cost import CostModel, parse_size_expr, readable
+from autotp.planner.cost import CostModel, attention_strategy, parse_size_expr, readable
 from autotp.planner.invariant import stages
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
@@ -62,7 +63,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 plan.fallbacks.append(f"{pn.node.target} at {name}: replicated "
                                       f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
-                op=str(pn.node.target), strategy=str(strategy),
+                op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy), tp,
+                                                                 plan.attention),
                 inputs=tuple(str(x) for x in strategy.inputs),
                 output=format_output(out), layer=layer_of(pn.node),
                 source=source_of(pn.node), candidates=len(pn.strategies))
@@ -275,3 +277,23 @@ def _bytes_expr(node: fx.Node, dims: dict) -> str:
     return readable(expr, dims)
 
 
+def _attention_kind(node: fx.Node, strategy: str, cp: int, why: dict[str, str]) -> str:
+    """A ring-planned attention (context parallelism) that takes no mask tensor runs by
+    Ulysses' all-to-alls where those send fewer bytes (``attention_strategy``: query and
+    key/value heads that divide by cp, the key/value heads read through transformers'
+    repeat for grouped queries); ``why`` records each attention's kind and reason. With a
+    mask tensor the ring stays: it reads the mask's rows for this rank's queries, where the
+    all-to-all's head shards would need it whole."""
+    if not strategy.endswith("[ring]"):
+        return strategy
+    q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    k_arg = node.args[1] if len(node.args) > 1 else None
+    source = repeated_heads(k_arg) or k_arg
+    k = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if node_arg(node, "attn_mask") is not None or not isinstance(q, torch.Tensor) or \
+            not isinstance(k, torch.Tensor):
+        why[node.name] = "ring: the attention reads a mask tensor, whose rows the ring takes"
+        return strategy
+    kind, reason = attention_strategy(int(q.shape[1]), int(k.shape[1]), cp)
+    why[node.name] = f"{kind}: {reason}"
+    return strategy[:-len("[ring]")] + "[ulysses]" if kind == "ulysses" else strategy

@@ -92,6 +92,27 @@ class CostModel:
         return _evaluate(str(expr), values, self.seq)
 
 
+def attention_strategy(heads: int, kv_heads: int, cp: int) -> tuple[str, str]:
+    """("ulysses" or "ring", why): the one that sends fewer bytes per rank and layer (context
+    parallelism's attention, ``autotp.runtime.context``; the plan picks it where attention
+    takes no mask tensor, ``planner/assemble.py``).
+
+    Per rank and per layer, in units of one rank's query block: Ulysses sends (cp - 1)/cp of
+    q, k, v and the output, 2 (1 + kv_heads/heads) (cp - 1)/cp; the ring sends k and v
+    cp - 1 times, 2 (kv_heads/heads) (cp - 1). Both twice as much again in backward."""
+    ratio = kv_heads / heads
+    ring = 2 * ratio * (cp - 1)
+    if heads % cp or kv_heads % cp:
+        return "ring", (f"{heads} query and {kv_heads} key/value heads do not divide by "
+                        f"cp={cp} (Ulysses splits both)")
+    ulysses = 2 * (1 + ratio) * (cp - 1) / cp
+    if ring <= ulysses:  # a tie: the ring, whose shifts overlap the attention's work
+        return "ring", (f"the ring sends {ring:.2f} and Ulysses {ulysses:.2f} query blocks "
+                        "per rank and layer")
+    return "ulysses", (f"Ulysses sends {ulysses:.2f} and the ring {ring:.2f} query blocks "
+                       "per rank and layer")
+
+
 # sympy's one-letter names (its singleton registry S, Euler's E, the imaginary I, ...) that a
 # dim may be called (the decoding program's cache slots are S)
 _SYMPY_LETTERS = frozenset("SNEIOQ")

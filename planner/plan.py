@@ -103,6 +103,8 @@ class Plan:
     sequence_parallel: bool = False
     # the group is a context-parallel group (tp 1): the sequence is sharded over its ranks
     context_parallel: bool = False
+    # context parallelism: each attention node -> "ring: why" or "ulysses: why"
+    attention: dict[str, str] = field(default_factory=dict)
     # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
     states: dict[str, str] = field(default_factory=dict)
     last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
@@ -147,6 +149,11 @@ class Plan:
         sharded = [n for n, p in self.params.items() if p.layout.startswith("S")]
         lines.append(f"  parameters: {len(sharded)} sharded, {len(self.params) - len(sharded)} "
                      "replicated")
+        kinds = Counter(why.split(":")[0] for why in self.attention.values())
+        if kinds:  # context parallelism: how each attention crosses the shards, and why
+            lines.append("  attention: " + ", ".join(f"{n} by {kind}" for kind, n in
+                                                     sorted(kinds.items())))
+            lines += [f"    {why}" for why in dict.fromkeys(self.attention.values())]
         table = self.per_layer()
         layer_keys = sorted((k for k in table if k is not None))
         for key in layer_keys + ([None] if None in table else []):
@@ -209,6 +216,7 @@ class Plan:
         plan.outputs = list(data.get("outputs", []))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.context_parallel = bool(data.get("context_parallel", False))
+        plan.attention = dict(data.get("attention", {}))
         plan.states = dict(data.get("states", {}))
         plan.last_resorts = int(data.get("last_resorts", 0))
         plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}

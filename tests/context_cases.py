@@ -184,6 +184,8 @@ def process_models(rank: int, world_size: int, names: list[str], padded: bool
                                 sharded_step(sharded, call, loss, pick))
         results[f"{name}-rings"] = sum(c.strategy.endswith("[ring]")
                                        for c in sharded.plan.choices.values())
+        results[f"{name}-ulysses"] = sum(c.strategy.endswith("[ulysses]")
+                                         for c in sharded.plan.choices.values())
     errors = []
     for bad in (lambda: autotp.parallelize(models.llama(), tp=1, cp=world_size + 1,
                                            example_kwargs=model_inputs("llama", False)),

@@ -174,18 +174,22 @@ def test_gloo_processes_match_unsharded_attention(cp: int) -> None:
 # ---- whole models: autotp.simulate / parallelize with cp ------------------------------------
 
 
-@pytest.mark.parametrize("name,cp,padded", [
-    ("llama", 2, True),  # GQA, rotary from the positions, a padding mask
-    ("llama", 4, False),
-    ("gpt2", 2, True),  # learned absolute positions
-    ("mistral_window", 2, False),  # a sliding-window mask
-    ("nanogpt", 4, False),  # plain PyTorch: SDPA with is_causal, the loss outside
+@pytest.mark.parametrize("name,cp,padded,kind", [
+    ("llama", 2, True, "ring"),  # GQA, rotary from the positions, a padding mask
+    ("llama", 4, False, "ring"),  # 2 key/value heads: Ulysses cannot split them over 4
+    ("gpt2", 2, True, "ring"),  # learned absolute positions
+    ("mistral_window", 2, False, "ring"),  # a sliding-window mask
+    # plain PyTorch: SDPA with is_causal (no mask tensor), the loss outside; 8 heads of
+    # 8 over 4 ranks: Ulysses sends 1.50 query blocks, the ring 6.00
+    ("nanogpt", 4, False, "ulysses"),
 ])
-def test_models_match_the_unsharded_model(name: str, cp: int, padded: bool) -> None:
+def test_models_match_the_unsharded_model(name: str, cp: int, padded: bool, kind: str
+                                          ) -> None:
     """Outputs, the model's own loss (labels shifted by one, across the shards' boundaries),
     every gradient and one SGD step against the unsharded model (fp32; verify's tolerances:
     1e-5 absolute on outputs and loss, 1e-4 of each gradient's largest entry); every
-    attention by the ring, every parameter whole on every rank."""
+    attention by the ring, or by Ulysses where it takes no mask tensor and sends fewer
+    bytes (the plan says which and why), every parameter whole on every rank."""
     import models
 
     from autotp.features.verify import assert_equivalent
@@ -196,7 +200,10 @@ def test_models_match_the_unsharded_model(name: str, cp: int, padded: bool) -> N
     assert sim.plan.context_parallel and len(sim.ranks) == cp
     assert f"cp={cp} (context parallel" in sim.plan.summary()
     sdpa = [c for c in sim.plan.choices.values() if "scaled_dot_product" in c.op]
-    assert sdpa and all(c.strategy.endswith("[ring]") for c in sdpa), sdpa
+    assert sdpa and all(c.strategy.endswith(f"[{kind}]") for c in sdpa), sdpa
+    whys = [why for node, why in sim.plan.attention.items() if node in sim.plan.choices]
+    assert len(whys) == len(sdpa) and all(why.startswith(f"{kind}: ") for why in whys), whys
+    assert whys[0] in sim.plan.summary()
     assert all(p.layout == "R" for p in sim.plan.params.values())
     assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: cc.model_loss(name, out),
                       pick=lambda out: cc.model_output(name, out))
@@ -237,17 +244,21 @@ def test_context_parallel_bad_input_is_a_clear_error() -> None:
         sim.ranks[0].generate(inputs["input_ids"], max_new_tokens=2)
 
 
-@pytest.mark.parametrize("cp,names", [(2, ["gpt2", "nanogpt", "llama"]), (4, ["llama"])])
+@pytest.mark.parametrize("cp,names", [(2, ["gpt2", "nanogpt", "llama"]),
+                                      (4, ["llama", "nanogpt"])])
 def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str]) -> None:
     """``autotp.parallelize(model, tp=1, cp=...)`` on gloo processes, padded inputs: each
     rank's output, loss and every gradient against the unsharded model; a cp the group does
-    not have and a sequence cp does not divide are refused."""
+    not have and a sequence cp does not divide are refused. Every attention by the ring but
+    nanoGPT's at cp 4 (no mask tensor, 8 of 8 heads over 4 ranks), by Ulysses."""
     for rank, results in enumerate(run_processes(cc.process_models, cp, names, True,
                                                  timeout=300)):
         for name in names:
             got = results[name]
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
-            assert results[f"{name}-rings"] == 2, (rank, name)
+            ulysses = 2 if (name, cp) == ("nanogpt", 4) else 0
+            assert results[f"{name}-ulysses"] == ulysses, (rank, name)
+            assert results[f"{name}-rings"] == 2 - ulysses, (rank, name)
         wrong_group, odd_length = results["errors"]
         assert f"cp={cp + 1} but the context-parallel group has {cp} ranks" in wrong_group
         assert "divisible by cp=" in odd_length and "has 15" in odd_length

@@ -285,8 +285,15 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
              f"step"]
     if plan.context_parallel:
         rings = sum(c.strategy.endswith("[ring]") for c in plan.choices.values())
+        ulysses = sum(c.strategy.endswith("[ulysses]") for c in plan.choices.values())
         lines.append(f"attention: {rings} call(s) by ring attention (key/value blocks passed "
-                     f"around the {plan.tp} ranks inside the op, not listed below)")
+                     f"around the {plan.tp} ranks inside the op, not listed below)"
+                     if not ulysses else
+                     f"attention: {rings} call(s) by ring attention, {ulysses} by Ulysses "
+                     f"(all-to-alls between sequence and head shards inside the op, not "
+                     f"listed below)")
+        for why in dict.fromkeys(plan.attention.values()):
+            lines.append(f"  {why}")
 
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
         out = []

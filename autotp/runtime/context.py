@@ -22,7 +22,8 @@ Two ways to attend across the shards:
   chunks that the mask hides entirely (the future under a causal mask, what lies beyond a
   sliding window) is skipped.
 
-``attention_strategy`` picks one by the bytes each sends and says why.
+``attention_strategy`` (from ``autotp.planner.cost``, where the plan applies it) picks one by
+the bytes each sends and says why.
 
 Masks are given by positions, never as an [S, S] tensor: ``causal``; ``window`` (with causal,
 a query at position p sees the keys at p - window < position <= p); ``key_mask`` ([b, S] in
@@ -45,6 +46,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autotp.errors import ConfigError
+from autotp.planner.cost import attention_strategy  # noqa: F401 (re-exported)
 from autotp.runtime.comm import Communicator
 
 
@@ -91,25 +93,6 @@ class SequenceLayout:
 
     def _to_global(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
         return torch.argsort(self._rank_order(length, device))
-
-
-def attention_strategy(heads: int, kv_heads: int, cp: int) -> tuple[str, str]:
-    """("ulysses" or "ring", why): the one that sends fewer bytes per rank and layer.
-
-    Per rank and per layer, in units of one rank's query block: Ulysses sends (cp - 1)/cp of
-    q, k, v and the output, 2 (1 + kv_heads/heads) (cp - 1)/cp; the ring sends k and v
-    cp - 1 times, 2 (kv_heads/heads) (cp - 1). Both twice as much again in backward."""
-    ratio = kv_heads / heads
-    ring = 2 * ratio * (cp - 1)
-    if heads % cp or kv_heads % cp:
-        return "ring", (f"{heads} query and {kv_heads} key/value heads do not divide by "
-                        f"cp={cp} (Ulysses splits both)")
-    ulysses = 2 * (1 + ratio) * (cp - 1) / cp
-    if ring < ulysses:
-        return "ring", (f"the ring sends {ring:.2f} and Ulysses {ulysses:.2f} query blocks "
-                        "per rank and layer")
-    return "ulysses", (f"Ulysses sends {ulysses:.2f} and the ring {ring:.2f} query blocks "
-                       "per rank and layer")
 
 
 # ---- the mask of one pair of chunks -----------------------------------------------------------
@@ -481,3 +464,25 @@ class RingAttention(nn.Module):
         return ring_attention(q, k, v, self.comm, self.layout, causal=is_causal,
                               attn_mask=attn_mask, scale=scale, label=self.label)
 
+
+class UlyssesAttention(RingAttention):
+    """``aten.scaled_dot_product_attention`` with no mask tensor, of a rank program whose plan
+    shards q, k and v along the sequence, computed by ``ulysses_attention`` (the plan picks
+    it where its all-to-alls send fewer bytes than the ring: ``attention_strategy``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                is_causal: bool = False, *, scale: Optional[float] = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+        if dropout_p:
+            raise ConfigError(f"{self.label}: attention dropout (dropout_p={dropout_p}) under "
+                              "context parallelism: put the model in eval mode or set the "
+                              "attention dropout to 0")
+        if attn_mask is not None:
+            raise ConfigError(f"{self.label}: a mask tensor reached Ulysses attention, which "
+                              "the plan gives only attention without one")
+        if k.shape[1] != q.shape[1] and not enable_gqa:
+            raise ConfigError(f"{self.label}: {q.shape[1]} query and {k.shape[1]} key/value "
+                              "heads without enable_gqa")
+        return ulysses_attention(q, k, v, self.comm, self.layout, causal=is_causal,
+                                 scale=scale, label=self.label)

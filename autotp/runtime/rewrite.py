@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
-from autotp.ops import arg_node, node_arg
+from autotp.ops import arg_node, node_arg, repeated_heads
 from autotp.runtime.fusion import fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
@@ -32,7 +32,7 @@ from autotp.runtime.collectives import (
 )
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import RingAttention
+from autotp.runtime.context import RingAttention, UlyssesAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
@@ -274,17 +274,21 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
 def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Communicator
                          ) -> dict[str, str]:
     """Context parallelism: attention whose plan takes q, k, v sharded along the sequence
-    (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group;
-    returns original node -> the node now holding its value."""
+    (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group,
+    or as ``ulysses_attention`` where the plan chose it (``[ulysses]``); returns original
+    node -> the node now holding its value."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    kinds = {"[ring]": ("ring", RingAttention), "[ulysses]": ("ulysses", UlyssesAttention)}
     for node in list(graph.nodes):
         choice = plan.choices.get(node.name)
-        if node.op != "call_function" or node.target != sdpa or choice is None or \
-                not choice.strategy.endswith("[ring]"):
+        kind = next((k for k in kinds if choice is not None and choice.strategy.endswith(k)),
+                    None)
+        if node.op != "call_function" or node.target != sdpa or kind is None:
             continue
-        name = f"autotp_ring_{node.name}"
-        root.add_module(name, RingAttention(comm, node.name))
+        prefix, module = kinds[kind]
+        name = f"autotp_{prefix}_{node.name}"
+        root.add_module(name, module(comm, node.name))
         args, kwargs = _grouped_kv(node)
         with graph.inserting_before(node):
             new = graph.call_module(name, args, kwargs)
@@ -310,36 +314,6 @@ def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
         node = source
 
 
-def _repeated_heads(value: Any) -> Optional[fx.Node]:
-    """``x`` where ``value`` is ``x`` [b, h, t, d] with each head repeated g times
-    (transformers' ``repeat_kv``: unsqueeze at dim 2, expand to [b, h, g, t, d], reshape to
-    [b, h * g, t, d], full slices between them); None otherwise."""
-    aten = torch.ops.aten
-
-    def whole(n: fx.Node) -> bool:  # slice(x, dim, 0 or None, None or the largest int)
-        start = n.args[2] if len(n.args) > 2 else None
-        end = n.args[3] if len(n.args) > 3 else None
-        return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2**62))
-
-    def through_full_slices(n: Any) -> Any:
-        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and whole(n):
-            n = n.args[0]
-        return n
-
-    if not (isinstance(value, fx.Node) and value.target == aten.reshape.default):
-        return None
-    expand = value.args[0]
-    if not (isinstance(expand, fx.Node) and expand.target == aten.expand.default):
-        return None
-    unsqueeze = through_full_slices(expand.args[0])
-    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target == aten.unsqueeze.default
-            and unsqueeze.args[1] == 2):
-        return None
-    source = through_full_slices(unsqueeze.args[0])
-    val = source.meta.get("val") if isinstance(source, fx.Node) else None
-    return source if isinstance(val, torch.Tensor) and val.dim() == 4 else None
-
-
 def _grouped_kv(node: fx.Node) -> tuple[tuple, dict]:
     """An attention call's arguments with keys and values whose heads were repeated for
     grouped-query attention replaced by the unrepeated ones (``enable_gqa``): the ring sends
@@ -347,7 +321,7 @@ def _grouped_kv(node: fx.Node) -> tuple[tuple, dict]:
     args, kwargs = list(node.args), dict(node.kwargs)
     if len(args) < 3:
         return tuple(args), kwargs
-    k, v = _repeated_heads(args[1]), _repeated_heads(args[2])
+    k, v = repeated_heads(args[1]), repeated_heads(args[2])
     if k is None or v is None:
         return tuple(args), kwargs
     k_val, v_val = k.meta["val"], v.meta["val"]
