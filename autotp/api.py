@@ -200,10 +200,11 @@ def parallelize(
 
     ``cp``, ``cp_group``: context parallelism (with tp 1): every rank of ``cp_group``
     (default: the whole world) takes the same whole inputs and computes 1/cp of the
-    sequence, the r-th contiguous part on rank r; attention passes the key/value blocks
-    around the group (ring attention, ``autotp.runtime.context``), parameters are held whole
-    and their gradients summed over the group after backward. The sequence length of every
-    call must be divisible by cp.
+    sequence, chunks r and 2 cp - 1 - r of 2 cp on rank r (the same causal work on every
+    rank); attention passes the key/value blocks around the group (ring attention, or
+    Ulysses' all-to-alls where the plan says so: ``autotp.runtime.context``), parameters are
+    held whole and their gradients summed over the group after backward. The sequence
+    length of every call must be divisible by 2 x cp.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")

@@ -26,6 +26,7 @@ from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.collectives import GradBucket, GradSync, gather
+from autotp.runtime.context import SequenceLayout
 from autotp.runtime.comm import Communicator
 from autotp.runtime.layers import split_layers
 from autotp.runtime.regather import ShardKeeper
@@ -196,15 +197,18 @@ class ShardedModule(nn.Module):
                 value = named[name]
                 if isinstance(example, torch.Tensor):
                     _check_input(name, value, example)
+                    order = self.comm.sequence
+                    multiple = order.chunks if order is not None else self.plan.tp
                     for dim in self._seq_dims.get(name, ()):
-                        if value.shape[dim] % self.plan.tp:
-                            what, degree = ("context parallelism", "cp") if \
-                                self.plan.context_parallel else ("sequence parallelism", "tp")
+                        if value.shape[dim] % multiple:
+                            what = ("sequence parallelism needs the sequence length divisible "
+                                    f"by tp={self.plan.tp}") if order is None else \
+                                ("context parallelism needs the sequence length divisible "
+                                 f"by 2 x cp = {multiple} (cp={self.plan.tp}, each rank two "
+                                 "chunks of it: the same causal work on every rank)")
                             raise ConfigError(
-                                f"{what} needs the sequence length divisible by "
-                                f"{degree}={self.plan.tp}, but {name!r} has "
-                                f"{value.shape[dim]} along dim {dim}: pad the sequence to a "
-                                f"multiple of {self.plan.tp}")
+                                f"{what}, but {name!r} has {value.shape[dim]} along dim "
+                                f"{dim}: pad the sequence to a multiple of {multiple}")
                 call[name] = value
             elif isinstance(example, torch.Tensor):
                 raise ConfigError(f"missing input {name!r} (the example had it)")
@@ -281,6 +285,9 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
                           f"{type(compile).__name__}")
     keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
+    if plan.context_parallel and comm.sequence is None:
+        # each rank two chunks of 2 x cp, head and tail: the same causal work on every rank
+        comm.sequence = SequenceLayout(comm.world_size, balanced=True)
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
                               keeper=keeper, ep_comm=ep_comm)

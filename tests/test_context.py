@@ -238,7 +238,7 @@ def test_context_parallel_bad_input_is_a_clear_error() -> None:
         autotp.plan(models.llama(), 2, cp=2, example_kwargs=inputs)
     sim = autotp.simulate(models.llama(), 1, cp=2, example_kwargs=inputs)
     with pytest.raises(ConfigError, match="context parallelism needs the sequence length "
-                                          "divisible by cp=2, but 'input_ids' has 15"):
+                                          "divisible by 2 x cp = 4 \\(cp=2, .*'input_ids' has 15"):
         sim.run(lambda m: m(input_ids=inputs["input_ids"][:, :15]))
     with pytest.raises(ConfigError, match="generate\\(\\) on a context-parallel model"):
         sim.ranks[0].generate(inputs["input_ids"], max_new_tokens=2)
@@ -261,7 +261,7 @@ def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str]) -> None:
             assert results[f"{name}-rings"] == 2 - ulysses, (rank, name)
         wrong_group, odd_length = results["errors"]
         assert f"cp={cp + 1} but the context-parallel group has {cp} ranks" in wrong_group
-        assert "divisible by cp=" in odd_length and "has 15" in odd_length
+        assert f"divisible by 2 x cp = {2 * cp}" in odd_length and "has 15" in odd_length
 
 
 def test_command_line_plans_with_cp() -> None:
@@ -298,3 +298,40 @@ def test_fsdp2_over_dp_and_cp_trains_as_the_unsharded_model() -> None:
         assert r["loss_diff"] < 1e-5, (rank, r)
         assert r["param_diff"] < 1e-4, (rank, r)
         assert r["names"], (rank, r)
+
+
+@pytest.mark.parametrize("name,cp,pairs", [("nanogpt", 2, 5), ("llama", 4, 9)])
+def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) -> None:
+    """Every rank holds chunks r and 2 cp - 1 - r of 2 cp and computes the same number of
+    (query, key) chunk pairs per attention forward, the causal ones: nanoGPT at cp 2 (SDPA's
+    is_causal, by the ring at cp 2), 5 of the 16 pairs each; transformers' LLaMA at cp 4,
+    whose causal mask arrives as a tensor (the pairs it hides found in one read of it per
+    call), 9 of the 64 each. Contiguous shards would give the last rank 2 cp - 1 times the
+    first one's work. Outputs and gradients are the unsharded model's (the whole-model tests
+    above run on the same layout)."""
+    import threading
+
+    import autotp.runtime.context as context
+    import models
+
+    inputs = cc.model_inputs(name, False)
+    sim = autotp.simulate(models.BUILDERS[name]().eval(), 1, cp=cp, example_kwargs=inputs)
+    assert all(m.comm.sequence.balanced and m.comm.sequence.chunks_of(m.comm.rank) ==
+               (m.comm.rank, 2 * cp - 1 - m.comm.rank) for m in sim.ranks)
+    assert all(c.strategy.endswith("[ring]") for c in sim.plan.choices.values()
+               if "scaled_dot_product" in c.op)
+    counted: dict[int, int] = {}
+    real = context._scores
+
+    def counting(*args: Any) -> torch.Tensor:
+        ident = threading.get_ident()
+        counted[ident] = counted.get(ident, 0) + 1
+        return real(*args)
+
+    context._scores = counting  # type: ignore[assignment]
+    try:
+        sim.run(lambda m: m(**inputs))
+    finally:
+        context._scores = real  # type: ignore[assignment]
+    layers = 2
+    assert sorted(counted.values()) == [pairs * layers] * cp, counted

@@ -42,7 +42,8 @@ from autotp.layout import Layout, Partial, Replicate, Shard, parse_layout
 from autotp.planner.coalesce import place
 from autotp.planner.invariant import closure, stages
 from autotp.planner.plan import Plan
-from autotp.runtime.collectives import Redistribute, _rank_major, _segment_major, local_slice
+from autotp.runtime.collectives import (Redistribute, _rank_major, _segment_major, local_slice,
+                                        sequence_order)
 from autotp.runtime.comm import Communicator
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
@@ -102,7 +103,8 @@ class JoinedRedistribute(nn.Module):
                 pieces = full[:, start:start + x.numel()].reshape(tp, *x.shape)
                 start += x.numel()
                 whole = torch.cat(pieces.unbind(0), dim=src.dim).to(x.dtype)
-                out[i] = _segment_major(whole, src.dim, src.blocks, tp)
+                out[i] = _segment_major(whole, src.dim, src.blocks, tp,
+                                        sequence_order(self.comm, src))
         if summed:
             out_summed = self._all_reduce([xs[i] for i in summed], "forward")
             for i, x in zip(summed, out_summed):
@@ -121,12 +123,14 @@ class JoinedRedistribute(nn.Module):
         reduced = [i for i in self._where(Partial) if self.layouts[i][1].grad_partial]
         for i, (src, dst) in enumerate(self.layouts):
             if not dst.grad_partial:
-                out[i] = local_slice(grads[i], src, rank, tp).contiguous() \
+                out[i] = local_slice(grads[i], src, rank, tp,
+                                     sequence_order(self.comm, src)).contiguous() \
                     if isinstance(src, Shard) else grads[i]
         if scattered:
             rows = []
             for i, src in scattered.items():
-                ordered = _rank_major(grads[i], src.dim, src.blocks, tp)
+                ordered = _rank_major(grads[i], src.dim, src.blocks, tp,
+                                      sequence_order(self.comm, src))
                 rows.append(torch.stack([p.reshape(-1) for p in ordered.chunk(tp, src.dim)]))
             buffer = torch.cat(rows, dim=1)  # [tp, all values' pieces]
             self._log("reduce_scatter", "backward", buffer)

@@ -51,8 +51,23 @@ def _swap_groups(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Ten
     return y.reshape(shape)
 
 
-def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
-    """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...]."""
+def sequence_order(comm: Communicator, layout: Any) -> Any:
+    """The token order of a context-parallel group whose ranks hold the sequence balanced
+    (``comm.sequence``: rank r the chunks r and 2 cp - 1 - r of 2 cp) where ``layout`` is a
+    plain shard (under context parallelism every shard is along a sequence); else None."""
+    order = getattr(comm, "sequence", None)
+    if order is None or not order.balanced or not isinstance(layout, Shard) or \
+            layout.blocks != 1:
+        return None
+    return order
+
+
+def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
+                order: Any = None) -> torch.Tensor:
+    """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...];
+    ``order``: a balanced sequence (``sequence_order``), its ranks' tokens end to end."""
+    if order is not None:
+        return x.index_select(dim, order._rank_order(x.shape[dim], x.device))
     blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
@@ -63,8 +78,11 @@ def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Ten
     return torch.cat([p[r] for r in range(tp) for p in pieces], dim=dim)
 
 
-def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.Tensor:
+def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
+                   order: Any = None) -> torch.Tensor:
     """Inverse of ``_rank_major``."""
+    if order is not None:
+        return x.index_select(dim, order._to_global(x.shape[dim], x.device))
     blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
@@ -75,32 +93,36 @@ def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int) -> torch.
     return torch.cat([per_rank[r][j] for j in range(len(blocks)) for r in range(tp)], dim=dim)
 
 
-def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:
+def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int,
+                order: Any = None) -> torch.Tensor:
     if is_mixed(layout.blocks):
         return shard_tensor(x, layout, rank, tp)
-    return _rank_major(x, layout.dim, layout.blocks, tp).chunk(tp, dim=layout.dim)[rank]
+    return _rank_major(x, layout.dim, layout.blocks, tp, order).chunk(tp, dim=layout.dim)[rank]
 
 
 def gather(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
     full = comm.all_gather(x.contiguous(), layout.dim)
     if is_mixed(layout.blocks):  # segments held whole: rank 0's copy of each
         return unshard_tensor(full.chunk(comm.world_size, dim=layout.dim), layout)
-    return _segment_major(full, layout.dim, layout.blocks, comm.world_size)
+    return _segment_major(full, layout.dim, layout.blocks, comm.world_size,
+                          sequence_order(comm, layout))
 
 
 def reduce_scatter(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
-    ordered = _rank_major(x, layout.dim, layout.blocks, comm.world_size)
+    ordered = _rank_major(x, layout.dim, layout.blocks, comm.world_size,
+                          sequence_order(comm, layout))
     return comm.reduce_scatter(ordered.contiguous(), layout.dim)
 
 
-def zero_pad(x: torch.Tensor, layout: Shard, rank: int, tp: int) -> torch.Tensor:
+def zero_pad(x: torch.Tensor, layout: Shard, rank: int, tp: int,
+             order: Any = None) -> torch.Tensor:
     """The full-size tensor holding ``x`` at this rank's position and zeros elsewhere."""
     shape = list(x.shape)
     shape[layout.dim] *= tp
     full = x.new_zeros(shape)
-    full_ordered = _rank_major(full, layout.dim, layout.blocks, tp)
+    full_ordered = _rank_major(full, layout.dim, layout.blocks, tp, order)
     full_ordered.narrow(layout.dim, rank * x.shape[layout.dim], x.shape[layout.dim]).copy_(x)
-    return _segment_major(full_ordered, layout.dim, layout.blocks, tp)
+    return _segment_major(full_ordered, layout.dim, layout.blocks, tp, order)
 
 
 # ---- the redistribution --------------------------------------------------------------------
@@ -153,7 +175,7 @@ class Redistribute(nn.Module):
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             return x.view_as(x)
         if isinstance(src, Replicate) and isinstance(dst, Shard):
-            return local_slice(x, dst, rank, tp).contiguous()
+            return local_slice(x, dst, rank, tp, sequence_order(comm, dst)).contiguous()
         if isinstance(src, Partial) and isinstance(dst, Replicate):
             return self._log("all_reduce", "forward", x, comm.all_reduce(x))
         if isinstance(src, Partial) and isinstance(dst, Shard):
@@ -174,7 +196,7 @@ class Redistribute(nn.Module):
             return g
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             if src.grad_partial:
-                return zero_pad(g, dst, rank, tp)
+                return zero_pad(g, dst, rank, tp, sequence_order(comm, dst))
             out = gather(comm, g, dst)
             return self._log("all_gather", "backward", out, out)
         if isinstance(src, Partial) and isinstance(dst, Replicate):
@@ -187,7 +209,7 @@ class Redistribute(nn.Module):
         if isinstance(src, Shard) and isinstance(dst, Replicate):
             if dst.grad_partial:
                 return self._log("reduce_scatter", "backward", g, reduce_scatter(comm, g, src))
-            return local_slice(g, src, rank, tp).contiguous()
+            return local_slice(g, src, rank, tp, sequence_order(comm, src)).contiguous()
         raise AssertionError(f"no redistribution {src} -> {dst}")
 
     def _log(self, kind: str, phase: str, sized: torch.Tensor,

@@ -57,6 +57,10 @@ class Communicator:
     rank: int
     world_size: int
     log: CollectiveLog
+    # context parallelism: how the group holds the sequence (a ``runtime.context.
+    # SequenceLayout``; balanced, each rank two chunks of 2 x cp), which every slice and
+    # gather of a sequence shard follows; None: contiguous shards
+    sequence: Any = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -129,12 +129,33 @@ def _pieces(positions: torch.Tensor, chunks: int) -> list[tuple[slice, torch.Ten
             for i in range(chunks)]
 
 
-def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int
+def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int,
+           live: Optional[list[list[bool]]] = None, kchunks: tuple[int, ...] = ()
            ) -> Iterator[tuple[slice, slice, Optional[torch.Tensor]]]:
-    for qs, qp in _pieces(qpos, chunks):
-        for ks, kp in _pieces(kpos, chunks):
-            if not mask.hides(qp, kp):
-                yield qs, ks, mask.of(qp, kp)
+    """This rank's query chunks against one block's key chunks, but the pairs the mask
+    hides: by positions (``mask``), or where an explicit mask keeps nothing (``live``:
+    query chunk x global key chunk, ``kchunks``: the block's chunks)."""
+    for qi, (qs, qp) in enumerate(_pieces(qpos, chunks)):
+        for kj, (ks, kp) in enumerate(_pieces(kpos, chunks)):
+            if mask.hides(qp, kp) or (live is not None and not live[qi][kchunks[kj]]):
+                continue
+            yield qs, ks, mask.of(qp, kp)
+
+
+def _live_pairs(extra: Optional[torch.Tensor], chunks: int, layout: "SequenceLayout",
+                length: int) -> Optional[list[list[bool]]]:
+    """Which (query chunk of this rank, global key chunk) pairs an explicit mask keeps any
+    of, read in one transfer to the host per attention call: transformers' causal masks
+    arrive as tensors, and the pairs they hide are skipped as ``causal`` ones are."""
+    if extra is None:
+        return None
+    kept = extra if extra.dtype == torch.bool else extra > float("-inf")
+    kept = kept.any(dim=1).any(dim=0)  # [sq|1, S]
+    rows = kept.shape[0]
+    per_query = chunks if rows > 1 else 1
+    grid = kept.reshape(per_query, rows // per_query, layout.chunks, length // layout.chunks)
+    live = grid.any(dim=3).any(dim=1).tolist()
+    return live * chunks if per_query == 1 else live
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[torch.Tensor],
@@ -236,6 +257,7 @@ class _RingAttention(torch.autograd.Function):
         top = q.new_full((b, hq, sq), float("-inf"), dtype=wide)  # running max
         total = q.new_zeros((b, hq, sq), dtype=wide)  # running sum of exp
         acc = q.new_zeros((b, hq, sq, v.shape[-1]), dtype=wide)
+        live = ctx.live = _live_pairs(extra, chunks, layout, length)
         block = [k, v]
         for step in range(layout.cp):
             # the next block travels while this one is computed
@@ -244,7 +266,8 @@ class _RingAttention(torch.autograd.Function):
             source = (comm.rank - step) % layout.cp
             kpos = layout.positions(source, length)
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
-            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
+            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks, live,
+                                          layout.chunks_of(source)):
                 keys = _block(extra, qs, kpos[ks])
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 new_top = torch.maximum(top[:, :, qs], s.amax(-1))
@@ -280,6 +303,7 @@ class _RingAttention(torch.autograd.Function):
         length = sq * layout.cp
         qpos = layout.positions(comm.rank, length)
         chunks = len(layout.chunks_of(0))
+        live = ctx.live
         do = _wide(grad)
         delta = (do * out).sum(-1)  # [b, hq, sq]
         dq = torch.zeros(q.shape, dtype=do.dtype, device=q.device)
@@ -296,7 +320,8 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
             dk = torch.zeros_like(kb)
             dv = torch.zeros_like(vb)
-            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks):
+            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks, live,
+                                          layout.chunks_of(source)):
                 keys = _block(extra, qs, kpos[ks])
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
@@ -438,15 +463,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
 
 class RingAttention(nn.Module):
     """``aten.scaled_dot_product_attention`` of a rank program whose plan shards q, k and v
-    along the sequence over the group (contiguous shards: rank r holds the r-th 1/cp of
-    it): the same arguments, computed by ``ring_attention``. The mask arrives with this
-    rank's query rows and every key column."""
+    along the sequence over the group (as ``comm.sequence`` lays it out: balanced, or
+    contiguous where it is None): the same arguments, computed by ``ring_attention``. The
+    mask arrives with this rank's query rows and every key column."""
 
     def __init__(self, comm: Communicator, label: str):
         super().__init__()
         self.comm = comm
         self.label = label
-        self.layout = SequenceLayout(comm.world_size, balanced=False)
+        self.layout = comm.sequence or SequenceLayout(comm.world_size, balanced=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
