@@ -209,12 +209,11 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     norm, against the unsharded model trained on the whole batch."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import models
-    from autotp.features.verify import max_difference
+    from dist_cases import train_against_reference
 
     torch.set_num_threads(1)
     dp = cp = 2
@@ -232,33 +231,9 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     for layer in sharded.model.layers:
         fully_shard(layer, mesh=both)
     fully_shard(sharded, mesh=both)
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    losses, ref_losses, grad_diff, norm_diff = [], [], 0.0, 0.0
-    for step in range(steps):
-        loss = sharded(**mine).loss
-        loss.backward()
-        ref_loss = reference(input_ids=ids, attention_mask=mask, labels=ids).loss
-        ref_loss.backward()
-        if step == 0:  # FSDP2's mean over dp x cp of gradients summed over cp: the batch's
-            grads = autotp.full_state_dict(sharded, grads=True)
-            grad_diff = max_difference({n: p.grad for n, p in reference.named_parameters()},
-                                       grads)
-        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), float(want) / 2)
-        got = autotp.clip_grad_norm_(sharded, float(want) / 2)
-        norm_diff = max(norm_diff, abs(float(got) - float(want)) / float(want))
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
-        losses.append(float(mean) / dp)
-        ref_losses.append(float(ref_loss.detach()))
-    full = autotp.full_state_dict(sharded)
-    want = dict(reference.named_parameters())
-    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "grad_diff": grad_diff, "norm_diff": norm_diff, "losses": losses,
-            "param_diff": max_difference(want, full), "names": sorted(full) == sorted(want),
+    whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    result = train_against_reference(sharded, reference, mine, whole, steps,
+                                     mesh["dp"].get_group(), dp)
+    return {**result,
             "rings": sum(c.strategy.endswith("[ring]")
                          for c in sharded.plan.choices.values())}

@@ -163,13 +163,11 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
               dp: int = 2) -> dict[str, Any]:
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import autotp
-    from autotp.features.verify import max_difference
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
@@ -192,21 +190,44 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
             layers[i] = layer = checkpoint_wrapper(layer)
         fully_shard(layer, mesh=mesh["dp"], ignored_params=ignored)
     fully_shard(sharded, mesh=mesh["dp"], ignored_params=ignored)
+    result = train_against_reference(sharded, reference, {"input_ids": mine, "labels": mine},
+                                     {"input_ids": ids, "labels": ids}, steps,
+                                     mesh["dp"].get_group(), dp)
+    return {
+        **result,
+        "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
+        "experts_held": sorted({int(p.shape[0]) for p in ignored}),
+        "expert_moves": len(sharded.ep_comm.log.events) if sharded.ep_comm else 0,
+    }
+
+
+def train_against_reference(sharded: Any, reference: Any, mine: dict[str, Any],
+                            whole: dict[str, Any], steps: int, dp_group: Any,
+                            dp: int) -> dict[str, Any]:
+    """AdamW steps (lr 1e-3) of ``sharded`` on this data-parallel rank's inputs ``mine`` and of
+    the unsharded ``reference`` on the whole batch, both clipped to half the whole model's
+    gradient norm (``autotp.clip_grad_norm_``: the norm over every tp, cp, ep and FSDP2
+    shard must be the unsharded model's, or the steps differ): the first step's gradients,
+    the norms, the dp-mean losses and the parameters after the steps, against the
+    reference's."""
+    import torch.distributed as dist
+
+    import autotp
+    from autotp.features.verify import max_difference
+
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     losses, ref_losses, grad_diff, norm_diff = [], [], 0.0, 0.0
     for step in range(steps):
-        loss = sharded(input_ids=mine, labels=mine).loss
+        loss = sharded(**mine).loss
         loss.backward()
         sharded.finish_expert_gradients()
-        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss = reference(**whole).loss
         ref_loss.backward()
         if step == 0:  # FSDP2 averaged the dp ranks' gradients: the whole batch's
             grads = autotp.full_state_dict(sharded, grads=True)
             grad_diff = max_difference({n: p.grad for n, p in reference.named_parameters()},
                                        grads)
-        # both clipped to half the whole model's norm: the norm over tp, ep and FSDP2's dp
-        # shards must be the unsharded model's, or the steps below differ
         want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
         torch.nn.utils.clip_grad_norm_(reference.parameters(), float(want) / 2)
         got = autotp.clip_grad_norm_(sharded, float(want) / 2)
@@ -215,22 +236,14 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
             optimizer.step()
             optimizer.zero_grad()
         mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        dist.all_reduce(mean, group=dp_group)
         losses.append(float(mean) / dp)
         ref_losses.append(float(ref_loss.detach()))
     full = autotp.full_state_dict(sharded)
     want = dict(reference.named_parameters())
-    return {
-        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "grad_diff": grad_diff,
-        "norm_diff": norm_diff,
-        "losses": losses,
-        "param_diff": max_difference(want, full),
-        "names": sorted(full) == sorted(want),
-        "fsdp_layers": [type(layer).__name__ for layer in sharded.model.layers],
-        "experts_held": sorted({int(p.shape[0]) for p in ignored}),
-        "expert_moves": len(sharded.ep_comm.log.events) if sharded.ep_comm else 0,
-    }
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "grad_diff": grad_diff, "norm_diff": norm_diff, "losses": losses,
+            "param_diff": max_difference(want, full), "names": sorted(full) == sorted(want)}
 
 
 def tiny_llama() -> Any:

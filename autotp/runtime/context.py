@@ -486,6 +486,11 @@ class RingAttention(nn.Module):
         if k.shape[1] != q.shape[1] and not enable_gqa:
             raise ConfigError(f"{self.label}: {q.shape[1]} query and {k.shape[1]} key/value "
                               "heads without enable_gqa")
+        return self.attend(q, k, v, attn_mask, is_causal, scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: Optional[torch.Tensor], is_causal: bool,
+               scale: Optional[float]) -> torch.Tensor:
         return ring_attention(q, k, v, self.comm, self.layout, causal=is_causal,
                               attn_mask=attn_mask, scale=scale, label=self.label)
 
@@ -495,19 +500,11 @@ class UlyssesAttention(RingAttention):
     shards q, k and v along the sequence, computed by ``ulysses_attention`` (the plan picks
     it where its all-to-alls send fewer bytes than the ring: ``attention_strategy``)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                is_causal: bool = False, *, scale: Optional[float] = None,
-                enable_gqa: bool = False) -> torch.Tensor:
-        if dropout_p:
-            raise ConfigError(f"{self.label}: attention dropout (dropout_p={dropout_p}) under "
-                              "context parallelism: put the model in eval mode or set the "
-                              "attention dropout to 0")
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: Optional[torch.Tensor], is_causal: bool,
+               scale: Optional[float]) -> torch.Tensor:
         if attn_mask is not None:
             raise ConfigError(f"{self.label}: a mask tensor reached Ulysses attention, which "
                               "the plan gives only attention without one")
-        if k.shape[1] != q.shape[1] and not enable_gqa:
-            raise ConfigError(f"{self.label}: {q.shape[1]} query and {k.shape[1]} key/value "
-                              "heads without enable_gqa")
         return ulysses_attention(q, k, v, self.comm, self.layout, causal=is_causal,
                                  scale=scale, label=self.label)
