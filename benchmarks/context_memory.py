@@ -14,7 +14,9 @@ shows the largest rank. Two programs of transformers' LLaMA (SDPA, causal, GQA):
   ``logits.view(-1, vocab)`` is gathered whole on every rank for now (docs/parallelism.md).
 
 ``x cp`` is the activation memory at cp times cp over cp 1's: 1.00 where everything scales
-as 1/cp.
+as 1/cp. ``predicted`` is what ``autotp estimate`` counts for the same program at that cp
+(``build_profile(..., cp=)``: the tp 1 program on 1/cp of the sequence, the attention core
+and mask rows at seq/cp x seq), beside the measurement.
 """
 
 from __future__ import annotations
@@ -72,6 +74,28 @@ def measure(head: bool, cp: int, args: argparse.Namespace) -> tuple[int, float]:
     return max(b for b, _ in per_rank), max(t for _, t in per_rank)
 
 
+_PLANNED: dict[bool, tuple] = {}
+
+
+def predicted(head: bool, cp: int, args: argparse.Namespace) -> int:
+    """The activation bytes ``autotp estimate`` counts for one rank at ``cp``."""
+    from autotp.capture.trace import capture
+    from autotp.planner.job.memory import end_activations, layer_activations
+    from autotp.planner.job.profile import build_profile
+    from autotp.planner.solve import plan_graph
+
+    if head not in _PLANNED:
+        model = build(head, args)
+        ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(1))
+        example = {"input_ids": ids, "labels": ids} if head else {"input_ids": ids}
+        captured = capture(model, example_kwargs=example)
+        _PLANNED[head] = (captured, plan_graph(captured, 1))
+    captured, plan = _PLANNED[head]
+    prof = build_profile(captured, plan, args.batch, args.seq, dtype_bytes=4, cp=cp)
+    return int(sum(layer_activations(prof, "none").values()) +
+               end_activations(prof, "first") + end_activations(prof, "last"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
@@ -86,15 +110,17 @@ def main() -> int:
           f"T={args.seq} hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32; "
           "simulated ranks (threads)")
     print(f"{'program':<10} {'cp':>3} {'per rank':>10} {'/ cp 1':>7} {'x cp':>6} "
-          f"{'fwd+bwd s':>10}")
+          f"{'predicted':>10} {'pred/meas':>9} {'fwd+bwd s':>10}")
     for head in (False, True):
         base = None
         for cp in args.cp:
             nbytes, seconds = measure(head, cp, args)
             base = base if base is not None else (nbytes if cp == 1 else None)
             ratio = nbytes / base if base else float("nan")
+            guess = predicted(head, cp, args)
             print(f"{'with loss' if head else 'layers':<10} {cp:>3} {nbytes / mib:>8.1f}Mi "
-                  f"{ratio:>7.3f} {ratio * cp:>6.2f} {seconds:>10.2f}")
+                  f"{ratio:>7.3f} {ratio * cp:>6.2f} {guess / mib:>8.1f}Mi "
+                  f"{guess / nbytes:>9.2f} {seconds:>10.2f}")
     return 0
 
 
