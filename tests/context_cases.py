@@ -168,13 +168,24 @@ def _step_functions(name: str, inputs: dict[str, torch.Tensor]) -> tuple[Any, An
             lambda out: model_output(name, out))
 
 
-def process_models(rank: int, world_size: int, names: list[str], padded: bool
-                   ) -> dict[str, Any]:
+def process_models(rank: int, world_size: int, names: list[str], padded: bool,
+                   saved: Optional[str] = None) -> dict[str, Any]:
     """``autotp.parallelize(model, tp=1, cp=world_size)`` of each model against the unsharded
-    model: output, loss and every gradient (``verify.compare``); then the bad inputs."""
+    model: output, loss and every gradient (``verify.compare``); ``saved``: a LLaMA saved
+    with ``save_pretrained`` there, loaded by ``autotp.from_pretrained(..., cp=)`` against
+    transformers' own ``from_pretrained``; then the bad inputs."""
     import models
 
     results: dict[str, Any] = {}
+    if saved is not None:
+        import transformers
+
+        model = transformers.LlamaForCausalLM.from_pretrained(saved).eval()
+        inputs = model_inputs("llama", padded)
+        sharded = autotp.from_pretrained(saved, 1, cp=world_size, example_kwargs=inputs)
+        call, loss, pick = _step_functions("llama", inputs)
+        results["pretrained"] = compare(reference_step(model, call, loss, pick),
+                                        sharded_step(sharded, call, loss, pick))
     for name in names:
         model = models.BUILDERS[name]().eval()
         inputs = model_inputs(name, padded and name != "nanogpt")

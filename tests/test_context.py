@@ -246,13 +246,24 @@ def test_context_parallel_bad_input_is_a_clear_error() -> None:
 
 @pytest.mark.parametrize("cp,names", [(2, ["gpt2", "nanogpt", "llama"]),
                                       (4, ["llama", "nanogpt"])])
-def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str]) -> None:
+def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str], tmp_path: Any) -> None:
     """``autotp.parallelize(model, tp=1, cp=...)`` on gloo processes, padded inputs: each
     rank's output, loss and every gradient against the unsharded model; a cp the group does
     not have and a sequence cp does not divide are refused. Every attention by the ring but
-    nanoGPT's at cp 4 (no mask tensor, 8 of 8 heads over 4 ranks), by Ulysses."""
-    for rank, results in enumerate(run_processes(cc.process_models, cp, names, True,
+    nanoGPT's at cp 4 (no mask tensor, 8 of 8 heads over 4 ranks), by Ulysses. At cp 2, in
+    the same processes, ``autotp.from_pretrained(path, 1, cp=2)`` of a saved LLaMA against
+    transformers' loading of it."""
+    saved = None
+    if cp == 2:
+        import models
+
+        models.llama().save_pretrained(tmp_path)
+        saved = str(tmp_path)
+    for rank, results in enumerate(run_processes(cc.process_models, cp, names, True, saved,
                                                  timeout=300)):
+        if saved is not None:
+            got = results["pretrained"]
+            assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, "from_pretrained", got)
         for name in names:
             got = results[name]
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
