@@ -29,9 +29,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard as DShard
+from torch.distributed.tensor import DTensor
 
 from autotp.sharded import ShardedModule
+from autotp.runtime.comm import sharded_groups, spans_group
 from autotp.errors import ConfigError
 from autotp.features.pipeline import wait_tied_grads
 from autotp.layout import Shard
@@ -125,14 +126,6 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _sharded_mesh_groups(grad: torch.Tensor) -> list[Any]:
-    """The process groups of the mesh dims a DTensor gradient is sharded on (FSDP2)."""
-    if not isinstance(grad, DTensor):
-        return []
-    return [grad.device_mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
-            if isinstance(placement, DShard)]
-
-
 def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     infinite = math.isinf(p)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
@@ -142,8 +135,8 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     buckets: dict[tuple[bool, tuple[Any, ...], bool], torch.Tensor] = {}
     for grad, sharded, expert in holder.pieces:
         local = _local(grad).detach().float()
-        groups = tuple(_sharded_mesh_groups(grad))
-        within = _covers(groups, holder.comm)  # FSDP2's shards span the tp group's ranks
+        groups = tuple(sharded_groups(grad))
+        within = spans_group(groups, holder.comm)  # FSDP2's shards span the tp group's ranks
         if infinite:
             value = local.abs().max() if local.numel() else torch.zeros((), device=device)
         else:
@@ -173,20 +166,6 @@ def _total_norm(holder: _Holder, p: float) -> torch.Tensor:
     if holder.pp_group is not None:  # one collective on every rank, whatever it holds
         dist.all_reduce(combined, op=op, group=holder.pp_group)
     return combined if infinite else combined.pow(1.0 / p)
-
-
-def _covers(groups: tuple[Any, ...], comm: Any) -> bool:
-    """Whether the process groups ``groups`` (FSDP2's sharded mesh dims) take in every rank
-    of the communicator ``comm``'s group."""
-    if not groups or comm is None or comm.world_size == 1:
-        return False
-    mine = getattr(comm, "group", None)
-    if mine is None and not hasattr(comm, "group"):
-        return False  # simulated ranks: no process group, no FSDP2 over them
-    ranks = set(dist.get_process_group_ranks(mine) if mine is not None
-                else range(dist.get_world_size()))
-    held = {r for group in groups for r in dist.get_process_group_ranks(group)}
-    return ranks <= held
 
 
 def _device(holder: _Holder) -> torch.device:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -355,3 +355,27 @@ class ThreadComm(Communicator):
 
     def abort(self) -> None:
         self.hub.barrier.abort()
+
+
+def sharded_groups(tensor: Any) -> list[Any]:
+    """The process groups of the mesh dims a DTensor (FSDP2's parameter or gradient) is
+    sharded on; none for a plain tensor."""
+    from torch.distributed.tensor import DTensor, Shard as DShard
+
+    if not isinstance(tensor, DTensor):
+        return []
+    return [tensor.device_mesh.get_group(dim) for dim, placement in
+            enumerate(tensor.placements) if isinstance(placement, DShard)]
+
+
+def spans_group(groups: Sequence[Any], comm: Optional[Communicator]) -> bool:
+    """Whether the process groups ``groups`` (FSDP2's sharded mesh dims) take in every rank
+    of ``comm``'s group: FSDP2 over dp x cp holds each cp rank's shard apart and sums over
+    the cp ranks itself."""
+    if not groups or comm is None or comm.world_size == 1 or \
+            not isinstance(comm, ProcessGroupComm):
+        return False  # simulated ranks: no process group, no FSDP2 over them
+    ranks = set(dist.get_process_group_ranks(comm.group) if comm.group is not None
+                else range(dist.get_world_size()))
+    held = {r for group in groups for r in dist.get_process_group_ranks(group)}
+    return ranks <= held
