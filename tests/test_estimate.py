@@ -661,3 +661,28 @@ def test_context_parallel_bad_input_is_refused_with_the_numbers(tmp_path) -> Non
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "--cp 2 and --mesh pp=1,dp=2,cp=4,tp=1 disagree" in \
         run.stderr, run.stderr
+
+
+def test_attention_without_a_mask_is_priced_by_ulysses_where_the_plan_runs_it() -> None:
+    """nanoGPT's SDPA (is_causal, no mask tensor; 8 of 8 heads) at cp 4: the plan runs it by
+    Ulysses (``planner/assemble.py``), and the profile prices two all-to-alls per direction
+    over cp, each rank sending its q, k, v and output (b x T/cp x h x 2 bytes each), and no
+    ring; at cp 2 (a tie of bytes) the ring."""
+    torch.manual_seed(0)
+    model = nano.GPT(nano.GPTConfig(n_layer=LAYERS, n_head=8, n_embd=64, vocab_size=128,
+                                    block_size=32, dropout=0.0, flash=True))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    captured = capture(model, (ids,), {})
+    plan = plan_graph(captured, 1)
+    seq = 4096
+    four = build_profile(captured, plan, 1, seq, dtype_bytes=2, cp=4)
+    for layer in four.layers:
+        moves = {(c.kind, c.phase): c.nbytes for c in four.comms
+                 if c.layer == layer and c.group == "cp"}
+        assert moves == {("all_to_all", "forward"): 4 * (seq // 4) * 64 * 2,
+                         ("all_to_all", "backward"): 4 * (seq // 4) * 64 * 2}, moves
+    two = build_profile(captured, plan, 1, seq, dtype_bytes=2, cp=2)
+    assert {c.kind for c in two.comms if c.group == "cp"} == {"shift", "shift_home"}
+    sim = autotp.simulate(model, 1, cp=4, example_args=(ids,))
+    assert all(c.strategy.endswith("[ulysses]") for c in sim.plan.choices.values()
+               if "scaled_dot_product" in c.op)
