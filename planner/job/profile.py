@@ -398,7 +398,9 @@ def _by_ulysses(node: fx.Node, k: fx.Node, q_layout: Layout, sizes: _Sizes, tp: 
     tp rank's query heads and (read through the repeat) key/value heads."""
     if node_arg(node, "attn_mask") is not None:
         return False
-    q_val, k_val = node.args[0].meta.get("val"), k.meta.get("val")
+    q = node.args[0]
+    q_val = q.meta.get("val") if isinstance(q, fx.Node) else None
+    k_val = k.meta.get("val")
     if not isinstance(q_val, torch.Tensor) or not isinstance(k_val, torch.Tensor):
         return False
     heads = _local_shape(sizes.shape(q_val), q_layout, tp)[1]
