@@ -278,22 +278,27 @@ def _bytes_expr(node: fx.Node, dims: dict) -> str:
 
 
 def _attention_kind(node: fx.Node, strategy: str, cp: int, why: dict[str, str]) -> str:
-    """A ring-planned attention (context parallelism) that takes no mask tensor runs by
-    Ulysses' all-to-alls where those send fewer bytes (``attention_strategy``: query and
-    key/value heads that divide by cp, the key/value heads read through transformers'
-    repeat for grouped queries); ``why`` records each attention's kind and reason. With a
-    mask tensor the ring stays: it reads the mask's rows for this rank's queries, where the
-    all-to-all's head shards would need it whole."""
+    """A ring-planned attention's strategy, ``[ulysses]`` where ``attention_kind`` says so;
+    ``why`` records each attention's kind and reason."""
     if not strategy.endswith("[ring]"):
         return strategy
+    kind, reason = attention_kind(node, cp)
+    why[node.name] = f"{kind}: {reason}"
+    return strategy[:-len("[ring]")] + "[ulysses]" if kind == "ulysses" else strategy
+
+
+def attention_kind(node: fx.Node, cp: int, tp: int = 1) -> tuple[str, str]:
+    """("ring" or "ulysses", why) for an attention node sharded along the sequence over cp
+    ranks (each holding 1/tp of the heads, for the estimate): Ulysses' all-to-alls where the
+    attention takes no mask tensor and they send fewer bytes (``attention_strategy``: query
+    and key/value heads that divide by cp, the key/value heads read through transformers'
+    repeat for grouped queries). With a mask tensor the ring stays: it reads the mask's rows
+    for this rank's queries, where the all-to-all's head shards would need it whole."""
     q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     k_arg = node.args[1] if len(node.args) > 1 else None
     source = repeated_heads(k_arg) or k_arg
     k = source.meta.get("val") if isinstance(source, fx.Node) else None
     if node_arg(node, "attn_mask") is not None or not isinstance(q, torch.Tensor) or \
             not isinstance(k, torch.Tensor):
-        why[node.name] = "ring: the attention reads a mask tensor, whose rows the ring takes"
-        return strategy
-    kind, reason = attention_strategy(int(q.shape[1]), int(k.shape[1]), cp)
-    why[node.name] = f"{kind}: {reason}"
-    return strategy[:-len("[ring]")] + "[ulysses]" if kind == "ulysses" else strategy
+        return "ring", "the attention reads a mask tensor, whose rows the ring takes"
+    return attention_strategy(max(1, int(q.shape[1]) // tp), max(1, int(k.shape[1]) // tp), cp)

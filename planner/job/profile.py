@@ -42,7 +42,8 @@ from autotp.capture.trace import Captured, size_expr, tensor_inputs
 from autotp.errors import ConfigError
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
-from autotp.planner.cost import attention_strategy, parse_size_expr
+from autotp.planner.assemble import attention_kind
+from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
 from autotp.planner.job.expert_load import routing_imbalance
@@ -313,7 +314,7 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                 kv = [local_bytes(a, _layout(plan.values.get(a.name))) if a is not b
                       else local_bytes(a, read_layout(a, node, i))
                       for i, (a, b) in enumerate(zip(sources, ins[1:3]), 1)]
-                if _by_ulysses(node, sources[0], in_layouts[0], sizes, tp, cp):
+                if attention_kind(node, cp, tp)[0] == "ulysses":
                     # all-to-alls from sequence to head shards and back, forward and backward
                     sent = local_bytes(ins[0], in_layouts[0]) + sum(kv) + \
                         local_bytes(node, out_layout)
@@ -389,23 +390,6 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     prof.params = _params(gm, plan, side)
     prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
     return prof
-
-
-def _by_ulysses(node: fx.Node, k: fx.Node, q_layout: Layout, sizes: _Sizes, tp: int,
-                cp: int) -> bool:
-    """Whether context parallelism's plan runs this attention by Ulysses' all-to-alls (as
-    ``planner/assemble.py`` decides): no mask tensor, and fewer bytes than the ring for this
-    tp rank's query heads and (read through the repeat) key/value heads."""
-    if node_arg(node, "attn_mask") is not None:
-        return False
-    q = node.args[0]
-    q_val = q.meta.get("val") if isinstance(q, fx.Node) else None
-    k_val = k.meta.get("val")
-    if not isinstance(q_val, torch.Tensor) or not isinstance(k_val, torch.Tensor):
-        return False
-    heads = _local_shape(sizes.shape(q_val), q_layout, tp)[1]
-    kv_heads = sizes.shape(k_val)[1] * heads // sizes.shape(q_val)[1]
-    return attention_strategy(heads, max(1, kv_heads), cp)[0] == "ulysses"
 
 
 def _kv_source(node: fx.Node, sizes: _Sizes) -> fx.Node:
