@@ -24,10 +24,11 @@ from autotp.layout import Layout
 from autotp.ops import positive_int
 from autotp.weights.materialize import (CheckpointWeights, InitWeights, ModelWeights, Weights,
                                 has_meta_parameters, maybe_deferred)
+from autotp.planner.context import plan_tp_cp
 from autotp.planner.cost import CostModel
 from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.plan import Plan
-from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.planner.solve import PlanOptions
 from autotp.rules.registry import Registry
 from autotp.sharded import (ModelInfo, ShardedModule, build_rank, expert_parameters,
                             finish_expert_gradients, full_state_dict, process_group)
@@ -57,20 +58,14 @@ def prepare(
     tp = positive_int("tp", tp)
     ep = positive_int("ep", ep)
     cp = positive_int("cp", cp)
-    if cp > 1:
-        if tp != 1:
-            raise ConfigError(f"tp={tp} with cp={cp}: context parallelism runs with tp=1 "
-                              "for now (each rank holds every parameter); pass tp=1")
-        if ep != 1 or sequence_parallel:
-            raise ConfigError("context parallelism shards the sequence itself: pass no ep "
-                              "and no sequence_parallel with cp")
-        tp = cp
+    if cp > 1 and (ep != 1 or sequence_parallel):
+        raise ConfigError("context parallelism shards the sequence itself: pass no ep "
+                          "and no sequence_parallel with cp")
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
-                          gather_outputs=bool(gather_outputs), expert_parallel=ep,
-                          context_parallel=cp > 1)
-    plan = plan_graph(captured, tp, registry=registry, cost_model=cost_model,
-                      options=options, model_name=_model_name(model), share=share)
+                          gather_outputs=bool(gather_outputs), expert_parallel=ep)
+    plan = plan_tp_cp(captured, tp, cp, options, registry=registry, cost_model=cost_model,
+                      model_name=_model_name(model), share=share)
     return captured, plan
 
 
@@ -123,10 +118,12 @@ def _weights(model: nn.Module, captured: Captured, plan: Plan, rank: int,
     return ModelWeights(model, device)
 
 
-def _agreed_seed(comm: Communicator, device: torch.device) -> int:
-    """Rank 0's seed, for the replicated dropout stream: ranks that load their weights from a
-    file need not have been seeded alike."""
-    mine = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=device)
+def _agreed_seed(comm: Communicator, device: torch.device, seed: Optional[int] = None) -> int:
+    """Rank 0's seed (this rank's ``seed``, default its initial one), for the replicated
+    dropout stream: ranks that load their weights from a file need not have been seeded
+    alike."""
+    seed = torch.initial_seed() if seed is None else seed
+    mine = torch.tensor([seed % 2**62], dtype=torch.int64, device=device)
     return int(comm.all_gather(mine, 0)[0].item())
 
 
@@ -198,13 +195,16 @@ def parallelize(
     gradients sum every ep rank's tokens: see ``ShardedModule.expert_parameters`` and
     ``finish_expert_gradients``.
 
-    ``cp``, ``cp_group``: context parallelism (with tp 1): every rank of ``cp_group``
-    (default: the whole world) takes the same whole inputs and computes 1/cp of the
-    sequence, chunks r and 2 cp - 1 - r of 2 cp on rank r (the same causal work on every
-    rank); attention passes the key/value blocks around the group (ring attention, or
-    Ulysses' all-to-alls where the plan says so: ``autotp.runtime.context``), parameters are
-    held whole and their gradients summed over the group after backward. The sequence
-    length of every call must be divisible by 2 x cp.
+    ``cp``, ``cp_group``: context parallelism: every rank of ``cp_group`` takes the same
+    whole inputs and computes 1/cp of the sequence, chunks r and 2 cp - 1 - r of 2 cp on
+    rank r (the same causal work on every rank); attention passes the key/value blocks
+    around the group (ring attention, or Ulysses' all-to-alls where the plan says so:
+    ``autotp.runtime.context``), parameters are held as the tp plan holds them (whole at tp
+    1) and their gradients summed over the group. The sequence length of every call must be
+    divisible by 2 x cp. With tp 1 (the default with cp) the cp group defaults to the whole
+    world; with tp > 1 pass ``group=`` and ``cp_group=`` (``mesh["tp"]``, ``mesh["cp"]``),
+    or neither: the world's tp * cp ranks form tp groups of consecutive ranks and cp groups
+    across them. Not with sequence parallelism or ep.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
@@ -216,7 +216,7 @@ def parallelize(
         )
     cp = 1 if cp is None else positive_int("cp", cp)
     if cp > 1:
-        return _context_parallel(model, cp, process_group(cp_group), tp, group, ep,
+        return _context_parallel(model, cp, process_group(cp_group), tp, process_group(group), ep,
                                  example_args=example_args, example_kwargs=example_kwargs,
                                  strict=strict, cost_model=cost_model, timeout=timeout,
                                  check_plan=check_plan, grad_sync=grad_sync,
@@ -263,8 +263,10 @@ def _built(model: nn.Module, captured: Captured, the_plan: Plan, comm: Communica
         _weights(model, captured, the_plan, comm.rank, checkpoint, init, device))
     seed = None
     if checkpoint is not None:
-        seed = _agreed_seed(comm, device if device is not None and device.type == "cuda"
-                            else torch.device("cpu"))
+        on = device if device is not None and device.type == "cuda" else torch.device("cpu")
+        seed = _agreed_seed(comm, on)
+        if build_options.get("cp_comm") is not None:  # and rank 0's of the tp groups too
+            seed = _agreed_seed(build_options["cp_comm"], on, seed)
     try:
         sharded = build_rank(captured, the_plan, comm.rank, comm, weights=weights,
                              device=device if meta else None, seed=seed, **build_options)
@@ -278,22 +280,30 @@ def _built(model: nn.Module, captured: Captured, the_plan: Plan, comm: Communica
 
 def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int], group: Any,
                       ep: Optional[int], **options: Any) -> ShardedModule:
-    """``parallelize`` with context parallelism: the plan of the cp group, built as a
-    tensor-parallel group's is."""
-    if tp not in (None, 1) or group is not None:
-        raise ConfigError(f"cp={cp} with tp={tp}: context parallelism runs with tp=1 for now "
-                          "(each rank holds every parameter); pass tp=1 and cp_group=")
+    """``parallelize`` with context parallelism: with tp 1, the plan of the cp group, built
+    as a tensor-parallel group's is; with tp > 1, the tp plan over ``group`` with a cp plan
+    inside it over ``cp_group`` (``planner/context.py``)."""
     if ep not in (None, 1):
         raise ConfigError("cp with ep: expert parallelism across context-parallel ranks is "
                           "not there yet; pass no ep")
+    tp = 1 if tp is None and group is None else tp
+    group, cp_group = _context_groups(tp, cp, group, cp_group)
     world = dist.get_world_size(cp_group)
     if world != cp:
         raise ConfigError(f"cp={cp} but the context-parallel group has {world} ranks: pass "
                           f"cp_group= a group of {cp} ranks (e.g. mesh['cp']), or cp={world}")
-    comm = ProcessGroupComm(cp_group, timeout=options.pop("timeout"))
+    size = 1 if group is None else dist.get_world_size(group)
+    tp = size if tp is None else positive_int("tp", tp)
+    if tp != size:
+        raise ConfigError(f"tp={tp} with cp={cp}, but the tensor-parallel group has {size} "
+                          f"ranks: pass group= a group of {tp} ranks (e.g. mesh['tp']), or "
+                          f"tp={size}")
+    timeout = options.pop("timeout")
+    cp_comm = ProcessGroupComm(cp_group, timeout=timeout)
+    comm = cp_comm if tp == 1 else ProcessGroupComm(group, timeout=timeout)
     check_plan = options.pop("check_plan")
     captured, the_plan = prepare(
-        model, 1, cp=cp, example_args=options.pop("example_args"),
+        model, tp, cp=cp, example_args=options.pop("example_args"),
         example_kwargs=options.pop("example_kwargs"), strict=options["strict"],
         cost_model=options.pop("cost_model"),
         sequence_parallel=options.pop("sequence_parallel"),
@@ -303,7 +313,48 @@ def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int
     return _built(model, captured, the_plan, comm, checkpoint=options["checkpoint"],
                   init=options["init"], device=options["device"], strict=options["strict"],
                   check_plan=check_plan, grad_sync=options["grad_sync"],
-                  compile=options["compile"])
+                  compile=options["compile"], cp_comm=cp_comm if tp > 1 else None)
+
+
+def _context_groups(tp: Optional[int], cp: int, group: Any, cp_group: Any
+                    ) -> tuple[Any, Any]:
+    """The tp group (None with tp 1) and the cp group. Given neither, the world's tp * cp
+    ranks form tp groups of consecutive ranks and cp groups of the ranks at the same place
+    in each, tp innermost as in a (dp, cp, tp) mesh (collective: every rank creates every
+    group)."""
+    if tp == 1:
+        if group is not None:
+            raise ConfigError("group= with tp=1 and cp: the cp group is cp_group=")
+        return None, cp_group
+    if group is not None and cp_group is not None:
+        return group, cp_group
+    if group is not None or cp_group is not None:
+        raise ConfigError("tp with cp: pass both group= and cp_group= (e.g. mesh['tp'] and "
+                          "mesh['cp'] of a (dp, cp, tp) DeviceMesh), or neither to split the "
+                          "world")
+    world = dist.get_world_size()
+    tp = world // cp if tp is None else positive_int("tp", tp)
+    if tp * cp != world:
+        raise ConfigError(f"tp={tp} x cp={cp} = {tp * cp} ranks, but the world has {world}: "
+                          f"pass tp and cp whose product is {world}, or group= and cp_group=")
+    return _grid_groups(tp, cp)
+
+
+def _grid_groups(inner: int, outer: int) -> tuple[Any, Any]:
+    """This rank's group of ``inner`` consecutive ranks and its group of the ``outer`` ranks
+    at its place in each (collective: every rank creates every group, in the same order)."""
+    world, rank = inner * outer, dist.get_rank()
+    mine: Any = None
+    mine_outer: Any = None
+    for first in range(0, world, inner):
+        made = dist.new_group(list(range(first, first + inner)))
+        if first <= rank < first + inner:
+            mine = made
+    for offset in range(inner):
+        made = dist.new_group(list(range(offset, world, inner)))
+        if rank % inner == offset:
+            mine_outer = made
+    return mine, mine_outer
 
 
 def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: Any
@@ -332,18 +383,7 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
     if tp * ep != world:
         raise ConfigError(f"tp={tp} x ep={ep} = {tp * ep} ranks, but the world has {world}: "
                           f"pass tp and ep whose product is {world}, or group= and ep_group=")
-    rank = dist.get_rank()
-    mine: Any = None
-    mine_ep: Any = None
-    for first in range(0, world, tp):  # every rank creates every group, in the same order
-        made = dist.new_group(list(range(first, first + tp)))
-        if first <= rank < first + tp:
-            mine = made
-    for offset in range(tp):
-        made = dist.new_group(list(range(offset, world, tp)))
-        if rank % tp == offset:
-            mine_ep = made
-    return mine, mine_ep
+    return _grid_groups(tp, ep)
 
 
 @dataclass
@@ -358,7 +398,7 @@ class Simulation:
 
     @property
     def tp(self) -> int:
-        return len(self.ranks) // self.plan.ep
+        return len(self.ranks) // self.plan.ep // self.plan.cp
 
     def run(self, fn: Callable[[ShardedModule], Any]) -> list[Any]:
         """Call ``fn(module)`` on every rank concurrently; returns the results in rank order."""
@@ -366,7 +406,7 @@ class Simulation:
         results: list[Any] = [None] * world
         errors: list[Optional[BaseException]] = [None] * world
         for rank_module in self.ranks:
-            for comm in (rank_module.comm, rank_module.ep_comm):
+            for comm in (rank_module.comm, rank_module.ep_comm, rank_module.cp_comm):
                 if isinstance(comm, ThreadComm):
                     comm.hub.barrier.reset()  # a failed earlier run may have broken it
 
@@ -380,7 +420,8 @@ class Simulation:
                     results[rank] = fn(self.ranks[rank])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 errors[rank] = exc
-                for comm in (self.ranks[rank].comm, self.ranks[rank].ep_comm):
+                for comm in (self.ranks[rank].comm, self.ranks[rank].ep_comm,
+                             self.ranks[rank].cp_comm):
                     if isinstance(comm, ThreadComm):
                         comm.abort()
 
@@ -426,8 +467,9 @@ def simulate(
     ``check_plan``: prove first that every parameter's gradient arrives whole in its own
     layout (``autotp.planner.gradflow``), as ``parallelize`` does. ``ep``: expert
     parallelism over ep simulated data-parallel ranks too (tp * ep threads). ``cp``: context
-    parallelism over cp simulated ranks (with tp 1): each takes the whole inputs and computes
-    its share of the sequence."""
+    parallelism over cp simulated ranks: each takes the whole inputs and computes its share
+    of the sequence (with tp > 1, tp * cp threads: rank ``c * tp + t`` is tp rank t of cp
+    rank c)."""
     ep = positive_int("ep", ep)
     captured, the_plan = prepare(model, tp, example_args=example_args,
                                  example_kwargs=example_kwargs, strict=strict,
@@ -437,9 +479,16 @@ def simulate(
     tp = the_plan.tp
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
-    ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []
     ranks = []
-    for e in range(ep):
+    if the_plan.context is not None:  # rank c * tp + t: tp rank t of cp rank c
+        cp_hubs = [ThreadHub(cp, timeout) for _ in range(tp)]
+        for c in range(cp):
+            for comm in ThreadHub(tp, timeout).comms():
+                ranks.append(build_rank(captured, the_plan, comm.rank, comm, registry=registry,
+                                        grad_sync=grad_sync, compile=compile,
+                                        cp_comm=ThreadComm(cp_hubs[comm.rank], c)))
+    ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []
+    for e in range(ep if the_plan.context is None else 0):
         for comm in ThreadHub(tp, timeout).comms():
             ranks.append(build_rank(captured, the_plan, comm.rank, comm, registry=registry,
                                 grad_sync=grad_sync, compile=compile,

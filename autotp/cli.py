@@ -35,7 +35,8 @@ from autotp.planner.job.configure import (Estimate, Planner, Request, attention_
 from autotp.planner.job.estimate_view import write
 from autotp.planner.job.hardware import PRESETS
 from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS, precision
-from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.planner.context import plan_tp_cp
+from autotp.planner.solve import PlanOptions
 
 
 class Progress:
@@ -69,8 +70,7 @@ def _cost_model(args: argparse.Namespace) -> Any:
 def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
     return PlanOptions(sequence_parallel=args.sequence_parallel,
                        gather_outputs=not getattr(args, "sharded_outputs", False),
-                       expert_parallel=getattr(args, "ep", 1),
-                       context_parallel=getattr(args, "cp", 1) > 1, **kwargs)
+                       expert_parallel=getattr(args, "ep", 1), **kwargs)
 
 
 SEQ = 2048  # the sequence length bytes and times are counted at, in every subcommand
@@ -99,7 +99,7 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
                              "data-parallel ranks (default 1)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallelism: the sequence split over this many ranks "
-                             "(with --tp 1; default 1)")
+                             "(inside --tp; default 1)")
     parser.add_argument("--batch", type=int, default=8,
                         help="batch size B the bytes are counted at (default 8)")
     parser.add_argument("--seq", type=int, default=SEQ,
@@ -118,9 +118,9 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
     positive_int("--tp", args.tp)
     positive_int("--ep", getattr(args, "ep", 1))
     cp = positive_int("--cp", getattr(args, "cp", 1))
-    if cp > 1 and (args.tp != 1 or args.sequence_parallel or getattr(args, "ep", 1) > 1):
-        raise ConfigError(f"--cp {cp} runs with --tp 1, no --sequence-parallel and no --ep "
-                          "for now")
+    if cp > 1 and (args.sequence_parallel or getattr(args, "ep", 1) > 1):
+        raise ConfigError(f"--cp {cp} runs with no --sequence-parallel and no --ep (context "
+                          "parallelism splits the sequence itself)")
     with progress.step(f"building {args.model}" + (" on the meta device" if meta else "")):
         loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
     with progress.step("tracing with torch.export"):
@@ -128,9 +128,9 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
     for path, (traced, total) in captured.traced_layers.items():
         progress.note(f"{path}: {traced} of {total} layers traced, the rest stamped from them")
     with progress.step("planning"):
-        plan = plan_graph(captured, args.tp * cp, cost_model=_cost_model(args),
-                          options=_options(args, strict=args.strict, force=force),
-                          model_name=args.model)
+        plan = plan_tp_cp(captured, args.tp, cp, _options(args, strict=args.strict,
+                                                          force=force),
+                          cost_model=_cost_model(args), model_name=args.model)
     return loaded, captured, plan
 
 

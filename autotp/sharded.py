@@ -55,9 +55,12 @@ class ShardedModule(nn.Module):
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
                  seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None,
-                 ep_comm: Optional[Communicator] = None):
+                 ep_comm: Optional[Communicator] = None,
+                 cp_comm: Optional[Communicator] = None):
         super().__init__()
         self.program = program
+        # context parallelism inside tp (``plan.context``): the cp group
+        self.cp_comm = cp_comm
         # expert parallelism: the ranks the experts are split over besides the tp group
         self.ep_comm = ep_comm
         # sequence parallelism: saved gathered inputs are kept as shards (autotp.runtime.regather)
@@ -80,7 +83,7 @@ class ShardedModule(nn.Module):
         self._plan_checked = not check_plan
         # input -> its sequence dims, whose sizes tp must divide (sequence parallelism)
         self._seq_dims: dict[str, list[int]] = {}
-        if plan.sequence_parallel or plan.context_parallel:
+        if plan.sequence_parallel or plan.cp > 1:
             symbols = sequence_symbols(captured.dim_names)
             for node in captured.gm.graph.nodes:
                 val = node.meta.get("val")
@@ -124,9 +127,9 @@ class ShardedModule(nn.Module):
         inputs (and, for sampling, the same seed)."""
         from autotp.features.generate import decoder_of  # layer: it imports this module
 
-        if self.plan.context_parallel:
+        if self.plan.cp > 1:
             raise ConfigError(
-                f"generate() on a context-parallel model (cp={self.plan.tp}): decoding adds "
+                f"generate() on a context-parallel model (cp={self.plan.cp}): decoding adds "
                 "one token at a time, which context parallelism does not split; parallelize "
                 "the model again without cp (tp=...) to generate")
         return decoder_of(self).generate(inputs, **kwargs)
@@ -197,14 +200,14 @@ class ShardedModule(nn.Module):
                 value = named[name]
                 if isinstance(example, torch.Tensor):
                     _check_input(name, value, example)
-                    order = self.comm.sequence
+                    order = (self.cp_comm or self.comm).sequence
                     multiple = order.chunks if order is not None else self.plan.tp
                     for dim in self._seq_dims.get(name, ()):
                         if value.shape[dim] % multiple:
                             what = ("sequence parallelism needs the sequence length divisible "
                                     f"by tp={self.plan.tp}") if order is None else \
                                 ("context parallelism needs the sequence length divisible "
-                                 f"by 2 x cp = {multiple} (cp={self.plan.tp}, each rank two "
+                                 f"by 2 x cp = {multiple} (cp={self.plan.cp}, each rank two "
                                  "chunks of it: the same causal work on every rank)")
                             raise ConfigError(
                                 f"{what}, but {name!r} has {value.shape[dim]} along dim "
@@ -279,21 +282,23 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
            seed: Optional[int] = None, grad_sync: str = "bucket",
            compile: Any = False, weights: Optional[Weights] = None,
            device: Optional[torch.device] = None, keep_gathered: bool = False,
-           ep_comm: Optional[Communicator] = None) -> ShardedModule:
+           ep_comm: Optional[Communicator] = None,
+           cp_comm: Optional[Communicator] = None) -> ShardedModule:
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(compile, (bool, dict)):
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
                           f"{type(compile).__name__}")
     keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
-    if plan.context_parallel and comm.sequence is None:
+    sequence_comm = cp_comm if plan.context is not None else comm
+    if plan.cp > 1 and sequence_comm is not None and sequence_comm.sequence is None:
         # each rank two chunks of 2 x cp, head and tail: the same causal work on every rank
-        comm.sequence = SequenceLayout(comm.world_size, balanced=True)
+        sequence_comm.sequence = SequenceLayout(sequence_comm.world_size, balanced=True)
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
-                              keeper=keeper, ep_comm=ep_comm)
+                              keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
     split_layers(program)
     return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile,
-                         keeper=keeper, ep_comm=ep_comm)
+                         keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
 
 
 def expert_parameters(module: Any) -> dict[str, nn.Parameter]:

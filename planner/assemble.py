@@ -38,6 +38,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     # the op that made each partial sum: a value that is still P after linear ops (a cast,
     # a scale, a residual add) is reduced where it is read, but it is the product's sum
     origin: dict[str, fx.Node] = {}
+    local_heads = {name: (hq, hk) for name, hq, hk in options.local_heads}
     order = {pn.node: i for i, pn in enumerate(pnodes)}
     for pn in pnodes:
         name = pn.node.name
@@ -64,7 +65,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                                       f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
                 op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy), tp,
-                                                                 plan.attention),
+                                                                 plan.attention, local_heads),
                 inputs=tuple(str(x) for x in strategy.inputs),
                 output=format_output(out), layer=layer_of(pn.node),
                 source=source_of(pn.node), candidates=len(pn.strategies))
@@ -277,19 +278,24 @@ def _bytes_expr(node: fx.Node, dims: dict) -> str:
     return readable(expr, dims)
 
 
-def _attention_kind(node: fx.Node, strategy: str, cp: int, why: dict[str, str]) -> str:
-    """A ring-planned attention's strategy, ``[ulysses]`` where ``attention_kind`` says so;
+def _attention_kind(node: fx.Node, strategy: str, cp: int, why: dict[str, str],
+                    local_heads: dict[str, tuple[int, int]]) -> str:
+    """A ring-planned attention's strategy, ``[ulysses]`` where ``attention_kind`` says so
+    (``local_heads``: node -> the heads one tp rank holds, where a tp plan splits them);
     ``why`` records each attention's kind and reason."""
     if not strategy.endswith("[ring]"):
         return strategy
-    kind, reason = attention_kind(node, cp)
+    kind, reason = attention_kind(node, cp, heads=local_heads.get(node.name))
     why[node.name] = f"{kind}: {reason}"
     return strategy[:-len("[ring]")] + "[ulysses]" if kind == "ulysses" else strategy
 
 
-def attention_kind(node: fx.Node, cp: int, tp: int = 1) -> tuple[str, str]:
+def attention_kind(node: fx.Node, cp: int, tp: int = 1,
+                   heads: Optional[tuple[int, int]] = None) -> tuple[str, str]:
     """("ring" or "ulysses", why) for an attention node sharded along the sequence over cp
-    ranks (each holding 1/tp of the heads, for the estimate): Ulysses' all-to-alls where the
+    ranks (each holding 1/tp of the heads, for the estimate, or ``heads``: the query and
+    key/value heads a tp plan leaves each rank, (0, 0) where it splits them unlike): Ulysses'
+    all-to-alls where the
     attention takes no mask tensor and they send fewer bytes (``attention_strategy``: query
     and key/value heads that divide by cp, the key/value heads read through transformers'
     repeat for grouped queries). With a mask tensor the ring stays: it reads the mask's rows
@@ -301,4 +307,9 @@ def attention_kind(node: fx.Node, cp: int, tp: int = 1) -> tuple[str, str]:
     if node_arg(node, "attn_mask") is not None or not isinstance(q, torch.Tensor) or \
             not isinstance(k, torch.Tensor):
         return "ring", "the attention reads a mask tensor, whose rows the ring takes"
+    if heads == (0, 0):
+        return "ring", ("the tp plan splits the query and key/value heads unlike: the ring "
+                        "keeps each rank's heads paired")
+    if heads is not None:
+        return attention_strategy(heads[0], heads[1], cp)
     return attention_strategy(max(1, int(q.shape[1]) // tp), max(1, int(k.shape[1]) // tp), cp)

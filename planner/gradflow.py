@@ -370,7 +370,11 @@ def gradient_flow(plan: Plan, gm: fx.GraphModule) -> Flow:
 
 def check_gradient_flow(plan: Plan, gm: fx.GraphModule) -> Flow:
     """Raise ``GradientFlowError`` unless every trainable parameter's gradient arrives whole
-    in its own layout (R: the same on every rank; S(d): each rank its slice), at scale 1."""
+    in its own layout (R: the same on every rank; S(d): each rank its slice), at scale 1.
+    A plan with a context plan inside (context parallelism over cp) is proven on each axis:
+    the two plans' collectives commute (planner/context.py)."""
+    if plan.context is not None:
+        check_gradient_flow(plan.context, gm)
     if plan.tp == 1:  # one rank holds every layout whole: nothing to sum
         return Flow()
     flow = gradient_flow(plan, gm)

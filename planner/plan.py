@@ -117,8 +117,18 @@ class Plan:
     # matrices kept whole that tp could shard -> the ops that stop each way of sharding them
     # (planner/blockers.py): direction, layout, node, op, source
     blocked: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    # context parallelism inside this tp plan: the plan of the cp group on the same program
+    # (planner/context.py), each value's sequence split over cp as this plan splits it over tp
+    context: Optional["Plan"] = None
 
     # ---- queries ---------------------------------------------------------------------
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree: 1 without context parallelism."""
+        if self.context_parallel:
+            return self.tp
+        return self.context.tp if self.context is not None else 1
 
     def layout(self, node: str) -> Layout:
         return parse_layout(self.values[node])
@@ -144,16 +154,18 @@ class Plan:
 
     def summary(self) -> str:
         degree = f"cp={self.tp} (context parallel, tp=1)" if self.context_parallel else \
-            f"tp={self.tp}"
+            f"tp={self.tp}" if self.context is None else \
+            f"tp={self.tp} x cp={self.context.tp} (context parallel inside tp)"
         lines = [f"autotp plan: {self.model}, {degree}, {self.layers} layer(s)"]
         sharded = [n for n, p in self.params.items() if p.layout.startswith("S")]
         lines.append(f"  parameters: {len(sharded)} sharded, {len(self.params) - len(sharded)} "
                      "replicated")
-        kinds = Counter(why.split(":")[0] for why in self.attention.values())
+        attention = self.context.attention if self.context is not None else self.attention
+        kinds = Counter(why.split(":")[0] for why in attention.values())
         if kinds:  # context parallelism: how each attention crosses the shards, and why
             lines.append("  attention: " + ", ".join(f"{n} by {kind}" for kind, n in
                                                      sorted(kinds.items())))
-            lines += [f"    {why}" for why in dict.fromkeys(self.attention.values())]
+            lines += [f"    {why}" for why in dict.fromkeys(attention.values())]
         table = self.per_layer()
         layer_keys = sorted((k for k in table if k is not None))
         for key in layer_keys + ([None] if None in table else []):
@@ -161,6 +173,14 @@ class Plan:
             phases = "; ".join(f"{phase}: {_counted(table[key], phase)}"
                                for phase in ("forward", "backward"))
             lines.append(f"  {label}: {phases}")
+        if self.context is not None:
+            counts = self.context.per_layer()
+            per_layer = {k: v for k, v in counts.items() if k is not None}
+            if per_layer:  # every layer's cp collectives alike, as a rule: the first's
+                first = min(per_layer)
+                lines.append(f"  over cp, layer {first}: " + "; ".join(
+                    f"{phase}: {_counted(per_layer[first], phase)}"
+                    for phase in ("forward", "backward")))
         if self.experts:
             lines.append(f"  experts: {self.experts_summary()}")
         sharded_out = [x for x in self.outputs if x.startswith("S")]
@@ -223,6 +243,8 @@ class Plan:
         plan.ep = int(data.get("ep", 1))
         plan.expert_params = list(data.get("expert_params", []))
         plan.blocked = {k: [dict(b) for b in v] for k, v in data.get("blocked", {}).items()}
+        context = data.get("context")
+        plan.context = cls.from_json(json.dumps(context)) if context else None
         return plan
 
 

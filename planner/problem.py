@@ -116,6 +116,10 @@ class PlanOptions:
     # (attention by the ring, autotp.runtime.context); parameters are held whole, their
     # gradients summed over the group
     context_parallel: bool = False
+    # context parallelism inside tensor parallelism: attention node -> the query and key/value
+    # heads one rank of the tp plan holds ((0, 0): the tp plan splits q and k/v unlike, so
+    # only the ring keeps their heads paired); an attention not listed holds them all
+    local_heads: tuple[tuple[str, int, int], ...] = ()
 
 
 def output_layout(have: Any, options: PlanOptions) -> Any:

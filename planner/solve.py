@@ -84,7 +84,8 @@ def plan_graph(
     registry = registry or Registry.default()
     cost_model = cost_model or CostModel()
     gm = captured.gm
-    fallbacks = check_heads(gm, tp, options.strict)
+    # (context parallelism splits the sequence: any head count runs by the ring)
+    fallbacks = [] if options.context_parallel else check_heads(gm, tp, options.strict)
     blocks = block_counts(gm)
 
     def plan_with(options: PlanOptions) -> tuple[Plan, bool]:

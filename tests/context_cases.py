@@ -248,3 +248,39 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     return {**result,
             "rings": sum(c.strategy.endswith("[ring]")
                          for c in sharded.plan.choices.values())}
+
+
+def tp_inside_cp(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+    """tp 2 x cp 2 on the world's 4 ranks: ``autotp.parallelize(model, tp=2, cp=2)`` of each
+    model against the unsharded model (padded inputs), the first over the groups it makes
+    itself (tp groups of consecutive ranks), the others over a (cp, tp) DeviceMesh's; then
+    a tp x cp the world does not have."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import models
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    results: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        model = models.BUILDERS[name]().eval()
+        inputs = model_inputs(name, name != "nanogpt")
+        groups = {} if i == 0 else {"group": mesh["tp"], "cp_group": mesh["cp"]}
+        sharded = autotp.parallelize(model, tp=2, cp=2, example_kwargs=inputs, **groups)
+        call, loss, pick = _step_functions(name, inputs)
+        results[name] = compare(reference_step(model, call, loss, pick),
+                                sharded_step(sharded, call, loss, pick))
+        results[f"{name}-ranks"] = (sharded.comm.rank, sharded.cp_comm.rank)
+    try:
+        autotp.parallelize(models.llama(), tp=2, cp=3, example_kwargs=model_inputs("llama",
+                                                                                  False))
+        results["error"] = "no error"
+    except autotp.AutotpError as exc:
+        results["error"] = str(exc)
+    return results
+
+
+def four_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """The 4-process cases in one launch: FSDP2 over dp x cp, then tp inside cp."""
+    return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
+            "tp_cp": tp_inside_cp(rank, world_size, ["llama", "gpt2", "nanogpt"])}

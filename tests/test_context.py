@@ -174,37 +174,56 @@ def test_gloo_processes_match_unsharded_attention(cp: int) -> None:
 # ---- whole models: autotp.simulate / parallelize with cp ------------------------------------
 
 
-@pytest.mark.parametrize("name,cp,padded,kind", [
-    ("llama", 2, True, "ring"),  # GQA, rotary from the positions, a padding mask
-    ("llama", 4, False, "ring"),  # 2 key/value heads: Ulysses cannot split them over 4
-    ("gpt2", 2, True, "ring"),  # learned absolute positions
-    ("mistral_window", 2, False, "ring"),  # a sliding-window mask
+@pytest.mark.parametrize("name,tp,cp,padded,kind", [
+    ("llama", 1, 2, True, "ring"),  # GQA, rotary from the positions, a padding mask
+    ("llama", 1, 4, False, "ring"),  # 2 key/value heads: Ulysses cannot split them over 4
+    ("gpt2", 1, 2, True, "ring"),  # learned absolute positions
+    ("mistral_window", 1, 2, False, "ring"),  # a sliding-window mask
     # plain PyTorch: SDPA with is_causal (no mask tensor), the loss outside; 8 heads of
     # 8 over 4 ranks: Ulysses sends 1.50 query blocks, the ring 6.00
-    ("nanogpt", 4, False, "ulysses"),
+    ("nanogpt", 1, 4, False, "ulysses"),
+    # inside tp 2 (tp rank t of cp rank c: thread c * 2 + t)
+    ("llama", 2, 2, True, "ring"),
+    ("gpt2", 2, 2, True, "ring"),  # Conv1D's [in, out] weights, sharded by the tp plan
+    ("mistral_window", 2, 2, False, "ring"),
+    # 4 of 8 heads per tp rank over 4 cp ranks: Ulysses 3.00 query blocks, the ring 6.00
+    ("nanogpt", 2, 4, False, "ulysses"),
+    # 4 heads per tp rank over 2 cp ranks: a tie, which the ring takes (its shifts overlap)
+    ("nanogpt", 2, 2, False, "ring"),
 ])
-def test_models_match_the_unsharded_model(name: str, cp: int, padded: bool, kind: str
-                                          ) -> None:
+def test_models_match_the_unsharded_model(name: str, tp: int, cp: int, padded: bool,
+                                          kind: str) -> None:
     """Outputs, the model's own loss (labels shifted by one, across the shards' boundaries),
     every gradient and one SGD step against the unsharded model (fp32; verify's tolerances:
     1e-5 absolute on outputs and loss, 1e-4 of each gradient's largest entry); every
     attention by the ring, or by Ulysses where it takes no mask tensor and sends fewer
-    bytes (the plan says which and why), every parameter whole on every rank."""
+    bytes (the plan says which and why); every parameter whole on every rank at tp 1, as
+    the tp plan holds it (Megatron's bound per layer) inside tp."""
     import models
 
     from autotp.features.verify import assert_equivalent
 
     model = models.BUILDERS[name]().eval()
     inputs = cc.model_inputs(name, padded)
-    sim = autotp.simulate(model, 1, cp=cp, example_kwargs=inputs)
-    assert sim.plan.context_parallel and len(sim.ranks) == cp
-    assert f"cp={cp} (context parallel" in sim.plan.summary()
-    sdpa = [c for c in sim.plan.choices.values() if "scaled_dot_product" in c.op]
+    sim = autotp.simulate(model, tp, cp=cp, example_kwargs=inputs)
+    assert len(sim.ranks) == tp * cp and sim.plan.cp == cp and sim.tp == tp
+    context = sim.plan.context or sim.plan
+    assert context.context_parallel and context.tp == cp
+    degree = f"cp={cp} (context parallel" if tp == 1 else \
+        f"tp={tp} x cp={cp} (context parallel inside tp)"
+    assert degree in sim.plan.summary()
+    sdpa = [c for c in context.choices.values() if "scaled_dot_product" in c.op]
     assert sdpa and all(c.strategy.endswith(f"[{kind}]") for c in sdpa), sdpa
-    whys = [why for node, why in sim.plan.attention.items() if node in sim.plan.choices]
+    whys = [why for node, why in context.attention.items() if node in context.choices]
     assert len(whys) == len(sdpa) and all(why.startswith(f"{kind}: ") for why in whys), whys
     assert whys[0] in sim.plan.summary()
-    assert all(p.layout == "R" for p in sim.plan.params.values())
+    assert all(p.layout == "R" for p in context.params.values())
+    if tp > 1:  # the tp plan as without cp: 2 all-reduces forward and 2 backward per layer
+        per_layer = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}
+        assert per_layer and all(counts == {("forward", "all_reduce"): 2,
+                                            ("backward", "all_reduce"): 2}
+                                 for counts in per_layer.values()), per_layer
+        assert any(p.layout.startswith("S") for p in sim.plan.params.values())
     assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: cc.model_loss(name, out),
                       pick=lambda out: cc.model_output(name, out))
 
@@ -234,8 +253,8 @@ def test_context_parallel_bad_input_is_a_clear_error() -> None:
     import models
 
     inputs = cc.model_inputs("llama", False)
-    with pytest.raises(ConfigError, match="tp=2 with cp=2: context parallelism runs with tp=1"):
-        autotp.plan(models.llama(), 2, cp=2, example_kwargs=inputs)
+    with pytest.raises(ConfigError, match="no sequence_parallel with cp"):
+        autotp.plan(models.llama(), 2, cp=2, example_kwargs=inputs, sequence_parallel=True)
     sim = autotp.simulate(models.llama(), 1, cp=2, example_kwargs=inputs)
     with pytest.raises(ConfigError, match="context parallelism needs the sequence length "
                                           "divisible by 2 x cp = 4 \\(cp=2, .*'input_ids' has 15"):
@@ -276,8 +295,9 @@ def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str], tmp_path:
 
 
 def test_command_line_plans_with_cp() -> None:
-    """``autotp plan --tp 1 --cp 2``: the plan's table names the degree and the ring; --cp
-    with --tp 2 is refused."""
+    """``autotp plan --tp 1 --cp 2``: the plan's table names the degree and the ring; with
+    --tp 2 the tp plan's table, the ring and the collectives over cp (the gradients' sum);
+    --cp with --sequence-parallel is refused."""
     import contextlib
     import io
 
@@ -289,20 +309,35 @@ def test_command_line_plans_with_cp() -> None:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main(["plan", *model, "--tp", "1", "--cp", "2"]) == 0, err.getvalue()
-        assert main(["plan", *model, "--tp", "2", "--cp", "2"]) != 0
-    text = out.getvalue()
+        text = out.getvalue()
+        out.truncate(0)
+        assert main(["plan", *model, "--tp", "2", "--cp", "2"]) == 0, err.getvalue()
+        inside = out.getvalue()
+        assert main(["plan", *model, "--tp", "2", "--cp", "2", "--sequence-parallel"]) != 0
     assert "cp=2 (context parallel, tp=1)" in text and "2 call(s) by ring attention" in text
-    assert "--cp 2 runs with --tp 1" in err.getvalue()
+    assert "tp=2 x cp=2 (context parallel inside tp)" in inside
+    assert "2 call(s) by ring attention" in inside and "Megatron bound (2, 2): met" in inside
+    assert "over cp=2" in inside and "grad sync: lm_head.weight" in inside
+    assert "--cp 2 runs with no --sequence-parallel" in err.getvalue()
 
 
 
-def test_fsdp2_over_dp_and_cp_trains_as_the_unsharded_model() -> None:
-    """4 gloo processes, dp 2 x cp 2, FSDP2 per layer and at the root over all four ranks
+def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp() -> None:
+    """4 gloo processes. dp 2 x cp 2, FSDP2 per layer and at the root over all four ranks
     (GQA LLaMA with rotary, padded): the first step's gradients within 1e-5 of the unsharded
     model's on the whole batch; over 2 AdamW steps after clipping to half the model's norm
     (``autotp.clip_grad_norm_`` within 1e-5 relative), the dp-mean loss within 1e-5 and the
-    parameters within 1e-4."""
-    for rank, r in enumerate(run_processes(cc.fsdp_over_dp_and_cp, 4, timeout=300)):
+    parameters within 1e-4. Then tp 2 x cp 2 (``parallelize(model, tp=2, cp=2)``): LLaMA
+    (padded), GPT-2 (padded, learned positions) and nanoGPT, each rank's output, loss and
+    every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2; tp 2 x
+    cp 3 on 4 ranks refused."""
+    for rank, both in enumerate(run_processes(cc.four_ranks, 4, timeout=400)):
+        r = both["fsdp"]
+        for name in ("llama", "gpt2", "nanogpt"):
+            got = both["tp_cp"][name]
+            assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
+            assert both["tp_cp"][f"{name}-ranks"] == (rank % 2, rank // 2), (rank, name)
+        assert "tp=2 x cp=3 = 6 ranks, but the world has 4" in both["tp_cp"]["error"]
         assert r["rings"] == 2, (rank, r)
         assert r["grad_diff"] < 1e-5, (rank, r)
         assert r["norm_diff"] < 1e-5, (rank, r)

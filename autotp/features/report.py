@@ -247,7 +247,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
         "step_latency_us": round(cost_model.step_latency * 1e6, 6),
         "params": params, "collectives": collectives,
         "sequence_parallel": plan.sequence_parallel, "context_parallel": plan.context_parallel,
-        "outputs": list(plan.outputs),
+        "attention": dict(plan.attention), "outputs": list(plan.outputs),
         "summary": {
             "forward_collectives": totals["forward"][0],
             "backward_collectives": totals["backward"][0],
@@ -263,6 +263,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             name: [{**b, "source": relative_source(_source_line(b["source"])),
                     "module": _module(b["source"])} for b in blockers]
             for name, blockers in plan.blocked.items()}
+    if plan.context is not None:  # context parallelism inside tp: the cp group's plan
+        out["context"] = to_dict(plan.context, cost_model)
     if plan.experts:  # stacked weight -> [experts, how held]; ep: also split over ep ranks
         out["experts"] = {"ep": plan.ep, "stacks": {k: list(v) for k, v in plan.experts.items()},
                           "split": list(plan.expert_params)}
@@ -278,21 +280,23 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     batch, seq = cost_model.batch, cost_model.seq
     ep = f", ep={plan.ep}" if plan.ep > 1 else ""
     degree = f"cp={plan.tp} (context parallel, tp=1)" if plan.context_parallel else \
-        f"tp={plan.tp}"
+        f"tp={plan.tp}" if plan.context is None else \
+        f"tp={plan.tp} x cp={plan.context.tp} (context parallel inside tp)"
     lines = [f"autotp plan: {plan.model}, {degree}{ep}, {plan.layers} layers; bytes at "
              f"B={batch} T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
              f"{cost_model.latency * 1e6:g} us + {cost_model.step_latency * 1e6:g} us per ring "
              f"step"]
-    if plan.context_parallel:
-        rings = sum(c.strategy.endswith("[ring]") for c in plan.choices.values())
-        ulysses = sum(c.strategy.endswith("[ulysses]") for c in plan.choices.values())
+    context = plan if plan.context_parallel else plan.context
+    if context is not None:
+        rings = sum(c.strategy.endswith("[ring]") for c in context.choices.values())
+        ulysses = sum(c.strategy.endswith("[ulysses]") for c in context.choices.values())
         lines.append(f"attention: {rings} call(s) by ring attention (key/value blocks passed "
-                     f"around the {plan.tp} ranks inside the op, not listed below)"
+                     f"around the {context.tp} cp ranks inside the op, not listed below)"
                      if not ulysses else
                      f"attention: {rings} call(s) by ring attention, {ulysses} by Ulysses "
                      f"(all-to-alls between sequence and head shards inside the op, not "
                      f"listed below)")
-        for why in dict.fromkeys(plan.attention.values()):
+        for why in dict.fromkeys(context.attention.values()):
             lines.append(f"  {why}")
 
     def collective_lines(colls: list[dict], indent: str, layer: Optional[int]) -> list[str]:
@@ -323,6 +327,14 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
             lines.append(f"  {name:<40} {_shape(p.global_shape):>14} {p.layout:<7} "
                          f"-> {_shape(p.local_shape)}")
         lines += collective_lines(outside_colls, "  ", None)
+    if plan.context is not None:
+        over_cp = to_dict(plan.context, cost_model)["collectives"]
+        lines.append(f"over cp={plan.context.tp} (parameters as tp holds them, their "
+                     "gradients also summed over cp; bytes of the whole tensors, 1/tp of them "
+                     "where tp splits them):")
+        lines += [line for layer in sorted({c["layer"] for c in over_cp}, key=str)
+                  for line in collective_lines([c for c in over_cp if c["layer"] == layer],
+                                               "  ", layer)]
     s = data["summary"]
     per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
     verdict = "met" if s["meets_bound"] else "EXCEEDED"

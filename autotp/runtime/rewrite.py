@@ -14,6 +14,7 @@ Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,7 @@ from autotp.runtime.context import RingAttention, UlyssesAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
+from autotp.planner.context import grouped_source
 from autotp.planner.plan import Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
@@ -129,25 +131,35 @@ def place_on_device(graph: fx.Graph, root: nn.Module, device: Optional[torch.dev
 
 
 def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
-                       bucket: GradBucket, grad_sync: GradSync = GradSync.BUCKET) -> int:
-    """Redistribute each value once per target layout; returns the modules inserted."""
+                       bucket: GradBucket, grad_sync: GradSync = GradSync.BUCKET, *,
+                       axis: str = "", originals: Optional[set[str]] = None) -> int:
+    """Redistribute each value once per target layout; returns the modules inserted.
+
+    ``originals`` (the captured program's node names): a second axis's plan applied to a
+    program another plan's collectives are already in (context parallelism inside tp,
+    ``axis`` "cp"): each consumer's reading of a value is what it reads now, the value or
+    the other axis's redistribution of it, and joined collectives run one by one."""
     if plan.tp == 1:  # one rank holds every layout whole: nothing to change or sum
         return 0
     nodes = {n.name: n for n in graph.nodes}
     made: dict[tuple[str, str], fx.Node] = {}
     count = 0
     for edge in plan.edges:
-        if edge.batched or edge.joined is not None:  # one collective with others (batching)
-            continue
+        if (edge.batched or edge.joined is not None) and originals is None:
+            continue  # one collective with others (batching)
         if edge.src != edge.dst and (routed_text(edge.src) or routed_text(edge.dst)):
             continue  # rows routed to experts: moved by route_rows
         value, consumer = nodes[edge.value], nodes[edge.consumer]
+        if originals is not None:
+            value = _reading(consumer, value, originals)
         src, dst = parse_layout(edge.src), parse_layout(edge.dst)
         if _reads_unchanged_size(consumer, src, dst):
             continue
-        key = (edge.value, edge.dst)
+        key = (value.name, edge.dst)
         if key not in made:
-            name = f"autotp_{edge.value}_to_{_slug(edge.dst)}"
+            name = f"autotp_{axis}{edge.value}_to_{_slug(edge.dst)}"
+            while hasattr(root, name):  # the same value read through two of tp's layouts
+                name += "_"
             if value.op == "get_attr" and isinstance(src, Replicate) and \
                     isinstance(dst, Replicate) and dst.grad_partial and \
                     grad_sync is GradSync.BUCKET:
@@ -158,9 +170,8 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
                 # the plan's layer for the edge's collectives: a reduction's is its partial
                 # sum's maker's, and its conjugate is counted there too
                 module = Redistribute(comm, src, dst, layer=edge.layer, bwd_layer=edge.layer,
-                                      label=f"{edge.value} {edge.src}->{edge.dst}")
-            if hasattr(root, name):
-                raise AssertionError(f"two redistributions named {name}")
+                                      label=f"{axis}{' ' if axis else ''}{edge.value} "
+                                            f"{edge.src}->{edge.dst}")
             root.add_module(name, module)
             anchor = value if value.op != "placeholder" else _last_placeholder(graph)
             with graph.inserting_after(anchor):
@@ -170,6 +181,32 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             count += 1
         consumer.replace_input_with(value, made[key])
     return count + _sum_whole_segments(graph, plan, comm, root, bucket, grad_sync)
+
+
+def _reading(consumer: fx.Node, value: fx.Node, originals: set[str]) -> fx.Node:
+    """The input of ``consumer`` that carries ``value``: the value itself, or the last of
+    the collectives an earlier pass put between them (a redistribution reads its value as
+    its first argument; the i-th output of a joined one is its i-th argument's)."""
+    def source(node: fx.Node) -> Optional[fx.Node]:
+        while node.name not in originals:
+            if node.op == "call_function" and node.target is operator.getitem and \
+                    isinstance(node.args[0], fx.Node) and node.args[0].op == "call_module" \
+                    and isinstance(node.args[1], int):
+                arg = node.args[0].args[node.args[1]]
+            elif node.op == "call_module" and node.args:
+                arg = node.args[0]
+            else:
+                return None
+            if not isinstance(arg, fx.Node):
+                return None
+            node = arg
+        return node
+
+    for node in consumer.all_input_nodes:
+        if source(node) is value:
+            return node
+    raise PlanError(f"{consumer.name} does not read {value.name} (the two plans' programs "
+                    "differ)")
 
 
 def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
@@ -271,12 +308,13 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
     return {node.name: new.name for node, new in ctx.lowered.items()}
 
 
-def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Communicator
-                         ) -> dict[str, str]:
+def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Communicator,
+                         tp_plan: Optional[Plan] = None) -> dict[str, str]:
     """Context parallelism: attention whose plan takes q, k, v sharded along the sequence
     (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group,
     or as ``ulysses_attention`` where the plan chose it (``[ulysses]``); returns original
-    node -> the node now holding its value."""
+    node -> the node now holding its value. ``tp_plan``: the tp plan the context-parallel
+    ``plan`` runs inside (its heads split over tp)."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     kinds = {"[ring]": ("ring", RingAttention), "[ulysses]": ("ulysses", UlyssesAttention)}
@@ -289,7 +327,7 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
         prefix, module = kinds[kind]
         name = f"autotp_{prefix}_{node.name}"
         root.add_module(name, module(comm, node.name))
-        args, kwargs = _grouped_kv(node)
+        args, kwargs = _grouped_kv(node, tp_plan)
         with graph.inserting_before(node):
             new = graph.call_module(name, args, kwargs)
         new.meta.update(node.meta)
@@ -314,14 +352,19 @@ def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
         node = source
 
 
-def _grouped_kv(node: fx.Node) -> tuple[tuple, dict]:
+def _grouped_kv(node: fx.Node, tp_plan: Optional[Plan] = None) -> tuple[tuple, dict]:
     """An attention call's arguments with keys and values whose heads were repeated for
     grouped-query attention replaced by the unrepeated ones (``enable_gqa``): the ring sends
-    and saves hk heads, not hq."""
+    and saves hk heads, not hq. Inside a tp plan, only where it holds them as it holds the
+    queries (``planner.context.grouped_source``)."""
     args, kwargs = list(node.args), dict(node.kwargs)
     if len(args) < 3:
         return tuple(args), kwargs
-    k, v = repeated_heads(args[1]), repeated_heads(args[2])
+    if tp_plan is not None:
+        k, v = (grouped_source(tp_plan, node, a) if isinstance(a, fx.Node) else None
+                for a in args[1:3])
+    else:
+        k, v = repeated_heads(args[1]), repeated_heads(args[2])
     if k is None or v is None:
         return tuple(args), kwargs
     k_val, v_val = k.meta["val"], v.meta["val"]
@@ -332,10 +375,13 @@ def _grouped_kv(node: fx.Node) -> tuple[tuple, dict]:
     return tuple(args), kwargs
 
 
-def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
-                     tracker: RngTracker) -> dict[str, str]:
+def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngTracker,
+                     context: Optional[tuple[Plan, RngTracker]] = None) -> dict[str, str]:
     """Dropout draws from the replicated stream on replicated values and from this rank's
-    own stream on sharded ones; returns original node -> the node now holding its value."""
+    own stream on sharded ones; returns original node -> the node now holding its value.
+    ``context``: the cp plan the tp ``plan`` runs with and this cp rank's tracker, used for
+    values it splits (streams that differ across cp ranks, alike across tp ranks where tp
+    holds the value whole)."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for node in list(graph.nodes):
@@ -344,15 +390,19 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module,
             continue
         layout = parse_output(plan.values[node.name])
         stream = Stream.SHARDED if isinstance(layout, Shard) else Stream.REPLICATED
+        drawing = tracker
+        if context is not None and isinstance(parse_output(context[0].values[node.name]),
+                                               Shard):
+            drawing = context[1]
         name = f"autotp_random_{node.name}"
         if node.target == sdpa:
             dropout_p = node_arg(node, "dropout_p", 0.0)
             if not dropout_p:
                 continue
-            root.add_module(name, TrackedAttention(tracker, stream))
+            root.add_module(name, TrackedAttention(drawing, stream))
             args, kwargs = node.args, node.kwargs
         else:
-            root.add_module(name, TrackedDropout(tracker, stream))
+            root.add_module(name, TrackedDropout(drawing, stream))
             args, kwargs = tuple((list(node.args) + [0.5, True])[:3]), {}
         with graph.inserting_before(node):
             new = graph.call_module(name, args, kwargs)
@@ -390,11 +440,18 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
             device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None,
-            ep_comm: Optional[Communicator] = None) -> tuple[fx.GraphModule, GradBucket]:
+            ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None
+            ) -> tuple[fx.GraphModule, GradBucket]:
     """This rank's program. ``keeper``: with sequence parallelism, where the sequence
     all-gathers record their outputs so that backward re-gathers what it saved of them.
     ``ep_comm``: with expert parallelism (``plan.ep`` > 1), the group of ranks the experts
-    are split over besides the tp group, whose tokens differ."""
+    are split over besides the tp group, whose tokens differ. ``cp_comm``: with a context
+    plan inside the tp plan (``plan.context``), the cp group: the context plan's collectives
+    go in after the tp plan's, each over its own group (``planner/context.py``)."""
+    context = plan.context
+    if (context is None) != (cp_comm is None):
+        raise PlanError("a plan with a context plan needs cp_comm=, the cp group, and only "
+                        "such a plan takes one")
     registry = registry or Registry.default()
     weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
@@ -407,11 +464,21 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     insert_collectives(graph, plan, comm, root, bucket, grad_sync)
     join_siblings(graph, plan, comm, root)
     join_ahead(graph, plan, comm, root)
+    if context is not None and cp_comm is not None:
+        insert_collectives(graph, context, cp_comm, root, GradBucket(cp_comm), grad_sync,
+                           axis="cp_", originals={n.name for n in captured.gm.graph.nodes})
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank, routes)
-    lowered.update(ring_attention_calls(graph, plan, root, comm))
-    lowered.update(track_randomness(graph, plan, root, RngTracker(seed, rank)))
+    tracker = RngTracker(seed, rank)
+    if context is not None and cp_comm is not None:
+        lowered.update(lower_ops(graph, context, registry, cp_comm.rank))
+        lowered.update(ring_attention_calls(graph, context, root, cp_comm, tp_plan=plan))
+        cp_tracker = RngTracker(seed + 7_919 * (cp_comm.rank + 1), rank)
+        lowered.update(track_randomness(graph, plan, root, tracker, (context, cp_tracker)))
+    else:
+        lowered.update(ring_attention_calls(graph, plan, root, comm))
+        lowered.update(track_randomness(graph, plan, root, tracker))
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))

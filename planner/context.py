@@ -1,0 +1,107 @@
+"""Context parallelism inside tensor parallelism: two plans of one program.
+
+A (cp, tp) mesh runs the tp plan on the tp axis and a context-parallel plan on the cp axis
+(``PlanOptions.context_parallel``: every value's sequence split over cp, parameters whole).
+The rewriter applies both to one rank program (``autotp.runtime.rewrite``): each value's
+local shape is divided on the tp plan's dim and on the cp plan's, and each collective runs
+over its own group. That is exact when every value is split on two different dims (or
+summed on one axis and split on the other): collectives over the tp group then act on
+whole rows of the cp shard and the reverse, so they commute. ``check_composable`` proves it
+value by value; ``local_heads`` tells the cp plan how many heads each attention keeps on one
+tp rank, for the choice between the ring and Ulysses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from autotp.errors import PlanError
+from autotp.layout import Shard, parse_layout
+from autotp.ops import ATTENTION, repeated_heads
+from autotp.capture.trace import Captured
+from autotp.planner.plan import Plan
+from autotp.planner.problem import PlanOptions
+from autotp.planner.solve import plan_graph
+from autotp.rules.registry import output_layouts, parse_output
+
+
+def plan_tp_cp(captured: Captured, tp: int, cp: int, options: PlanOptions,
+               **plan_args: Any) -> Plan:
+    """The plan of ``captured`` over tp x cp ranks (``plan_args``: ``plan_graph``'s): the tp
+    plan, as without cp; at tp 1 the cp group's plan alone (``plan.context_parallel``); with
+    both, the tp plan with the cp plan inside it (``plan.context``), each attention's choice
+    of ring or Ulysses made on the heads one tp rank holds."""
+    if cp == 1:
+        return plan_graph(captured, tp, options=options, **plan_args)
+    context = replace(options, context_parallel=True, force=())
+    if tp == 1:
+        return plan_graph(captured, cp, options=context, **plan_args)
+    plan = plan_graph(captured, tp, options=options, **plan_args)
+    plan.context = plan_graph(captured, cp, options=replace(
+        context, local_heads=local_heads(plan, captured.gm)), **plan_args)
+    check_composable(plan, plan.context)
+    return plan
+
+
+def local_heads(tp_plan: Plan, gm: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
+    """Attention node -> (query heads, key/value heads) one rank of ``tp_plan`` holds: 1/tp
+    of each where the plan splits q, k and v over heads (the key/value heads read through
+    transformers' repeat for grouped queries where their source is split alike, else the
+    repeated ones), all of them where it holds all three whole, (0, 0) otherwise."""
+    out = []
+    for node in gm.graph.nodes:
+        choice = tp_plan.choices.get(node.name)
+        if node.op != "call_function" or node.target not in ATTENTION or choice is None or \
+                len(node.args) < 3 or len(choice.inputs) < 3:
+            continue
+        q, k = node.args[0], node.args[1]
+        if not (isinstance(q, fx.Node) and isinstance(k, fx.Node)):
+            continue
+        q_val = q.meta.get("val")
+        if not isinstance(q_val, torch.Tensor) or q_val.dim() != 4:
+            continue
+        layouts = set(choice.inputs[:3])
+        if len(layouts) != 1:
+            out.append((node.name, 0, 0))
+            continue
+        split = tp_plan.tp if parse_layout(choice.inputs[0]) == Shard(1) else 1
+        if split == 1 and choice.inputs[0] != "R":
+            out.append((node.name, 0, 0))
+            continue
+        source = grouped_source(tp_plan, node, k)
+        heads_k = int((source or k).meta["val"].shape[1])
+        out.append((node.name, int(q_val.shape[1]) // split, heads_k // split))
+    return tuple(out)
+
+
+def grouped_source(tp_plan: Plan, node: fx.Node, k: fx.Node) -> Optional[fx.Node]:
+    """The key/value heads ``k`` repeats for grouped queries where ``tp_plan`` holds them as
+    it holds the queries (so that each rank's query heads keep their own key/value heads);
+    None where there is no repeat or the plan holds them otherwise."""
+    source = repeated_heads(k)
+    if source is None:
+        return None
+    choice = tp_plan.choices.get(node.name)
+    held = tp_plan.values.get(source.name)
+    return source if choice is not None and held == choice.inputs[0] else None
+
+
+def check_composable(tp_plan: Plan, cp_plan: Plan) -> None:
+    """Every value the two plans both split is split on different dims: a PlanError naming
+    the first that is not (the tp plan splitting a sequence dim, which cp splits)."""
+    for name, cp_text in cp_plan.values.items():
+        tp_text = tp_plan.values.get(name)
+        if tp_text is None:
+            continue
+        for tp_layout, cp_layout in zip(output_layouts(parse_output(tp_text)),
+                                        output_layouts(parse_output(cp_text))):
+            if isinstance(tp_layout, Shard) and isinstance(cp_layout, Shard) and \
+                    tp_layout.dim == cp_layout.dim:
+                raise PlanError(
+                    f"{name} ({tp_plan.ops.get(name, 'a value')}): the tp plan and the cp "
+                    f"plan both split its dim {tp_layout.dim}; context parallelism needs the "
+                    "tp plan to keep the sequence whole (pass no sequence_parallel with cp)")
