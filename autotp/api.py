@@ -58,9 +58,9 @@ def prepare(
     tp = positive_int("tp", tp)
     ep = positive_int("ep", ep)
     cp = positive_int("cp", cp)
-    if cp > 1 and (ep != 1 or sequence_parallel):
-        raise ConfigError("context parallelism shards the sequence itself: pass no ep "
-                          "and no sequence_parallel with cp")
+    if cp > 1 and (ep != 1 or (sequence_parallel and tp == 1)):
+        raise ConfigError("context parallelism shards the sequence itself: pass no ep with "
+                          "cp, and sequence_parallel only with tp > 1")
     captured = capture(model, example_args, example_kwargs)
     options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
                           gather_outputs=bool(gather_outputs), expert_parallel=ep)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import math
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -200,15 +201,9 @@ class ShardedModule(nn.Module):
                 value = named[name]
                 if isinstance(example, torch.Tensor):
                     _check_input(name, value, example)
-                    order = (self.cp_comm or self.comm).sequence
-                    multiple = order.chunks if order is not None else self.plan.tp
+                    multiple, what = self._sequence_multiple()
                     for dim in self._seq_dims.get(name, ()):
                         if value.shape[dim] % multiple:
-                            what = ("sequence parallelism needs the sequence length divisible "
-                                    f"by tp={self.plan.tp}") if order is None else \
-                                ("context parallelism needs the sequence length divisible "
-                                 f"by 2 x cp = {multiple} (cp={self.plan.cp}, each rank two "
-                                 "chunks of it: the same causal work on every rank)")
                             raise ConfigError(
                                 f"{what}, but {name!r} has {value.shape[dim]} along dim "
                                 f"{dim}: pad the sequence to a multiple of {multiple}")
@@ -218,6 +213,23 @@ class ShardedModule(nn.Module):
             else:
                 call[name] = example
         return call
+
+    def _sequence_multiple(self) -> tuple[int, str]:
+        """What every sequence length must divide by, and why."""
+        plan, order = self.plan, (self.cp_comm or self.comm).sequence
+        if order is None:
+            return plan.tp, f"sequence parallelism needs the sequence length divisible by " \
+                            f"tp={plan.tp}"
+        why = f"2 x cp = {order.chunks} (cp={plan.cp}, each rank two chunks of it: the same " \
+              "causal work on every rank)"
+        if not plan.sequence_parallel:
+            return order.chunks, f"context parallelism needs the sequence length divisible by " \
+                                 f"{why}"
+        split = plan.cp * plan.tp  # tp splits each rank's cp shard again
+        multiple = math.lcm(order.chunks, split)
+        return multiple, (f"context parallelism with sequence parallelism needs the sequence "
+                          f"length divisible by {multiple}: by {why} and by cp x tp = {split} "
+                          f"(tp={plan.tp} splits each rank's shard again)")
 
     def expert_parameters(self) -> dict[str, nn.Parameter]:
         """Plan parameter name -> this rank's share of the experts: ``expert_parameters``."""

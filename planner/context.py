@@ -22,7 +22,7 @@ import torch.fx as fx
 from autotp.errors import PlanError
 from autotp.layout import Shard, parse_layout
 from autotp.ops import ATTENTION, repeated_heads
-from autotp.capture.trace import Captured
+from autotp.capture.trace import Captured, sequence_symbols, size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import PlanOptions
 from autotp.planner.solve import plan_graph
@@ -37,13 +37,13 @@ def plan_tp_cp(captured: Captured, tp: int, cp: int, options: PlanOptions,
     of ring or Ulysses made on the heads one tp rank holds."""
     if cp == 1:
         return plan_graph(captured, tp, options=options, **plan_args)
-    context = replace(options, context_parallel=True, force=())
+    context = replace(options, context_parallel=True, sequence_parallel=False, force=())
     if tp == 1:
         return plan_graph(captured, cp, options=context, **plan_args)
     plan = plan_graph(captured, tp, options=options, **plan_args)
     plan.context = plan_graph(captured, cp, options=replace(
         context, local_heads=local_heads(plan, captured.gm)), **plan_args)
-    check_composable(plan, plan.context)
+    check_composable(plan, plan.context, captured.gm, sequence_symbols(captured.dim_names))
     return plan
 
 
@@ -90,18 +90,44 @@ def grouped_source(tp_plan: Plan, node: fx.Node, k: fx.Node) -> Optional[fx.Node
     return source if choice is not None and held == choice.inputs[0] else None
 
 
-def check_composable(tp_plan: Plan, cp_plan: Plan) -> None:
-    """Every value the two plans both split is split on different dims: a PlanError naming
-    the first that is not (the tp plan splitting a sequence dim, which cp splits)."""
+def check_composable(tp_plan: Plan, cp_plan: Plan, gm: fx.GraphModule,
+                     sequence: frozenset) -> None:
+    """Every value the two plans both split, and every read of one, is split on different
+    dims, or both split a sequence dim (``sequence``: its symbols; sequence parallelism
+    inside cp: tp splits each rank's cp shard again, contiguously); a read tp splits along
+    the sequence cp splits too. A PlanError names the first value that breaks this."""
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+
+    def is_sequence(name: str, dim: int) -> bool:
+        val = vals.get(name)
+        return isinstance(val, torch.Tensor) and dim < val.dim() and \
+            size_expr(val.shape[dim]) in sequence
+
+    def check(name: str, tp_layout: Any, cp_layout: Any, what: str) -> None:
+        if not isinstance(tp_layout, Shard):
+            return
+        along = is_sequence(name, tp_layout.dim)
+        if isinstance(cp_layout, Shard) and cp_layout.dim == tp_layout.dim and not along:
+            raise PlanError(
+                f"{what} {name} ({tp_plan.ops.get(name, 'a value')}): the tp plan and the cp "
+                f"plan both split its dim {tp_layout.dim}, which is no sequence dim")
+        if along and not (isinstance(cp_layout, Shard) and cp_layout.dim == tp_layout.dim):
+            raise PlanError(
+                f"{what} {name} ({tp_plan.ops.get(name, 'a value')}): the tp plan splits its "
+                f"sequence dim {tp_layout.dim}, which the cp plan holds {cp_layout}: "
+                "sequence parallelism inside cp splits only the cp shards; pass no "
+                "sequence_parallel with cp")
+
     for name, cp_text in cp_plan.values.items():
         tp_text = tp_plan.values.get(name)
-        if tp_text is None:
+        if tp_text is not None:
+            for tp_layout, cp_layout in zip(output_layouts(parse_output(tp_text)),
+                                            output_layouts(parse_output(cp_text))):
+                check(name, tp_layout, cp_layout, "value")
+    for name, choice in tp_plan.choices.items():
+        other = cp_plan.choices.get(name)
+        if other is None:
             continue
-        for tp_layout, cp_layout in zip(output_layouts(parse_output(tp_text)),
-                                        output_layouts(parse_output(cp_text))):
-            if isinstance(tp_layout, Shard) and isinstance(cp_layout, Shard) and \
-                    tp_layout.dim == cp_layout.dim:
-                raise PlanError(
-                    f"{name} ({tp_plan.ops.get(name, 'a value')}): the tp plan and the cp "
-                    f"plan both split its dim {tp_layout.dim}; context parallelism needs the "
-                    "tp plan to keep the sequence whole (pass no sequence_parallel with cp)")
+        for value, tp_text, cp_text in zip(tp_plan.graph.get(name, []), choice.inputs,
+                                           other.inputs):
+            check(value, parse_layout(tp_text), parse_layout(cp_text), f"{name}'s read of")

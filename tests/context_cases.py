@@ -250,11 +250,14 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
                          for c in sharded.plan.choices.values())}
 
 
-def tp_inside_cp(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[str] = None
+                 ) -> dict[str, Any]:
     """tp 2 x cp 2 on the world's 4 ranks: ``autotp.parallelize(model, tp=2, cp=2)`` of each
     model against the unsharded model (padded inputs), the first over the groups it makes
-    itself (tp groups of consecutive ranks), the others over a (cp, tp) DeviceMesh's; then
-    a tp x cp the world does not have."""
+    itself (tp groups of consecutive ranks), the others over a (cp, tp) DeviceMesh's, GPT-2
+    with sequence parallelism inside cp; ``saved``: a LLaMA saved there, loaded by
+    ``autotp.from_pretrained(saved, 2, cp=2)`` against transformers' loading; then a tp x cp
+    the world does not have."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import models
@@ -266,11 +269,21 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
         model = models.BUILDERS[name]().eval()
         inputs = model_inputs(name, name != "nanogpt")
         groups = {} if i == 0 else {"group": mesh["tp"], "cp_group": mesh["cp"]}
-        sharded = autotp.parallelize(model, tp=2, cp=2, example_kwargs=inputs, **groups)
+        sharded = autotp.parallelize(model, tp=2, cp=2, example_kwargs=inputs,
+                                     sequence_parallel=name == "gpt2", **groups)
         call, loss, pick = _step_functions(name, inputs)
         results[name] = compare(reference_step(model, call, loss, pick),
                                 sharded_step(sharded, call, loss, pick))
         results[f"{name}-ranks"] = (sharded.comm.rank, sharded.cp_comm.rank)
+    if saved is not None:
+        import transformers
+
+        model = transformers.LlamaForCausalLM.from_pretrained(saved).eval()
+        inputs = model_inputs("llama", True)
+        sharded = autotp.from_pretrained(saved, 2, cp=2, example_kwargs=inputs)
+        call, loss, pick = _step_functions("llama", inputs)
+        results["pretrained"] = compare(reference_step(model, call, loss, pick),
+                                        sharded_step(sharded, call, loss, pick))
     try:
         autotp.parallelize(models.llama(), tp=2, cp=3, example_kwargs=model_inputs("llama",
                                                                                   False))
@@ -280,7 +293,7 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
     return results
 
 
-def four_ranks(rank: int, world_size: int) -> dict[str, Any]:
+def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
     """The 4-process cases in one launch: FSDP2 over dp x cp, then tp inside cp."""
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
-            "tp_cp": tp_inside_cp(rank, world_size, ["llama", "gpt2", "nanogpt"])}
+            "tp_cp": tp_inside_cp(rank, world_size, ["llama", "gpt2", "nanogpt"], saved)}

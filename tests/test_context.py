@@ -228,6 +228,36 @@ def test_models_match_the_unsharded_model(name: str, tp: int, cp: int, padded: b
                       pick=lambda out: cc.model_output(name, out))
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_parallelism_inside_cp_matches_the_unsharded_model(name: str) -> None:
+    """tp 2 x cp 2 with sequence parallelism: tp splits each rank's cp shard of the sequence
+    again between the blocks (the sequence in 8 pieces, cp's balanced chunks outside, tp's
+    contiguous pieces inside); the tp plan at Megatron's bound with sequence parallelism,
+    2 all-gathers and 2 reduce-scatters each way per layer. GPT-2's projections read
+    merged batch x sequence rows, which cp gathers whole: its split of their outputs comes
+    before tp's reduce-scatter of them. Exact against the unsharded model (padded); a
+    length 4 does not divide is refused with the numbers."""
+    import models
+
+    from autotp.features.verify import assert_equivalent
+
+    model = models.BUILDERS[name]().eval()
+    inputs = cc.model_inputs(name, True)
+    sim = autotp.simulate(model, 2, cp=2, example_kwargs=inputs, sequence_parallel=True)
+    per_layer = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}
+    assert per_layer and all(counts == {("forward", "all_gather"): 2,
+                                        ("forward", "reduce_scatter"): 2,
+                                        ("backward", "all_gather"): 2,
+                                        ("backward", "reduce_scatter"): 2}
+                             for counts in per_layer.values()), per_layer
+    assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: cc.model_loss(name, out),
+                      pick=lambda out: cc.model_output(name, out))
+    short = {k: v[:, :10] for k, v in inputs.items()}
+    with pytest.raises(ConfigError, match="divisible by 4: by 2 x cp = 4 \\(cp=2, .* and by "
+                                          "cp x tp = 4 \\(tp=2 splits each.*has 10"):
+        sim.run(lambda m: m(**short))
+
+
 def test_eager_einsum_attention_gathers_keys_and_values() -> None:
     """x-transformers' decoder (rotary, attention as einsums and a softmax, no SDPA) at
     cp 2: the scores' product keeps this rank's queries and reads every key, so each
@@ -247,6 +277,21 @@ def test_eager_einsum_attention_gathers_keys_and_values() -> None:
                                         ("backward", "reduce_scatter"): 2}
                              for counts in per_layer.values()), per_layer
     assert_equivalent(model, sim, kwargs={"x": tokens})
+
+
+def test_any_head_count_runs_by_the_ring() -> None:
+    """cp need not divide the heads (nanoGPT's 8 at cp 3): the ring takes any count, where
+    a tp plan of 3 refuses them."""
+    import models
+
+    from autotp.errors import PlanError
+
+    inputs = cc.model_inputs("nanogpt", False)
+    plan = autotp.plan(models.nanogpt(), 1, cp=3, example_kwargs=inputs)
+    assert plan.attention and all(why.startswith("ring: ") and "cp=3" in why
+                                  for why in plan.attention.values()), plan.attention
+    with pytest.raises(PlanError, match="tp=3 does not divide the 8 attention heads"):
+        autotp.plan(models.nanogpt(), 3, example_kwargs=inputs)
 
 
 def test_context_parallel_bad_input_is_a_clear_error() -> None:
@@ -322,17 +367,24 @@ def test_command_line_plans_with_cp() -> None:
 
 
 
-def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp() -> None:
+def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any) -> None:
     """4 gloo processes. dp 2 x cp 2, FSDP2 per layer and at the root over all four ranks
     (GQA LLaMA with rotary, padded): the first step's gradients within 1e-5 of the unsharded
     model's on the whole batch; over 2 AdamW steps after clipping to half the model's norm
     (``autotp.clip_grad_norm_`` within 1e-5 relative), the dp-mean loss within 1e-5 and the
     parameters within 1e-4. Then tp 2 x cp 2 (``parallelize(model, tp=2, cp=2)``): LLaMA
-    (padded), GPT-2 (padded, learned positions) and nanoGPT, each rank's output, loss and
-    every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2; tp 2 x
-    cp 3 on 4 ranks refused."""
-    for rank, both in enumerate(run_processes(cc.four_ranks, 4, timeout=400)):
+    (padded), GPT-2 (padded, learned positions, sequence parallelism inside cp) and nanoGPT,
+    each rank's output, loss and
+    every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2;
+    ``from_pretrained(path, 2, cp=2)`` of a saved LLaMA against transformers' loading; tp 2
+    x cp 3 on 4 ranks refused."""
+    import models
+
+    models.llama().save_pretrained(tmp_path)
+    for rank, both in enumerate(run_processes(cc.four_ranks, 4, str(tmp_path), timeout=400)):
         r = both["fsdp"]
+        got = both["tp_cp"]["pretrained"]
+        assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, "from_pretrained", got)
         for name in ("llama", "gpt2", "nanogpt"):
             got = both["tp_cp"][name]
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx as fx
@@ -143,6 +143,7 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
         return 0
     nodes = {n.name: n for n in graph.nodes}
     made: dict[tuple[str, str], fx.Node] = {}
+    moved: list[fx.Node] = []
     count = 0
     for edge in plan.edges:
         if (edge.batched or edge.joined is not None) and originals is None:
@@ -150,11 +151,16 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
         if edge.src != edge.dst and (routed_text(edge.src) or routed_text(edge.dst)):
             continue  # rows routed to experts: moved by route_rows
         value, consumer = nodes[edge.value], nodes[edge.consumer]
-        if originals is not None:
-            value = _reading(consumer, value, originals)
         src, dst = parse_layout(edge.src), parse_layout(edge.dst)
         if _reads_unchanged_size(consumer, src, dst):
             continue
+        inner: Optional[fx.Node] = None
+        if originals is not None:
+            value = _reading(consumer, value, originals)
+            if _slices_alike(root, value, src, dst):
+                # tp splits this sequence too: cp's slice first, tp's split of each cp
+                # shard after it
+                inner, value = value, cast(fx.Node, value.args[0])
         key = (value.name, edge.dst)
         if key not in made:
             name = f"autotp_{axis}{edge.value}_to_{_slug(edge.dst)}"
@@ -179,8 +185,30 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
             new.meta["val"] = value.meta.get("val")
             made[key] = new
             count += 1
-        consumer.replace_input_with(value, made[key])
+        if inner is None:
+            consumer.replace_input_with(value, made[key])
+            continue
+        outer_key = (inner.name, f"{edge.dst} inside")
+        if outer_key not in made:
+            with graph.inserting_after(made[key]):
+                made[outer_key] = graph.call_module(str(inner.target), (made[key],))
+            made[outer_key].meta["val"] = inner.meta.get("val")
+        consumer.replace_input_with(inner, made[outer_key])
+        moved.append(inner)
+    for node in dict.fromkeys(moved):  # another plan's split, now after this one's slice
+        if not node.users:
+            graph.erase_node(node)
     return count + _sum_whole_segments(graph, plan, comm, root, bucket, grad_sync)
+
+
+def _slices_alike(root: nn.Module, node: fx.Node, src: Layout, dst: Layout) -> bool:
+    """``node`` is another plan's redistribution to S(d) (a slice R -> S(d), a
+    reduce-scatter P -> S(d)) of the dim that ``src`` -> ``dst`` slices."""
+    if node.op != "call_module" or not (isinstance(src, Replicate) and isinstance(dst, Shard)):
+        return False
+    module = path_attr(root, str(node.target))
+    return isinstance(module, Redistribute) and isinstance(module.dst, Shard) and \
+        module.dst.dim == dst.dim
 
 
 def _reading(consumer: fx.Node, value: fx.Node, originals: set[str]) -> fx.Node:

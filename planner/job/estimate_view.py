@@ -112,9 +112,6 @@ def _context_lines(est: Estimate, best: Config) -> list[str]:
             lines.append(f"without cp, the best is {_brief(other)}: the sequence split over "
                          f"cp={best.cp} takes {best.time.step / other.time.step:.2f}x its step "
                          f"time and {best.memory.total / other.memory.total:.2f}x its memory")
-        if best.tp > 1:
-            lines.append(f"note: autotp.parallelize runs cp at tp=1 today; tp={best.tp} x "
-                         f"cp={best.cp} on one mesh is priced here, not yet built")
     elif other is not None:
         lines.append(f"with cp, the best is {_brief(other)}: "
                      f"{other.time.step / best.time.step:.2f}x this step (the ring "
