@@ -294,6 +294,10 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[s
 
 
 def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
-    """The 4-process cases in one launch: FSDP2 over dp x cp, then tp inside cp."""
+    """The 4-process cases in one launch: FSDP2 over dp x cp, tp inside cp, pipeline stages
+    over cp."""
+    from dist_cases import pipeline_context_case
+
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
-            "tp_cp": tp_inside_cp(rank, world_size, ["llama", "gpt2", "nanogpt"], saved)}
+            "tp_cp": tp_inside_cp(rank, world_size, ["llama", "gpt2", "nanogpt"], saved),
+            "pp_cp": pipeline_context_case(rank, world_size)}

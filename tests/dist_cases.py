@@ -545,3 +545,42 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
     return {"losses": losses, "reference": ref_losses, "read": read, "held": held,
             "meta": any(p.is_meta for p in params)}
 
+
+
+def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
+    """pp 2 x cp 2 (tp 1): ``autotp.pipeline_stages(..., cp=2, cp_group=mesh["cp"])`` of
+    LLaMA, Schedule1F1B, 4 microbatches, AdamW: each stage's program on half of every
+    sequence (the ring inside its attention layers), the losses and each local gradient of
+    every step against the unsharded model on the whole batch."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    import autotp
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "cp", "tp"))
+    ids, labels = _token_batch()
+    original = tiny_llama()
+    ref_losses, ref_grads = _reference_training(original, ids, labels, steps)
+    stages = autotp.pipeline_stages(copy.deepcopy(original), mesh,
+                                    example_kwargs={"input_ids": ids[:2]}, cp=2,
+                                    cp_group=mesh["cp"])
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=_next_token_loss)
+    losses, grad_diffs, norm_diffs = [], [], []
+    for step in range(steps):
+        total = _pipeline_step(schedule, stages, ids, labels)
+        torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
+        losses.append(float(total))
+        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step], 0, 1))
+        norm_diffs.append(_norm_diff(stages, ref_grads[step]))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
+            "norm_diffs": norm_diffs, "rings": sum(
+                c.strategy.endswith("[ring]") for c in stages[0]._autotp_plan.choices.values()),
+            "stage_params": sum(p.numel() for p in params),
+            "full_params": sum(p.numel() for p in original.parameters())}

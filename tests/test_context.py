@@ -377,7 +377,12 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
     each rank's output, loss and
     every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2;
     ``from_pretrained(path, 2, cp=2)`` of a saved LLaMA against transformers' loading; tp 2
-    x cp 3 on 4 ranks refused."""
+    x cp 3 on 4 ranks refused. Then pp 2 x cp 2: ``pipeline_stages(..., cp=2)`` of LLaMA
+    (4 layers, the ring in each), Schedule1F1B over 4 microbatches, two AdamW steps: the
+    losses within 1e-5 of the unsharded model's on the whole batch, each gradient within
+    1e-5 of its largest entry on the first step and 3e-3 on the second (AdamW's first update
+    moves a near-zero gradient's weight by about lr, as in tests/test_pipeline.py), half
+    the weights per pp rank, and ``clip_grad_norm_`` over the stages within 1e-4."""
     import models
 
     models.llama().save_pretrained(tmp_path)
@@ -390,6 +395,12 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
             assert both["tp_cp"][f"{name}-ranks"] == (rank % 2, rank // 2), (rank, name)
         assert "tp=2 x cp=3 = 6 ranks, but the world has 4" in both["tp_cp"]["error"]
+        pp = both["pp_cp"]
+        assert pp["rings"] == 4 and pp["stage_params"] < 0.51 * pp["full_params"], pp
+        for step, (loss, want) in enumerate(zip(pp["losses"], pp["reference"], strict=True)):
+            assert abs(loss - want) < 1e-5, (rank, step, pp)
+            assert pp["grad_diffs"][step]["untied"] < (1e-5 if step == 0 else 3e-3), (rank, pp)
+            assert max(pp["norm_diffs"][step].values()) < 1e-4, (rank, pp)
         assert r["rings"] == 2, (rank, r)
         assert r["grad_diff"] < 1e-5, (rank, r)
         assert r["norm_diff"] < 1e-5, (rank, r)

@@ -18,6 +18,7 @@ from autotp.errors import ConfigError
 from autotp.ops import arg_node, path_attr
 from autotp.planner.job.memory import balanced_stages
 from autotp.runtime.layers import program_nodes
+from autotp.runtime.rewrite import SPLIT
 
 
 # ---- cutting the program -------------------------------------------------------------------
@@ -136,10 +137,12 @@ def _layer_values(gm: fx.GraphModule, layers: list[fx.Node]) -> None:
         result = next(n for n in inner.graph.nodes if n.op == "output").args[0]
         if isinstance(result, fx.Node):
             call.meta.setdefault("val", result.meta.get("val"))
+            call.meta.setdefault(SPLIT, result.meta.get(SPLIT))
             continue
         for user in call.users:
             if user.target is operator.getitem and isinstance(result[user.args[1]], fx.Node):
                 user.meta.setdefault("val", result[user.args[1]].meta.get("val"))
+                user.meta.setdefault(SPLIT, result[user.args[1]].meta.get(SPLIT))
 
 
 def _anchors(node: fx.Node, stage: dict[fx.Node, int]) -> list[fx.Node]:
@@ -201,18 +204,28 @@ def _stage_module(gm: fx.GraphModule, k: int, inputs: list[fx.Node], mine: list[
 
 def _reread_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     """A size of a tensor this stage does not hold, read from one it holds with a dim of the
-    same size (the batch and sequence sizes travel in the activations' shapes)."""
+    same size (the batch and sequence sizes travel in the activations' shapes), times the
+    ways this rank's value is split along that dim (a sequence under context or sequence
+    parallelism)."""
     want = node.meta["val"]
     expr = want.node.expr if isinstance(want, torch.SymInt) else want
+    found = []
     for source, copy in list(env.items()):
         val = source.meta.get("val") if isinstance(source, fx.Node) else None
         if not isinstance(val, torch.Tensor) or not isinstance(copy, fx.Node):
             continue
         for d, size in enumerate(val.shape):
             if (size.node.expr if isinstance(size, torch.SymInt) else size) == expr:
-                read = graph.call_function(torch.ops.aten.sym_size.int, (copy, d))
-                read.meta = dict(node.meta)
-                return read
+                found.append((copy, d, (source.meta.get(SPLIT) or {}).get(d, 1)))
+    if found:  # one held whole along the dim where there is one
+        copy, d, split = min(found, key=lambda f: f[2])
+        read = graph.call_function(torch.ops.aten.sym_size.int, (copy, d))
+        read.meta = dict(node.meta)
+        if split == 1:
+            return read
+        whole = graph.call_function(operator.mul, (read, split))
+        whole.meta = dict(node.meta)
+        return whole
     raise ConfigError(f"a stage needs the size {expr} ({node.name}) and holds no tensor of "
                       "that size: pass split_points that keep its reader with its source")
 
@@ -231,6 +244,9 @@ def _rebuild_size(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, Any]) -> An
                         and size.node.expr == symbol), None)
             if dim is not None:
                 reads[symbol] = graph.call_function(torch.ops.aten.sym_size.int, (copy, dim))
+                split = (source.meta.get(SPLIT) or {}).get(dim, 1)
+                if split != 1:
+                    reads[symbol] = graph.call_function(operator.mul, (reads[symbol], split))
                 break
         else:
             raise ConfigError(f"a stage needs the size {expr} ({node.name}) and holds no "

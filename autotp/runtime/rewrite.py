@@ -35,7 +35,8 @@ from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
 from autotp.runtime.context import RingAttention, UlyssesAttention
 from autotp.errors import PlanError
-from autotp.layout import Layout, Replicate, Shard, is_mixed, parse_layout, whole_slices
+from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_layout, \
+    whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.context import grouped_source
 from autotp.planner.plan import Plan
@@ -464,6 +465,42 @@ def erase_input_guards(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+SPLIT = "autotp_split"  # node meta: dim -> how many ways this rank's value is split along it
+
+
+def note_splits(graph: fx.Graph, root: nn.Module, plans: list[tuple[Plan, Communicator]],
+                lowered: dict[str, str]) -> None:
+    """``SPLIT`` on every tensor node whose layout the plans give (each plan over its own
+    group): how many ways each dim of its value is split on this rank, for whoever reads a
+    size from it later (the pipeline cut re-reads sizes from the tensors a stage holds; its
+    meta holds global sizes)."""
+    original = {new: old for old, new in lowered.items()}
+    held: dict[fx.Node, dict[int, Layout]] = {}
+    for node in graph.nodes:
+        name = original.get(node.name, node.name)
+        layouts: dict[int, Layout] = {}
+        module = path_attr(root, str(node.target)) if node.op == "call_module" else None
+        if isinstance(module, Redistribute) and isinstance(node.args[0], fx.Node):
+            layouts = dict(held.get(node.args[0], {}))
+            for axis, (_, comm) in enumerate(plans):
+                if module.comm is comm:
+                    layouts[axis] = module.dst
+        else:
+            for axis, (plan, _) in enumerate(plans):
+                text = plan.values.get(name)
+                layout = parse_output(text) if text is not None else None
+                if isinstance(layout, (Replicate, Shard, Partial)):
+                    layouts[axis] = layout
+        if not layouts:
+            continue
+        held[node] = layouts
+        split: dict[int, int] = {}
+        for axis, layout in layouts.items():
+            if isinstance(layout, Shard):
+                split[layout.dim] = split.get(layout.dim, 1) * plans[axis][0].tp
+        node.meta[SPLIT] = split
+
+
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
@@ -510,6 +547,8 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))
+    note_splits(graph, root, [(plan, comm)] + ([(context, cp_comm)] if context is not None
+                                               and cp_comm is not None else []), lowered)
     graph.lint()
     gm = fx.GraphModule(root, graph)
     for name, param in captured.unused.items():  # never read by the forward: replicated
