@@ -1,6 +1,7 @@
 """Activation memory per rank against the context-parallel degree, measured.
 
-    python benchmarks/context_memory.py [--cp 1 2 4] [--layers 4] [--hidden 256] [--seq 512]
+    python benchmarks/context_memory.py [--tp 1 2] [--cp 1 2 4] [--layers 4] [--hidden 256]
+                                        [--seq 512]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
 tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``),
@@ -13,10 +14,18 @@ shows the largest rank. Two programs of transformers' LLaMA (SDPA, causal, GQA):
 - ``with loss``: ``LlamaForCausalLM`` with ``labels=``: the model's own loss, whose
   ``logits.view(-1, vocab)`` is gathered whole on every rank for now (docs/parallelism.md).
 
-``x cp`` is the activation memory at cp times cp over cp 1's: 1.00 where everything scales
-as 1/cp. ``predicted`` is what ``autotp estimate`` counts for the same program at that cp
-(``build_profile(..., cp=)``: the tp 1 program on 1/cp of the sequence, the attention core
-and mask rows at seq/cp x seq), beside the measurement.
+At tp > 1 every row runs with sequence parallelism: cp 1 is sequence parallelism alone,
+cp > 1 context parallelism inside it (``parallelize(model, tp=T, cp=C,
+sequence_parallel=True)``), at the same sequence.
+
+``x cp`` is the activation memory at cp times cp over cp 1's at the same tp: 1.00 where
+everything scales as 1/cp. ``predicted`` is what ``autotp estimate`` counts for the same
+program at that tp and cp (``build_profile(..., cp=)``: the tp plan's program on 1/cp of the
+sequence, the attention core and mask rows at seq/cp x seq), beside the measurement.
+``fwd+bwd s`` is the largest rank's forward and backward, and ``/ cp 1`` its ratio to cp 1's
+at the same tp (sequence parallelism alone at tp > 1): simulated ranks are threads sharing
+this machine's cores, so the times show the work each rank does and what the simulation
+costs, not a GPU's step time.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ def build(head: bool, args: argparse.Namespace) -> torch.nn.Module:
     return cls(config).eval()
 
 
-def measure(head: bool, cp: int, args: argparse.Namespace) -> tuple[int, float]:
+def measure(head: bool, tp: int, cp: int, args: argparse.Namespace) -> tuple[int, float]:
     """(the largest rank's activation bytes, seconds of its forward and backward)."""
     import autotp
     from autotp.features.saved_tensors import count_saved
@@ -65,32 +74,36 @@ def measure(head: bool, cp: int, args: argparse.Namespace) -> tuple[int, float]:
         loss.backward()
         return saved.nbytes, time.perf_counter() - start
 
-    if cp == 1:
+    if tp == cp == 1:
         return step(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the gathered logits' fallback note
-        sim = autotp.simulate(model, 1, cp=cp, example_kwargs=example, gather_outputs=False)
+        sim = autotp.simulate(model, tp, cp=cp, example_kwargs=example, gather_outputs=False,
+                              sequence_parallel=tp > 1)
     per_rank = sim.run(step)
     return max(b for b, _ in per_rank), max(t for _, t in per_rank)
 
 
-_PLANNED: dict[bool, tuple] = {}
+_PLANNED: dict[tuple[bool, int], tuple] = {}
 
 
-def predicted(head: bool, cp: int, args: argparse.Namespace) -> int:
-    """The activation bytes ``autotp estimate`` counts for one rank at ``cp``."""
+def predicted(head: bool, tp: int, cp: int, args: argparse.Namespace) -> int:
+    """The activation bytes ``autotp estimate`` counts for one rank at ``tp`` and ``cp``."""
     from autotp.capture.trace import capture
     from autotp.planner.job.memory import end_activations, layer_activations
     from autotp.planner.job.profile import build_profile
-    from autotp.planner.solve import plan_graph
+    from autotp.planner.solve import PlanOptions, plan_graph
 
-    if head not in _PLANNED:
+    if (head, tp) not in _PLANNED:
         model = build(head, args)
         ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(1))
         example = {"input_ids": ids, "labels": ids} if head else {"input_ids": ids}
         captured = capture(model, example_kwargs=example)
-        _PLANNED[head] = (captured, plan_graph(captured, 1))
-    captured, plan = _PLANNED[head]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_graph(captured, tp, options=PlanOptions(sequence_parallel=tp > 1))
+        _PLANNED[head, tp] = (captured, plan)
+    captured, plan = _PLANNED[head, tp]
     prof = build_profile(captured, plan, args.batch, args.seq, dtype_bytes=4, cp=cp)
     return int(sum(layer_activations(prof, "none").values()) +
                end_activations(prof, "first") + end_activations(prof, "last"))
@@ -98,6 +111,7 @@ def predicted(head: bool, cp: int, args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -109,18 +123,22 @@ def main() -> int:
     print(f"activation memory per rank (saved for backward), LLaMA B={args.batch} "
           f"T={args.seq} hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32; "
           "simulated ranks (threads)")
-    print(f"{'program':<10} {'cp':>3} {'per rank':>10} {'/ cp 1':>7} {'x cp':>6} "
-          f"{'predicted':>10} {'pred/meas':>9} {'fwd+bwd s':>10}")
+    print(f"{'program':<10} {'tp':>3} {'cp':>3} {'per rank':>10} {'/ cp 1':>7} {'x cp':>6} "
+          f"{'predicted':>10} {'pred/meas':>9} {'fwd+bwd s':>10} {'/ cp 1':>7}")
     for head in (False, True):
-        base = None
-        for cp in args.cp:
-            nbytes, seconds = measure(head, cp, args)
-            base = base if base is not None else (nbytes if cp == 1 else None)
-            ratio = nbytes / base if base else float("nan")
-            guess = predicted(head, cp, args)
-            print(f"{'with loss' if head else 'layers':<10} {cp:>3} {nbytes / mib:>8.1f}Mi "
-                  f"{ratio:>7.3f} {ratio * cp:>6.2f} {guess / mib:>8.1f}Mi "
-                  f"{guess / nbytes:>9.2f} {seconds:>10.2f}")
+        for tp in args.tp:
+            base = None
+            for cp in args.cp:
+                nbytes, seconds = measure(head, tp, cp, args)
+                if cp == 1:
+                    base = (nbytes, seconds)
+                ratio = nbytes / base[0] if base else float("nan")
+                slower = seconds / base[1] if base else float("nan")
+                guess = predicted(head, tp, cp, args)
+                print(f"{'with loss' if head else 'layers':<10} {tp:>3} {cp:>3} "
+                      f"{nbytes / mib:>8.1f}Mi {ratio:>7.3f} {ratio * cp:>6.2f} "
+                      f"{guess / mib:>8.1f}Mi {guess / nbytes:>9.2f} {seconds:>10.2f} "
+                      f"{slower:>7.2f}")
     return 0
 
 
