@@ -548,10 +548,10 @@ def pipeline_checkpoint_case(rank: int, world_size: int, directory: str, steps: 
 
 
 def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
-    """pp 2 x cp 2 (tp 1): ``autotp.pipeline_stages(..., cp=2, cp_group=mesh["cp"])`` of
-    LLaMA, Schedule1F1B, 4 microbatches, AdamW: each stage's program on half of every
-    sequence (the ring inside its attention layers), the losses and each local gradient of
-    every step against the unsharded model on the whole batch."""
+    """pp 2 x cp 2 x tp (world_size / 4): ``autotp.pipeline_stages(..., cp=2,
+    cp_group=mesh["cp"])`` of LLaMA, Schedule1F1B, 4 microbatches, AdamW: each stage's
+    program on half of every sequence (the ring inside its attention layers), the losses
+    and each local gradient of every step against the unsharded model on the whole batch."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -560,7 +560,8 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
     import autotp
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "cp", "tp"))
+    tp = world_size // 4
+    mesh = init_device_mesh("cpu", (2, 2, tp), mesh_dim_names=("pp", "cp", "tp"))
     ids, labels = _token_batch()
     original = tiny_llama()
     ref_losses, ref_grads = _reference_training(original, ids, labels, steps)
@@ -575,12 +576,14 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
         total = _pipeline_step(schedule, stages, ids, labels)
         torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
         losses.append(float(total))
-        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step], 0, 1))
+        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
+                                           mesh["tp"].get_local_rank(), tp))
         norm_diffs.append(_norm_diff(stages, ref_grads[step]))
         opt.step()
         opt.zero_grad()
+    context = stages[0]._autotp_plan.context or stages[0]._autotp_plan
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "norm_diffs": norm_diffs, "rings": sum(
-                c.strategy.endswith("[ring]") for c in stages[0]._autotp_plan.choices.values()),
+                c.strategy.endswith("[ring]") for c in context.choices.values()),
             "stage_params": sum(p.numel() for p in params),
             "full_params": sum(p.numel() for p in original.parameters())}

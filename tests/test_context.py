@@ -308,10 +308,11 @@ def test_context_parallel_bad_input_is_a_clear_error() -> None:
         sim.ranks[0].generate(inputs["input_ids"], max_new_tokens=2)
 
 
-@pytest.mark.parametrize("cp,names", [(2, ["gpt2", "nanogpt", "llama"]),
+@pytest.mark.parametrize("cp,names", [(2, ["gpt2", "nanogpt", "llama", "mistral_window"]),
                                       (4, ["llama", "nanogpt"])])
 def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str], tmp_path: Any) -> None:
-    """``autotp.parallelize(model, tp=1, cp=...)`` on gloo processes, padded inputs: each
+    """``autotp.parallelize(model, tp=1, cp=...)`` on gloo processes, padded inputs (a
+    sliding-window Mistral among them at cp 2): each
     rank's output, loss and every gradient against the unsharded model; a cp the group does
     not have and a sequence cp does not divide are refused. Every attention by the ring but
     nanoGPT's at cp 4 (no mask tensor, 8 of 8 heads over 4 ranks), by Ulysses. At cp 2, in
@@ -373,8 +374,8 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
     model's on the whole batch; over 2 AdamW steps after clipping to half the model's norm
     (``autotp.clip_grad_norm_`` within 1e-5 relative), the dp-mean loss within 1e-5 and the
     parameters within 1e-4. Then tp 2 x cp 2 (``parallelize(model, tp=2, cp=2)``): LLaMA
-    (padded), GPT-2 (padded, learned positions, sequence parallelism inside cp) and nanoGPT,
-    each rank's output, loss and
+    (padded), GPT-2 (padded, learned positions, sequence parallelism inside cp), nanoGPT and
+    Mistral with a sliding window, each rank's output, loss and
     every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2;
     ``from_pretrained(path, 2, cp=2)`` of a saved LLaMA against transformers' loading; tp 2
     x cp 3 on 4 ranks refused. Then pp 2 x cp 2: ``pipeline_stages(..., cp=2)`` of LLaMA
@@ -390,7 +391,7 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
         r = both["fsdp"]
         got = both["tp_cp"]["pretrained"]
         assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, "from_pretrained", got)
-        for name in ("llama", "gpt2", "nanogpt"):
+        for name in ("llama", "gpt2", "nanogpt", "mistral_window"):
             got = both["tp_cp"][name]
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
             assert both["tp_cp"][f"{name}-ranks"] == (rank % 2, rank // 2), (rank, name)
@@ -407,6 +408,26 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
         assert r["loss_diff"] < 1e-5, (rank, r)
         assert r["param_diff"] < 1e-4, (rank, r)
         assert r["names"], (rank, r)
+
+
+def test_eight_gloo_processes_dp_cp_tp_with_fsdp2_and_pp_cp_tp() -> None:
+    """8 gloo processes. A (dp, cp, tp) mesh of 2 x 2 x 2: ``parallelize(tp=2, cp=2)`` over
+    "tp" and "cp", FSDP2 per layer and at the root over dp x cp flattened (padded LLaMA):
+    the first step's gradients within 1e-5 of the unsharded model's on the whole batch;
+    over 2 AdamW steps after ``clip_grad_norm_`` (within 1e-5 relative), the dp-mean loss
+    within 1e-5 and the parameters within 1e-4. Then pp 2 x cp 2 x tp 2:
+    ``pipeline_stages(..., cp=2)`` of LLaMA, Schedule1F1B, two AdamW steps, as in the
+    4-process case; a quarter of the weights per rank."""
+    for rank, both in enumerate(run_processes(cc.eight_ranks, 8, timeout=500)):
+        r = both["fsdp"]
+        assert r["grad_diff"] < 1e-5 and r["norm_diff"] < 1e-5, (rank, r)
+        assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-4 and r["names"], (rank, r)
+        pp = both["pp_cp"]
+        assert pp["rings"] == 4 and pp["stage_params"] < 0.26 * pp["full_params"], pp
+        for step, (loss, want) in enumerate(zip(pp["losses"], pp["reference"], strict=True)):
+            assert abs(loss - want) < 1e-5, (rank, step, pp)
+            assert pp["grad_diffs"][step]["untied"] < (1e-5 if step == 0 else 3e-3), (rank, pp)
+            assert max(pp["norm_diffs"][step].values()) < 1e-4, (rank, pp)
 
 
 @pytest.mark.parametrize("name,cp,pairs", [("nanogpt", 2, 5), ("llama", 4, 9)])
