@@ -47,13 +47,25 @@ class Replicate:
 
 @dataclass(frozen=True, order=True)
 class Period:
-    """Equal segments of ``length`` elements, however many the dim's size holds."""
+    """Equal segments of ``length`` elements, however many the dim's size holds. ``length``
+    may be a sequence size symbol's name (``"s1"``): a dim merging the batch with a sequence
+    that context parallelism splits (``logits.view(-1, vocab)``), each sequence one segment.
+    Such a layout is read where it is made (row by row, reduced to partial sums), never
+    redistributed: its segments' size is known only to the program, not to a collective."""
 
-    length: int
+    length: Union[int, str]
 
     def __post_init__(self) -> None:
-        if self.length < 2:
+        if isinstance(self.length, str):
+            if not self.length.isidentifier():
+                raise ValueError(f"Period.length must be an int or a symbol's name, got "
+                                 f"{self.length!r}")
+        elif self.length < 2:
             raise ValueError(f"Period.length must be >= 2, got {self.length}")
+
+    @property
+    def symbolic(self) -> bool:
+        return isinstance(self.length, str)
 
 
 @dataclass(frozen=True, order=True)
@@ -79,6 +91,9 @@ def counted(size: int, blocks: Blocks) -> Union[int, tuple[int, ...]]:
     if isinstance(blocks, Routed):
         raise TypeError("routed rows have run-time bounds: autotp.runtime.routed_rows slices them")
     if isinstance(blocks, Period):
+        if isinstance(blocks.length, str):
+            raise TypeError(f"segments of a symbolic length ({blocks.length}) are counted by "
+                            "the program, not on a size")
         if size % blocks.length:
             raise ValueError(f"size {size} is not a whole number of segments of "
                              f"{blocks.length}")
@@ -129,6 +144,8 @@ def divides(size: int, tp: int, blocks: Blocks) -> bool:
     if isinstance(blocks, Routed):
         return True  # any count of rows, in any proportions the routing gives
     if isinstance(blocks, Period):
+        if isinstance(blocks.length, str):
+            return False  # a concrete size says nothing of a symbolic segment
         return size % blocks.length == 0 and blocks.length % tp == 0
     units = block_units(blocks)
     if size % units:
@@ -208,7 +225,7 @@ def _order(blocks: Blocks) -> tuple:
     if isinstance(blocks, Routed):
         return (2, ())
     if isinstance(blocks, Period):
-        return (1, (blocks.length,))
+        return (1, (isinstance(blocks.length, str), str(blocks.length)))
     return (0, block_weights(blocks))
 
 
@@ -263,7 +280,7 @@ def parse_layout(text: str) -> Layout:
                           for p in rest[1:].split(":"))
             blocks = parts[0] if len(parts) == 1 else parts
         elif rest.startswith("%"):
-            blocks = Period(int(rest[1:]))
+            blocks = Period(int(rest[1:]) if rest[1:].isdigit() else rest[1:])
         elif rest == f"@{ROUTED}":
             blocks = ROUTED
         return Shard(int(dim_text), blocks)

@@ -179,12 +179,14 @@ def _sliced_segments(node: fx.Node) -> list[int]:
     return []
 
 
-def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
+def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
+                 ) -> tuple[Blocks, ...]:
     """Segmentations worth considering for blocked shards: those of the graph's splits (a
     fused q|k|v or gate|up projection split into its parts): their count when the parts
     are equal, their proportions when not (q|k|v with fewer k/v heads), and those with the
     smaller parts held whole (multi-query attention's single k/v head), and the proportions
-    of concatenated pieces."""
+    of concatenated pieces; and the ``sequences`` (context parallelism's size symbols) a
+    reshape merges after the batch."""
     counts: set = {1}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (
@@ -214,11 +216,12 @@ def block_counts(gm: fx.GraphModule) -> tuple[Blocks, ...]:
             counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
         counts.add(_selected_parts(node))
         if node.op == "call_function" and node.target in RESHAPES:
-            counts.update(_merged_periods(node))
+            counts.update(_merged_periods(node, sequences))
     counts.discard(None)
     counts.discard(0)
-    return tuple(sorted(counts, key=lambda b: (isinstance(b, Period), isinstance(b, tuple),
-                                               b.length if isinstance(b, Period) else b)))
+    return tuple(sorted(counts, key=lambda b: (
+        isinstance(b, Period), isinstance(b, tuple),
+        (isinstance(b.length, str), b.length) if isinstance(b, Period) else b)))
 
 
 def _selected_parts(node: fx.Node) -> Optional[int]:
@@ -242,9 +245,10 @@ def _selected_parts(node: fx.Node) -> Optional[int]:
     return None
 
 
-def _merged_periods(node: fx.Node) -> set[Period]:
+def _merged_periods(node: fx.Node, sequences: frozenset = frozenset()) -> set[Period]:
     """The periods of static dims a reshape merges after a symbolic one, or splits back out
-    of it (Bloom's [B, H, T, D] <-> [B*H, T, D]): heads sharded inside the batch."""
+    of it (Bloom's [B, H, T, D] <-> [B*H, T, D]): heads sharded inside the batch; and of one
+    of the ``sequences`` merged after the batch ([B, T, V] -> [B*T, V])."""
     src, dst = node.args[0], node.meta.get("val")
     if not isinstance(src, fx.Node) or not isinstance(dst, torch.Tensor) or \
             not isinstance(src.meta.get("val"), torch.Tensor):
@@ -266,6 +270,9 @@ def _merged_periods(node: fx.Node) -> set[Period]:
                 inner = [shapes[many][d] for d in majors[k:]]
                 if all(isinstance(size, int) for size in inner) and math.prod(inner) > 1:
                     periods.add(Period(int(math.prod(inner))))
+            last = shapes[many][majors[-1]]
+            if last in sequences:  # batch x sequence rows, split by context parallelism
+                periods.add(Period(str(last)))
     return periods
 
 
@@ -457,14 +464,17 @@ def _sequence_sharded(strategies: list[Strategy], val: Any, split: frozenset
                       ) -> list[Strategy]:
     """Context parallelism: the strategies that keep every output holding the sequence
     sharded along it. An op with none (one that mixes the sequence: a cumulative sum over
-    it) keeps them all, and the plan gathers what it reads."""
+    it) keeps them all, and the plan gathers what it reads. An output whose sequence is only
+    merged with the batch ([B * T] rows) is not bound to keep it sharded: the cost decides
+    (its rows sharded by sequence where they are made so, else whole)."""
     vals = val if isinstance(val, (tuple, list)) else (val,)
 
     def sharded(strategy: Strategy) -> bool:
         outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
         for out, v in zip(outs, vals):
             dims = sequence_dims(v, split)
-            if dims and not (isinstance(out, Shard) and out.dim in dims):
+            plain = any(size_expr(v.shape[d]) in split for d in dims)
+            if plain and not (isinstance(out, Shard) and out.dim in dims):
                 return False
         return True
 

@@ -34,9 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from autotp.capture.trace import (
-    Captured,
-)
+from autotp.capture.trace import Captured, sequence_symbols
 from autotp.layout import R, ROUTED, Partial, Replicate, Shard
 from autotp.planner.cache import cached, plan_key
 from autotp.planner.cost import CostModel, parse_size_expr
@@ -86,7 +84,8 @@ def plan_graph(
     gm = captured.gm
     # (context parallelism splits the sequence: any head count runs by the ring)
     fallbacks = [] if options.context_parallel else check_heads(gm, tp, options.strict)
-    blocks = block_counts(gm)
+    blocks = block_counts(gm, sequence_symbols(captured.dim_names) if options.context_parallel
+                          else frozenset())
 
     def plan_with(options: PlanOptions) -> tuple[Plan, bool]:
         """The plan under ``options``, and whether its search was exhaustive: the beam cut

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from autotp.layout import ROUTED, Layout, Partial, Replicate, Shard, is_mixed
+from autotp.layout import ROUTED, Layout, Partial, Period, Replicate, Shard, is_mixed
 
 
 class Collective(enum.Enum):
@@ -83,6 +83,9 @@ def transition(
         return Transition(src, dst, None, None)
     if any(isinstance(x, Shard) and is_mixed(x.blocks) for x in (src, dst)):
         return None  # segments held whole are read only where they are made (a split)
+    if any(isinstance(x, Shard) and isinstance(x.blocks, Period) and x.blocks.symbolic
+           for x in (src, dst)):
+        return None  # merged sequences (context parallelism): read where they are made
     grad = requires_grad
 
     def make(fwd: Optional[Collective], bwd: Optional[Collective],

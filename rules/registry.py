@@ -66,7 +66,15 @@ class TensorMeta:
     def shardable(self, dim: int, tp: int, blocks: Blocks = 1) -> bool:
         if self.shape[dim] in self.split:
             return blocks == 1
-        if isinstance(blocks, Period):  # a symbolic count of static segments
+        if isinstance(blocks, Period) and not isinstance(blocks.length, int):
+            # batch x sequence rows, each sequence one segment split along: the sequence's
+            # symbol a factor of the merged size
+            size = sympy.sympify(self.shape[dim])
+            symbol = next((s for s in size.free_symbols if str(s) == blocks.length), None)
+            return symbol is not None and self.static(dim) is None and \
+                _whole_ratio(size, symbol)
+        if isinstance(blocks, Period) and isinstance(blocks.length, int):
+            # a symbolic count of static segments
             return self.static(dim) is None and blocks.length % tp == 0 and \
                 multiple_of(self.shape[dim], blocks.length)
         size = self.static(dim)
@@ -359,6 +367,14 @@ def _with_gradient_semantics(strategy: Strategy, call: OpCall) -> Iterator[Strat
 
 
 # ---- helpers shared by the rule modules -------------------------------------------------
+
+
+def _whole_ratio(size: Size, symbol: Any) -> bool:
+    """Whether ``size`` is ``symbol`` times a polynomial with positive integer coefficients
+    (B*T of T)."""
+    numerator, denominator = sympy.fraction(sympy.cancel(sympy.sympify(size) / symbol))
+    return denominator == 1 and bool(numerator.is_positive) and \
+        multiple_of(numerator, 1)
 
 
 def multiple_of(size: Size, n: int) -> bool:

@@ -111,10 +111,21 @@ def map_shard_through_view(
         if not major_in or not major_out:
             return None
         if major_in[0] != layout.dim:
+            sequences = _merged_sequences(layout, src, dst, major_in, major_out, tp)
+            if sequences is not None:
+                return sequences
             merged = _merged_into_period(layout, src, dst, major_in, major_out, tp)
             return merged or _strided_shard(layout, src, dst, major_in, major_out, tp)
         out_dim = major_out[0]
         identity = len(major_in) == 1 and len(major_out) == 1
+        if isinstance(layout.blocks, Period) and layout.blocks.symbolic:
+            # batch x sequence rows split back: the sequence dim holds the shard again
+            last = major_out[-1]
+            if identity:
+                return layout if dst.shardable(out_dim, tp, layout.blocks) else None
+            if len(major_in) == 1 and str(_expr(dst.shape[last])) == layout.blocks.length:
+                return Shard(last) if dst.shardable(last, tp) else None
+            return None
         if isinstance(layout.blocks, Period) and not identity:
             # a segment spans the static dims after it in the group: fold them in
             trailing = _static_product(src, major_in[1:])
@@ -141,6 +152,19 @@ def map_shard_through_view(
             return None
         return Shard(out_dim, layout.blocks)
     return None
+
+
+def _merged_sequences(layout: Shard, src: TensorMeta, dst: TensorMeta,
+                      major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
+    """A split sequence merged after the batch (``logits.view(-1, vocab)`` with the sequence
+    split by context parallelism): each batch index holds one sequence, split across the
+    ranks, the rows of each rank's shard in order (the local view of [B, T / cp] is
+    [B * T / cp]). A period of the sequence's symbolic length."""
+    if layout.blocks != 1 or src.shape[layout.dim] not in src.split or \
+            major_in[-1] != layout.dim or len(major_out) != 1:
+        return None
+    period = Period(str(_expr(src.shape[layout.dim])))
+    return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
 
 
 def _merged_into_period(layout: Shard, src: TensorMeta, dst: TensorMeta,
@@ -173,6 +197,8 @@ def _strided_shard(layout: Shard, src: TensorMeta, dst: TensorMeta,
     heads dim, a segment of ``heads`` per batch index; whole heads when tp divides heads).
     A periodic shard is the same with one segment as the extent (torch's attention
     ``[T, B*heads, d] -> [T*B, h]``: heads sharded again, in the features)."""
+    if isinstance(layout.blocks, Period) and layout.blocks.symbolic:
+        return None  # merged sequences split back only where the sequence dim reappears
     if isinstance(layout.blocks, Period):  # one segment is what the ranks split
         extent = sympy.Integer(layout.blocks.length)
     elif layout.blocks == 1:
@@ -221,7 +247,8 @@ def view_rule(call: OpCall) -> Iterator[Strategy]:
     yield Strategy((P,), P, name="linear")
     for dim, blocks in shardable_dims(src, call):
         mapped = map_shard_through_view(Shard(dim, blocks), src, dst, call.tp)
-        if mapped is not None:
+        if mapped is not None and (call.context or not (
+                isinstance(mapped.blocks, Period) and mapped.blocks.symbolic)):
             yield Strategy((Shard(dim, blocks),), mapped, name="view")
 
 

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from autotp.capture.trace import Captured, make_call
+from autotp.capture.trace import Captured, make_call, sequence_symbols
 from autotp.errors import ConfigError, PlanError
 from autotp.features.report import to_dict, why_replicated_lines
 from autotp.planner.cost import CostModel
@@ -46,10 +46,11 @@ def explain(captured: Captured, plan: Plan, target: str, tp: int, cost_model: Co
     """``target``: a parameter (its name or any name tied to it) or a node of the program."""
     node = _find(captured, plan, target)
     registry = Registry.default()
+    blocks = block_counts(captured.gm, sequence_symbols(captured.dim_names)
+                          if options.context_parallel else frozenset())
     param = node.target if node.op == "get_attr" and node.target in plan.params else None
     if param is not None:
-        pnodes = build_problem(captured, tp, block_counts(captured.gm), registry, cost_model,
-                               options)
+        pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
         by_name = {pn.node.name: pn for pn in pnodes}
         forced: list[Any] = leaf_candidates(pnodes, by_name)[node.name]
         labels = [str(c) for c in forced]
@@ -59,7 +60,7 @@ def explain(captured: Captured, plan: Plan, target: str, tp: int, cost_model: Co
         choice = plan.choices.get(node.name)
         if choice is None:
             raise ConfigError(f"{node.name} is not an op with a layout choice")
-        strategies = registry.strategies(make_call(node, tp, block_counts(captured.gm)))
+        strategies = registry.strategies(make_call(node, tp, blocks))
         forced, labels = list(range(len(strategies))), [str(s) for s in strategies]
         chosen = str(choice.strategy)
         heading = f"{node.name} = {choice.op} (layer {choice.layer}, {choice.source}): {chosen}"

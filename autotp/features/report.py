@@ -8,6 +8,8 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
      "step_latency_us": float,  # per ring step: 2(tp-1) for an all-reduce, tp-1 otherwise
      "sequence_parallel": bool, "context_parallel": bool (tp is then the cp degree),
      "outputs": ["R" | "S(2)" ...],  # as returned to the user
+     "attention": {node: "ring: why" | "ulysses: why"},  # context parallelism only
+     "context": {...},  # context parallelism inside tp: the cp plan, in this same schema
      "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
                        "local_shape": [int], "layer": int | null, "aliases": [str],
                        "grad_sync": bool}},
@@ -247,7 +249,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
         "step_latency_us": round(cost_model.step_latency * 1e6, 6),
         "params": params, "collectives": collectives,
         "sequence_parallel": plan.sequence_parallel, "context_parallel": plan.context_parallel,
-        "attention": dict(plan.attention), "outputs": list(plan.outputs),
+        "outputs": list(plan.outputs),
         "summary": {
             "forward_collectives": totals["forward"][0],
             "backward_collectives": totals["backward"][0],
@@ -263,6 +265,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             name: [{**b, "source": relative_source(_source_line(b["source"])),
                     "module": _module(b["source"])} for b in blockers]
             for name, blockers in plan.blocked.items()}
+    if plan.attention:  # context parallelism: attention node -> "ring: why" / "ulysses: why"
+        out["attention"] = dict(plan.attention)
     if plan.context is not None:  # context parallelism inside tp: the cp group's plan
         out["context"] = to_dict(plan.context, cost_model)
     if plan.experts:  # stacked weight -> [experts, how held]; ep: also split over ep ranks
