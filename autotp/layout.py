@@ -16,6 +16,8 @@ Layouts are plain, frozen data. Nothing here communicates; the rewriter acts on 
     S(d)%8 blocked into segments of 8 elements, as many as the (symbolic) size holds, each
            sliced across the ranks: heads sharded in a dim that merges batch and heads
            (Bloom's [B*H, T, D] attention), where the count of segments is the batch
+    S(0)%s1  segments of a symbolic length: batch x sequence rows ([B*T, V]) with each
+           sequence split across a context-parallel group, read where they are made
     S(0)@experts  rows routed to experts (sorted by expert): rank r holds the contiguous rows
            of the experts it owns, as many as the routing sends them, known only at run time
            (the experts' cumulative row counts give the bounds: autotp.runtime.routed_rows)

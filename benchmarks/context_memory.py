@@ -11,8 +11,8 @@ shows the largest rank. Two programs of transformers' LLaMA (SDPA, causal, GQA):
 
 - ``layers``: ``LlamaModel`` (the decoder without its head), output returned as each rank's
   sequence shard (``gather_outputs=False``);
-- ``with loss``: ``LlamaForCausalLM`` with ``labels=``: the model's own loss, whose
-  ``logits.view(-1, vocab)`` is gathered whole on every rank for now (docs/parallelism.md).
+- ``with loss``: ``LlamaForCausalLM`` with ``labels=``: the model's own loss, which reads
+  its logits as batch x sequence rows (``logits.view(-1, vocab)``), sharded by sequence.
 
 At tp > 1 every row runs with sequence parallelism: cp 1 is sequence parallelism alone,
 cp > 1 context parallelism inside it (``parallelize(model, tp=T, cp=C,
@@ -77,7 +77,7 @@ def measure(head: bool, tp: int, cp: int, args: argparse.Namespace) -> tuple[int
     if tp == cp == 1:
         return step(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the gathered logits' fallback note
+        warnings.simplefilter("ignore")
         sim = autotp.simulate(model, tp, cp=cp, example_kwargs=example, gather_outputs=False,
                               sequence_parallel=tp > 1)
     per_rank = sim.run(step)
