@@ -12,32 +12,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autotp.features.verify import max_difference, perturb
-
-VOCAB = 128
-
-
-def _tf() -> Any:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    return transformers
+from models import VOCAB, gpt2_config, llama_config
+from models import quiet_transformers as _tf
 
 
 def gpt2() -> Any:
     """Tied embedding and head, Conv1D weights stored [in, out], fused q|k|v (c_attn)."""
-    tf = _tf()
-    return tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB,
-                                            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return _tf().GPT2LMHeadModel(gpt2_config())
 
 
 def llama() -> Any:
     """GQA with 2 k/v heads: at tp = 4 the k/v projections are replicated."""
-    tf = _tf()
-    return tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return _tf().LlamaForCausalLM(llama_config(bos_token_id=0, eos_token_id=0,
+                                               pad_token_id=0))
 
 
 def phi3(kv_heads: int = 8) -> Any:

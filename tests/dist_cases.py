@@ -247,23 +247,20 @@ def train_against_reference(sharded: Any, reference: Any, mine: dict[str, Any],
 
 
 def tiny_llama() -> Any:
-    import transformers as tf
+    from models import llama_config, quiet_transformers
 
-    tf.logging.set_verbosity_error()
+    tf = quiet_transformers()
     torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96, max_position_embeddings=64))
+    return tf.LlamaForCausalLM(llama_config(num_hidden_layers=4, intermediate_size=128,
+                                            num_attention_heads=4, vocab_size=96))
 
 
 def tiny_gpt2() -> Any:
-    import transformers as tf
+    from models import gpt2_config, quiet_transformers
 
-    tf.logging.set_verbosity_error()
+    tf = quiet_transformers()
     torch.manual_seed(0)
-    return tf.GPT2LMHeadModel(tf.GPT2Config(  # tied embedding and head
-        n_layer=4, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return tf.GPT2LMHeadModel(gpt2_config(n_layer=4, n_head=4, vocab_size=96))  # tied
 
 
 def _token_batch() -> tuple[torch.Tensor, torch.Tensor]:

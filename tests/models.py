@@ -29,34 +29,45 @@ VOCAB = 128
 VECTOR_NOISE: dict[str, float] = {"std": 0.0, "bias_std": 0.05, "norm_std": 0.1}
 
 
-def _quiet_transformers() -> Any:
+def quiet_transformers() -> Any:
     import transformers
 
     transformers.logging.set_verbosity_error()
     return transformers
 
 
+def gpt2_config(**overrides: Any) -> Any:
+    """The test GPT-2's config (tied embedding and head, Conv1D weights, fused q|k|v), with
+    ``overrides``."""
+    return quiet_transformers().GPT2Config(**{
+        "n_layer": 2, "n_embd": 64, "n_head": 8, "vocab_size": VOCAB, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0,
+        "eos_token_id": 0, **overrides})
+
+
+def llama_config(**overrides: Any) -> Any:
+    """The test LLaMA's config (GQA: 8 query heads, 2 key/value heads), with ``overrides``."""
+    return quiet_transformers().LlamaConfig(**{
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 160,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": VOCAB,
+        "max_position_embeddings": 64, **overrides})
+
+
 def gpt2(seed: int = 0) -> torch.nn.Module:
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     torch.manual_seed(seed)
-    config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=8, vocab_size=VOCAB, n_positions=64,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                           bos_token_id=0, eos_token_id=0)
-    return perturb(tf.GPT2LMHeadModel(config), seed=10_000 + seed, **VECTOR_NOISE)
+    return perturb(tf.GPT2LMHeadModel(gpt2_config()), seed=10_000 + seed, **VECTOR_NOISE)
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
     """GQA: 8 query heads, 2 key/value heads (fewer than tp at tp = 4 and 8)."""
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     torch.manual_seed(seed)
-    config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=160,
-                            num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB,
-                            max_position_embeddings=64)
-    return perturb(tf.LlamaForCausalLM(config), seed=10_000 + seed, **VECTOR_NOISE)
+    return perturb(tf.LlamaForCausalLM(llama_config()), seed=10_000 + seed, **VECTOR_NOISE)
 
 
 def bert(seed: int = 0) -> torch.nn.Module:
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     torch.manual_seed(seed)
     config = tf.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                            num_attention_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
@@ -75,12 +86,24 @@ def nanogpt(seed: int = 0) -> torch.nn.Module:
 
 def mistral_window(seed: int = 0) -> torch.nn.Module:
     """A sliding window of 5 tokens (transformers builds the windowed causal mask), GQA."""
-    tf = _quiet_transformers()
+    tf = quiet_transformers()
     torch.manual_seed(seed)
     config = tf.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                               max_position_embeddings=64, sliding_window=5)
     return perturb(tf.MistralForCausalLM(config), seed=10_000 + seed, **VECTOR_NOISE)
+
+
+def x_transformers_decoder(seed: int = 0) -> torch.nn.Module:
+    """x-transformers' decoder (rotary, attention as einsums and a softmax), perturbed: a
+    model from another codebase (skips where x-transformers is not installed)."""
+    import pytest
+
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(seed)
+    return perturb(xt.TransformerWrapper(
+        num_tokens=128, max_seq_len=32,
+        attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
 
 
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {

@@ -307,13 +307,11 @@ def test_eager_einsum_attention_gathers_keys_and_values() -> None:
     cp 2: the scores' product keeps this rank's queries and reads every key, so each
     attention block all-gathers k and v forward and reduce-scatters their gradients
     (context parallelism by gathered keys and values), and the model stays exact."""
-    xt = pytest.importorskip("x_transformers")
-    from autotp.features.verify import assert_equivalent, perturb
+    import models
 
-    torch.manual_seed(0)
-    model = perturb(xt.TransformerWrapper(
-        num_tokens=128, max_seq_len=32,
-        attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
+    from autotp.features.verify import assert_equivalent
+
+    model = models.x_transformers_decoder()
     tokens = torch.randint(0, 128, (2, 16))
     sim = autotp.simulate(model, 1, cp=2, example_kwargs={"x": tokens})
     per_layer = {k: dict(v) for k, v in sim.plan.per_layer().items() if k is not None}

@@ -24,7 +24,7 @@ from torch import nn
 
 import autotp
 from autotp.features.verify import assert_equivalent, perturb
-from models import dit, dit_inputs
+from models import dit, dit_inputs, x_transformers_decoder
 
 TOL = 1e-5
 
@@ -44,11 +44,7 @@ def check_exact(model: nn.Module, kwargs: dict[str, Any], tp: int,
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_x_transformers_decoder_with_rotary(tp: int) -> None:
-    xt = pytest.importorskip("x_transformers")
-    torch.manual_seed(0)
-    model = perturb(xt.TransformerWrapper(
-        num_tokens=128, max_seq_len=32,
-        attn_layers=xt.Decoder(dim=64, depth=2, heads=4, rotary_pos_emb=True)))
+    model = x_transformers_decoder()
     tokens = torch.randint(0, 128, (2, 16))
     sim = check_exact(model, {"x": tokens}, tp)
     at_megatrons_bound(sim.plan)
