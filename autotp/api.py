@@ -332,12 +332,20 @@ def _context_groups(tp: Optional[int], cp: int, group: Any, cp_group: Any
         raise ConfigError("tp with cp: pass both group= and cp_group= (e.g. mesh['tp'] and "
                           "mesh['cp'] of a (dp, cp, tp) DeviceMesh), or neither to split the "
                           "world")
+    return _split_world(tp, cp, "cp")
+
+
+def _split_world(tp: Optional[int], outer: int, name: str) -> tuple[Any, Any]:
+    """The world's tp * ``outer`` ranks as tp groups of consecutive ranks and groups of the
+    ranks at the same place in each (``name``: "ep" or "cp"), tp by default the rest of the
+    world (collective)."""
     world = dist.get_world_size()
-    tp = world // cp if tp is None else positive_int("tp", tp)
-    if tp * cp != world:
-        raise ConfigError(f"tp={tp} x cp={cp} = {tp * cp} ranks, but the world has {world}: "
-                          f"pass tp and cp whose product is {world}, or group= and cp_group=")
-    return _grid_groups(tp, cp)
+    tp = world // outer if tp is None else positive_int("tp", tp)
+    if tp * outer != world:
+        raise ConfigError(f"tp={tp} x {name}={outer} = {tp * outer} ranks, but the world has "
+                          f"{world}: pass tp and {name} whose product is {world}, or group= "
+                          f"and {name}_group=")
+    return _grid_groups(tp, outer)
 
 
 def _grid_groups(inner: int, outer: int) -> tuple[Any, Any]:
@@ -378,12 +386,7 @@ def _expert_groups(tp: Optional[int], ep: Optional[int], group: Any, ep_group: A
     if group is not None:
         raise ConfigError(f"ep={ep} with a tp group= needs ep_group=, the ranks the experts "
                           "are split over (e.g. mesh['dp'] of a (dp, tp) DeviceMesh)")
-    world = dist.get_world_size()
-    tp = world // ep if tp is None else positive_int("tp", tp)
-    if tp * ep != world:
-        raise ConfigError(f"tp={tp} x ep={ep} = {tp * ep} ranks, but the world has {world}: "
-                          f"pass tp and ep whose product is {world}, or group= and ep_group=")
-    return _grid_groups(tp, ep)
+    return _split_world(tp, ep, "ep")
 
 
 @dataclass

@@ -212,12 +212,13 @@ def process_models(rank: int, world_size: int, names: list[str], padded: bool,
 
 
 def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
-    """dp 2 x cp 2 on a DeviceMesh: ``autotp.parallelize(tp=1, cp=2)`` over the "cp" dim and
-    FSDP2 per layer and at the root over all dp x cp ranks (the parameters are whole on every
-    cp rank, so FSDP shards them over both, as over data-parallel replicas). Each dp rank
-    takes half the batch (the second sequence of each half left-padded), each cp rank half
-    of its sequence; AdamW steps after ``autotp.clip_grad_norm_`` to half the whole model's
-    norm, against the unsharded model trained on the whole batch."""
+    """dp 2 x cp 2 x tp (world_size / 4) on a (dp, cp, tp) DeviceMesh:
+    ``autotp.parallelize(tp=..., cp=2)`` over the "tp" and "cp" dims and FSDP2 per layer and
+    at the root over dp x cp (flattened) of each tp rank's pieces (the parameters are the
+    same on every cp rank, so FSDP shards them over both, as over data-parallel replicas).
+    Each dp rank takes half the batch (the second sequence of each half left-padded), each
+    cp rank half of its sequence; AdamW steps after ``autotp.clip_grad_norm_`` to half the
+    whole model's norm, against the unsharded model trained on the whole batch."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -227,9 +228,9 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     from dist_cases import train_against_reference
 
     torch.set_num_threads(1)
-    dp = cp = 2
-    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    both = init_device_mesh("cpu", (dp * cp,), mesh_dim_names=("dp_cp",))
+    dp, cp, tp = 2, 2, world_size // 4
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    both = mesh["dp", "cp"]._flatten("dp_cp")
     model = models.llama().train()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
@@ -237,17 +238,18 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     mask[1::2, :3] = 0
     half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
     mine = {"input_ids": ids[half], "attention_mask": mask[half], "labels": ids[half]}
-    sharded = autotp.parallelize(model, tp=1, cp=cp, cp_group=mesh["cp"].get_group(),
-                                 example_kwargs=mine)
+    groups = {"group": mesh["tp"], "cp_group": mesh["cp"]} if tp > 1 else \
+        {"cp_group": mesh["cp"].get_group()}
+    sharded = autotp.parallelize(model, tp=tp, cp=cp, example_kwargs=mine, **groups)
     for layer in sharded.model.layers:
         fully_shard(layer, mesh=both)
     fully_shard(sharded, mesh=both)
     whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     result = train_against_reference(sharded, reference, mine, whole, steps,
                                      mesh["dp"].get_group(), dp)
+    context = sharded.plan.context or sharded.plan
     return {**result,
-            "rings": sum(c.strategy.endswith("[ring]")
-                         for c in sharded.plan.choices.values())}
+            "rings": sum(c.strategy.endswith("[ring]") for c in context.choices.values())}
 
 
 def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[str] = None
@@ -304,46 +306,10 @@ def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
             "pp_cp": pipeline_context_case(rank, world_size)}
 
 
-def fsdp_over_dp_and_cp_with_tp(rank: int, world_size: int, steps: int = 2
-                                ) -> dict[str, Any]:
-    """dp 2 x cp 2 x tp 2 on a (dp, cp, tp) DeviceMesh: ``autotp.parallelize(tp=2, cp=2)``
-    over the "tp" and "cp" dims, FSDP2 per layer and at the root over dp x cp (flattened)
-    of each tp rank's pieces; each dp rank takes half the batch (padded), each cp rank half
-    of its sequence; AdamW steps after ``autotp.clip_grad_norm_`` against the unsharded
-    model trained on the whole batch."""
-    import copy
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import models
-    from dist_cases import train_against_reference
-
-    torch.set_num_threads(1)
-    dp = 2
-    mesh = init_device_mesh("cpu", (dp, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
-    both = mesh["dp", "cp"]._flatten("dp_cp")
-    model = models.llama().train()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[1::2, :3] = 0
-    half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
-    mine = {"input_ids": ids[half], "attention_mask": mask[half], "labels": ids[half]}
-    sharded = autotp.parallelize(model, tp=2, cp=2, group=mesh["tp"], cp_group=mesh["cp"],
-                                 example_kwargs=mine)
-    for layer in sharded.model.layers:
-        fully_shard(layer, mesh=both)
-    fully_shard(sharded, mesh=both)
-    whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    return train_against_reference(sharded, reference, mine, whole, steps,
-                                   mesh["dp"].get_group(), dp)
-
-
 def eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """The 8-process cases in one launch: FSDP2 over dp x cp with tp inside cp, then
     pipeline stages over cp with tp inside."""
     from dist_cases import pipeline_context_case
 
-    return {"fsdp": fsdp_over_dp_and_cp_with_tp(rank, world_size),
+    return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
             "pp_cp": pipeline_context_case(rank, world_size)}

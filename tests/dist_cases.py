@@ -348,6 +348,26 @@ def _norm_diff(stages: list[Any], want: dict[str, torch.Tensor]) -> dict[str, fl
     return {k: abs(got[k] - norms[k]) / norms[k] for k in norms}
 
 
+def _train_stages(schedule: Any, stages: list[Any], mesh: Any, ids: torch.Tensor,
+                  labels: torch.Tensor, ref_grads: list[dict[str, torch.Tensor]]
+                  ) -> tuple[list[float], list[dict[str, float]], list[dict[str, float]]]:
+    """AdamW steps (lr 1e-2) of ``schedule`` over this rank's ``stages``, one per reference
+    gradient: the losses summed over "pp", each step's gradients against this tp rank's
+    slices of the reference's (``_stage_grad_diff``) and the clipping norms (``_norm_diff``)."""
+    opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-2)
+    losses, grad_diffs, norm_diffs = [], [], []
+    for want in ref_grads:
+        total = _pipeline_step(schedule, stages, ids, labels)
+        torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
+        losses.append(float(total))
+        grad_diffs.append(_stage_grad_diff(stages, want, mesh["tp"].get_local_rank(),
+                                           mesh["tp"].size()))
+        norm_diffs.append(_norm_diff(stages, want))
+        opt.step()
+        opt.zero_grad()
+    return losses, grad_diffs, norm_diffs
+
+
 def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 3
                   ) -> dict[str, dict[str, Any]]:
     """pp2 x tp2: Schedule1F1B with one stage per rank (LLaMA), ScheduleInterleaved1F1B with
@@ -383,19 +403,10 @@ def pipeline_case(rank: int, world_size: int, names: list[str], steps: int = 3
                                             stages_per_rank=per_rank, placement=placement,
                                             example_kwargs={"input_ids": ids[:2]})
             params = [p for s in stages for p in s.submod.parameters()]
-            opt = torch.optim.AdamW(params, lr=1e-2)
             schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4,
                            loss_fn=_next_token_loss)
-            losses, grad_diffs, norm_diffs = [], [], []
-            for step in range(steps):
-                total = _pipeline_step(schedule, stages, ids, labels)
-                torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
-                losses.append(float(total))
-                grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
-                                                   mesh["tp"].get_local_rank(), 2))
-                norm_diffs.append(_norm_diff(stages, ref_grads[step]))
-                opt.step()
-                opt.zero_grad()
+            losses, grad_diffs, norm_diffs = _train_stages(schedule, stages, mesh, ids,
+                                                           labels, ref_grads)
             out[f"{name}-{kind}"] = {"losses": losses, "reference": ref_losses,
                                      "grad_diffs": grad_diffs, "norm_diffs": norm_diffs,
                                      "stage_params": sum(p.numel() for p in params),
@@ -566,18 +577,9 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
                                     example_kwargs={"input_ids": ids[:2]}, cp=2,
                                     cp_group=mesh["cp"])
     params = [p for s in stages for p in s.submod.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-2)
     schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=_next_token_loss)
-    losses, grad_diffs, norm_diffs = [], [], []
-    for step in range(steps):
-        total = _pipeline_step(schedule, stages, ids, labels)
-        torch.distributed.all_reduce(total, group=mesh["pp"].get_group())
-        losses.append(float(total))
-        grad_diffs.append(_stage_grad_diff(stages, ref_grads[step],
-                                           mesh["tp"].get_local_rank(), tp))
-        norm_diffs.append(_norm_diff(stages, ref_grads[step]))
-        opt.step()
-        opt.zero_grad()
+    losses, grad_diffs, norm_diffs = _train_stages(schedule, stages, mesh, ids, labels,
+                                                   ref_grads)
     context = stages[0]._autotp_plan.context or stages[0]._autotp_plan
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "norm_diffs": norm_diffs, "rings": sum(
