@@ -133,14 +133,18 @@ def process_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
 # ---- whole models under context parallelism -----------------------------------------------
 
 
+# models outside transformers: the name of their token input; the loss is computed outside
+PLAIN = {"nanogpt": "idx", "x_transformers": "x"}
+
+
 def model_inputs(name: str, padded: bool) -> dict[str, torch.Tensor]:
     """Whole inputs, the same on every rank: 16 tokens (labels for the model's own loss; the
     second sequence left-padded by 4 where ``padded``)."""
     import models
 
     ids = torch.randint(0, models.VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    if name == "nanogpt":
-        return {"idx": ids}
+    if name in PLAIN:
+        return {PLAIN[name]: ids}
     kwargs = {"input_ids": ids, "labels": ids}
     if padded:
         mask = torch.ones(2, 16, dtype=torch.long)
@@ -152,14 +156,14 @@ def model_inputs(name: str, padded: bool) -> dict[str, torch.Tensor]:
 def model_loss(name: str, out: Any) -> torch.Tensor:
     import models
 
-    if name == "nanogpt":  # next-token cross-entropy outside the model
-        ids = model_inputs(name, False)["idx"]
+    if name in PLAIN:  # next-token cross-entropy outside the model
+        ids = model_inputs(name, False)[PLAIN[name]]
         return models.loss_of(out, ids)
     return out.loss
 
 
 def model_output(name: str, out: Any) -> torch.Tensor:
-    return main_output(out) if name == "nanogpt" else out.logits
+    return main_output(out) if name in PLAIN else out.logits
 
 
 def _step_functions(name: str, inputs: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
@@ -188,7 +192,7 @@ def process_models(rank: int, world_size: int, names: list[str], padded: bool,
                                         sharded_step(sharded, call, loss, pick))
     for name in names:
         model = models.BUILDERS[name]().eval()
-        inputs = model_inputs(name, padded and name != "nanogpt")
+        inputs = model_inputs(name, padded and name not in PLAIN)
         sharded = autotp.parallelize(model, tp=1, cp=world_size, example_kwargs=inputs)
         call, loss, pick = _step_functions(name, inputs)
         results[name] = compare(reference_step(model, call, loss, pick),
@@ -269,7 +273,7 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[s
     results: dict[str, Any] = {}
     for i, name in enumerate(names):
         model = models.BUILDERS[name]().eval()
-        inputs = model_inputs(name, name != "nanogpt")
+        inputs = model_inputs(name, name not in PLAIN)
         groups = {} if i == 0 else {"group": mesh["tp"], "cp_group": mesh["cp"]}
         sharded = autotp.parallelize(model, tp=2, cp=2, example_kwargs=inputs,
                                      sequence_parallel=name == "gpt2", **groups)
@@ -302,7 +306,8 @@ def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
 
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
             "tp_cp": tp_inside_cp(rank, world_size,
-                                  ["llama", "gpt2", "nanogpt", "mistral_window"], saved),
+                                  ["llama", "gpt2", "nanogpt", "mistral_window",
+                                   "x_transformers"], saved),
             "pp_cp": pipeline_context_case(rank, world_size)}
 
 

@@ -112,6 +112,7 @@ BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
     "bert": bert,
     "nanogpt": nanogpt,
     "mistral_window": mistral_window,
+    "x_transformers": x_transformers_decoder,
 }
 
 

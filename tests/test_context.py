@@ -419,8 +419,9 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
     model's on the whole batch; over 2 AdamW steps after clipping to half the model's norm
     (``autotp.clip_grad_norm_`` within 1e-5 relative), the dp-mean loss within 1e-5 and the
     parameters within 1e-4. Then tp 2 x cp 2 (``parallelize(model, tp=2, cp=2)``): LLaMA
-    (padded), GPT-2 (padded, learned positions, sequence parallelism inside cp), nanoGPT and
-    Mistral with a sliding window, each rank's output, loss and
+    (padded), GPT-2 (padded, learned positions, sequence parallelism inside cp), nanoGPT,
+    Mistral with a sliding window and x-transformers' decoder (attention as einsums: k and
+    v gathered over cp), each rank's output, loss and
     every gradient against the unsharded model; tp rank r % 2 of cp rank r // 2;
     ``from_pretrained(path, 2, cp=2)`` of a saved LLaMA against transformers' loading; tp 2
     x cp 3 on 4 ranks refused. Then pp 2 x cp 2: ``pipeline_stages(..., cp=2)`` of LLaMA
@@ -436,7 +437,7 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
         r = both["fsdp"]
         got = both["tp_cp"]["pretrained"]
         assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, "from_pretrained", got)
-        for name in ("llama", "gpt2", "nanogpt", "mistral_window"):
+        for name in ("llama", "gpt2", "nanogpt", "mistral_window", "x_transformers"):
             got = both["tp_cp"][name]
             assert got.ok(atol=1e-5, grad_rtol=1e-4), (rank, name, got)
             assert both["tp_cp"][f"{name}-ranks"] == (rank % 2, rank // 2), (rank, name)
