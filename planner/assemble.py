@@ -16,6 +16,7 @@ from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, w
 from autotp.planner.coalesce import join_siblings
 from autotp.planner.cost import CostModel, attention_strategy, parse_size_expr, readable
 from autotp.planner.invariant import stages
+from autotp.planner.masks import mask_region
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
                                     is_grouped, output_layout)
@@ -299,13 +300,17 @@ def attention_kind(node: fx.Node, cp: int, tp: int = 1,
     attention takes no mask tensor and they send fewer bytes (``attention_strategy``: query
     and key/value heads that divide by cp, the key/value heads read through transformers'
     repeat for grouped queries). With a mask tensor the ring stays: it reads the mask's rows
-    for this rank's queries, where the all-to-all's head shards would need it whole."""
+    for this rank's queries (or builds its blocks: ``planner/masks.py``), where the
+    all-to-all's head shards would need it whole."""
     q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     k_arg = node.args[1] if len(node.args) > 1 else None
     source = repeated_heads(k_arg) or k_arg
     k = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if node_arg(node, "attn_mask") is not None or not isinstance(q, torch.Tensor) or \
-            not isinstance(k, torch.Tensor):
+    mask = node_arg(node, "attn_mask")
+    if mask is not None and mask_region(mask) is not None:
+        return "ring", ("the attention reads a mask made by elementwise ops, which the ring "
+                        "builds block by block from their operands")
+    if mask is not None or not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return "ring", "the attention reads a mask tensor, whose rows the ring takes"
     if heads == (0, 0):
         return "ring", ("the tp plan splits the query and key/value heads unlike: the ring "

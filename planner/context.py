@@ -131,3 +131,4 @@ def check_composable(tp_plan: Plan, cp_plan: Plan, gm: fx.GraphModule,
         for value, tp_text, cp_text in zip(tp_plan.graph.get(name, []), choice.inputs,
                                            other.inputs):
             check(value, parse_layout(tp_text), parse_layout(cp_text), f"{name}'s read of")
+

@@ -121,6 +121,12 @@ ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
 MULTIPLICATIVE = [aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar,
                   aten.add.Scalar, aten.sub.Scalar]
 
+# Every deterministic map above: each output element reads its operands' elements at its own
+# (broadcast) index alone, so evaluating it on a block of the operands gives that block of
+# the result (context parallelism evaluates attention masks so, key block by key block).
+ELEMENTWISE = frozenset(LINEAR_UNARY + NONLINEAR + ADDITIVE + MULTIPLICATIVE) - {
+    aten.dropout.default, aten.empty_like.default}
+
 
 def broadcast_shards(call: OpCall) -> Iterator[Strategy]:
     """Shard each output dim; inputs hold the aligned dim, or are broadcast along it."""

@@ -91,6 +91,30 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     assert all(log.count("backward", kind="shift", any_layer=True) == 7 for log in logs)
 
 
+@pytest.mark.parametrize("name", ["causal", "window", "padding", "explicit-bool",
+                                  "explicit-additive"])
+def test_tiles_of_query_rows_match_whole_chunks(name: str, monkeypatch: Any) -> None:
+    """A long sequence's pair of chunks goes in tiles of query rows (``TILE_BYTES`` of
+    float32 scores each): with tiles of one query row at cp 2, the output and gradients
+    are the unsharded attention's, as with whole chunks."""
+    import autotp.runtime.context as context
+
+    case = cc.CASES[name]
+    rows = 2 * case.heads * (case.length // 4) * 4  # b x heads x key chunk x float32
+    monkeypatch.setattr(context, "TILE_BYTES", rows)
+    counted: list[int] = []
+    real = context._scores
+
+    def counting(*args: Any) -> torch.Tensor:
+        counted.append(args[0].shape[2])
+        return real(*args)
+
+    monkeypatch.setattr(context, "_scores", counting)
+    for rank, diffs in enumerate(_on_ranks(2, lambda comm: cc.run(comm, case, "ring"))):
+        assert max(diffs.values()) <= RTOL, (rank, diffs)
+    assert counted and set(counted) == {1}, set(counted)
+
+
 def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:
     """bfloat16 q, k, v under autocast at cp 2: the ring's output and gradients are no
     further from the float64 attention than scaled_dot_product_attention's own in bfloat16
@@ -301,6 +325,60 @@ def test_merged_batch_and_sequence_rows_stay_sharded() -> None:
         sim = autotp.simulate(model, 1, cp=cp, example_kwargs=inputs, gather_outputs=False)
         per_rank = max(sim.run(saved))
         assert per_rank * cp / whole < 1.15, (cp, per_rank, whole)
+
+
+@pytest.mark.parametrize("name,padded,tile_bytes", [
+    ("llama", True, None), ("mistral_window", False, None),
+    ("llama", True, 2048),  # tiles of 10 query rows for the mask, of 2 for the scores
+])
+def test_model_masks_are_built_block_by_block(name: str, padded: bool, tile_bytes: Any,
+                                              monkeypatch: Any) -> None:
+    """transformers' causal, padding and sliding-window masks are elementwise ops of
+    position vectors: at cp 2 the ring runs those ops on each pair of chunks it meets
+    (``planner/masks.py``), so no rank makes a tensor of its 24 query rows by all 48 keys
+    (forward or backward), and the model stays exact, in tiles of query rows too."""
+    import models
+
+    import autotp.runtime.context as context
+
+    if tile_bytes is not None:
+        monkeypatch.setattr(context, "TILE_BYTES", tile_bytes)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from autotp.features.verify import assert_equivalent
+
+    ids = torch.randint(0, models.VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones(2, 48, dtype=torch.long)
+        mask[1, :9] = 0
+        inputs["attention_mask"] = mask
+    model = models.BUILDERS[name]().eval()
+    sim = autotp.simulate(model, 1, cp=2, example_kwargs=inputs)
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[tuple[int, ...]] = set()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            self.seen |= {tuple(t.shape) for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor)}
+            return out
+
+    def shapes(module: torch.nn.Module) -> set[tuple[int, ...]]:
+        with Shapes() as mode:
+            module(**inputs).loss.backward()
+        return mode.seen
+
+    for seen in sim.run(shapes):
+        rows = [s for s in seen if len(s) >= 2 and s[-2:] in ((24, 48), (48, 48))]
+        assert not rows, rows
+    assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: out.loss,
+                      pick=lambda out: out.logits)
 
 
 def test_eager_einsum_attention_gathers_keys_and_values() -> None:

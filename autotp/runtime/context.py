@@ -27,8 +27,12 @@ the bytes each sends and says why.
 
 Masks are given by positions, never as an [S, S] tensor: ``causal``; ``window`` (with causal,
 a query at position p sees the keys at p - window < position <= p); ``key_mask`` ([b, S] in
-the global order, True where a key is a real token: padding). A query that no key is left
-for gets zeros and passes no gradient.
+the global order, True where a key is a real token: padding). A model's own mask arrives
+as ``attn_mask``: its rows for this rank's queries, or (``BlockMask``) as the elementwise
+program that makes it from vectors of positions, evaluated for each block of queries and
+keys the ring meets, so that no [s/cp, S] tensor is held. Either way the pairs of chunks
+it hides are skipped, and the pairs it keeps whole need no mask. A query that no key is
+left for gets zeros and passes no gradient.
 
 The ring computes in float32 (or the inputs' dtype where wider), autocast or not, and saves
 its output and log-sum-exp for backward, which recomputes each pair's scores.
@@ -37,17 +41,21 @@ its output and log-sum-exp for backward, which recomputes each pair's scores.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autotp.errors import ConfigError
+from autotp.planner.masks import MaskRegion, unsqueezed_dim
 from autotp.planner.cost import attention_strategy  # noqa: F401 (re-exported)
 from autotp.runtime.comm import Communicator
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,130 @@ class _Mask:
         return self.window is not None and q_lo - k_hi >= self.window
 
 
+def _broadcast_to_rank(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``expand`` in a mask's program: the same elements, size-1 dims left to broadcast."""
+    return x.reshape((1,) * (ndim - x.dim()) + tuple(x.shape)) if x.dim() < ndim else x
+
+
+class MaskProgram(nn.Module):
+    """An attention mask's elementwise ops (``planner.masks.MaskRegion``) as a program of
+    their factors: ``bind`` it to the factors' values, and each block of the mask is the
+    program run on those rows and columns of them."""
+
+    def __init__(self, region: MaskRegion):
+        super().__init__()
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {f: graph.placeholder(f"factor_{i}")
+                                       for i, f in enumerate(region.factors)}
+        for node in region.nodes:
+            source = cast(fx.Node, node.args[0]) if node.args else node
+            if node.target == aten.expand.default:
+                env[node] = graph.call_function(_broadcast_to_rank,
+                                                (env[source], node.meta["val"].dim()))
+            elif node.target in (aten.slice.Tensor, aten.alias.default):  # whole: the same
+                env[node] = env[source]
+            elif node.target == aten.unsqueeze.default:
+                env[node] = graph.call_function(aten.unsqueeze.default,
+                                                (env[source], unsqueezed_dim(node)))
+            else:
+                env[node] = graph.node_copy(node, lambda a: env[a])
+        graph.output(env[region.nodes[-1]])
+        self.program = fx.GraphModule(nn.Module(), graph)
+        self.memo: Optional[tuple[list[Any], Any, list[list[int]]]] = None
+
+    def bind(self, factors: tuple, queries: int, length: int) -> "BlockMask":
+        return BlockMask(self, tuple(factors), queries, length)
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """A mask program bound to its factors: ``queries`` this rank's rows, ``length`` every
+    key; ``keys``: a key padding mask ([b, S], True: a real token) to apply as well."""
+    program: MaskProgram
+    factors: tuple
+    queries: int
+    length: int
+    keys: Optional[torch.Tensor] = None
+
+    def block(self, rows: slice, columns: torch.Tensor) -> torch.Tensor:
+        """[b|1, h|1, rows|1, columns] of the mask: rows of this rank's queries, columns the
+        global positions of some keys."""
+        args = []
+        for f in self.factors:
+            if isinstance(f, torch.Tensor) and f.dim() >= 1:
+                if f.shape[-1] != 1:
+                    if f.shape[-1] != self.length:
+                        raise ConfigError(f"a mask operand of shape {list(f.shape)} has "
+                                          f"neither 1 nor all {self.length} keys last")
+                    f = f.index_select(-1, columns.to(f.device))
+                if f.dim() >= 2 and f.shape[-2] != 1:
+                    if f.shape[-2] != self.queries:
+                        raise ConfigError(f"a mask operand of shape {list(f.shape)} has "
+                                          f"neither 1 nor this rank's {self.queries} queries "
+                                          "second to last")
+                    f = f[..., rows, :]
+            args.append(f)
+        out = self.program.program(*args)
+        out = _broadcast_to_rank(out, 4)
+        if self.keys is not None:
+            keys = self.keys.to(out.device, torch.bool)[:, None, None, :].index_select(
+                3, columns.to(out.device))
+            out = out & keys if out.dtype == torch.bool else out.masked_fill(~keys,
+                                                                            float("-inf"))
+        return out
+
+    def grid(self, chunks: int, layout: "SequenceLayout") -> list[list[int]]:
+        """``_live_pairs``'s grid, from the program run on each pair of chunks (once for all
+        the attentions reading the same factors: a model's layers share one mask)."""
+        memo = self.program.memo
+        key = (chunks, layout, self.queries, self.length)
+        if memo is not None and memo[1] == key and _same(memo[0], [*self.factors, self.keys]):
+            return memo[2]
+        size, width = self.queries // chunks, self.length // layout.chunks
+        batch = max((f.shape[0] for f in self.factors
+                     if isinstance(f, torch.Tensor) and f.dim() >= 3), default=1)
+        tile = max(1, min(size, TILE_BYTES // (8 * batch * width)))  # int64 operands at most
+        marks = []
+        for qi in range(chunks):
+            for kc in range(layout.chunks):
+                columns = torch.arange(kc * width, (kc + 1) * width)
+                tiles = [_mark(self.block(slice(qi * size + start,
+                                                qi * size + min(size, start + tile)), columns))
+                         for start in range(0, size, tile)]
+                # kept somewhere if any tile keeps some; whole if every tile is whole
+                marks.append(torch.stack(tiles).clamp(max=1).amax() +
+                             (torch.stack(tiles) == WHOLE).all().long())
+        flat = torch.stack(marks).tolist()
+        grid = [flat[i * layout.chunks:(i + 1) * layout.chunks] for i in range(chunks)]
+        self.program.memo = ([x.clone() if isinstance(x, torch.Tensor) else x
+                              for x in (*self.factors, self.keys)], key, grid)
+        return grid
+
+
+def _same(kept: list[Any], now: list[Any]) -> bool:
+    if len(kept) != len(now):
+        return False
+    for a, b in zip(kept, now):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or \
+                    not torch.equal(a, b):
+                return False
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            return False
+    return True
+
+
+HIDDEN, PARTIAL, WHOLE = 0, 1, 2  # what a mask keeps of a pair of chunks: none, some, all
+
+
+def _mark(mask: torch.Tensor) -> torch.Tensor:
+    """HIDDEN, PARTIAL or WHOLE for one block of a mask (boolean, or additive: 0 kept as it
+    is, -inf hidden)."""
+    kept = mask if mask.dtype == torch.bool else mask > float("-inf")
+    plain = kept if mask.dtype == torch.bool else mask == 0
+    return kept.any().long() + (kept & plain).all().long()
+
+
 def _pieces(positions: torch.Tensor, chunks: int) -> list[tuple[slice, torch.Tensor]]:
     """A rank's tokens as its chunks: (slice of the local sequence, their global positions)."""
     size = positions.numel() // chunks
@@ -129,32 +261,53 @@ def _pieces(positions: torch.Tensor, chunks: int) -> list[tuple[slice, torch.Ten
             for i in range(chunks)]
 
 
+TILE_BYTES = 1 << 28  # the float32 scores of one tile of queries against a key chunk
+
+
 def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int,
-           live: Optional[list[list[bool]]] = None, kchunks: tuple[int, ...] = ()
-           ) -> Iterator[tuple[slice, slice, Optional[torch.Tensor]]]:
+           live: Optional[list[list[int]]] = None, kchunks: tuple[int, ...] = (),
+           per_row: int = 0) -> Iterator[tuple[slice, slice, Optional[torch.Tensor], bool]]:
     """This rank's query chunks against one block's key chunks, but the pairs the mask
     hides: by positions (``mask``), or where an explicit mask keeps nothing (``live``:
-    query chunk x global key chunk, ``kchunks``: the block's chunks)."""
+    query chunk x global key chunk, ``kchunks``: the block's chunks). The last of each:
+    whether the explicit mask keeps part of the pair (it must be applied). ``per_row``: the
+    bytes of one query row's float32 scores against one key chunk (all heads): each query
+    chunk goes in tiles of rows whose scores take at most ``TILE_BYTES``, so that a long
+    sequence's pair of chunks is never one [s/2cp, s/2cp] block per head."""
     for qi, (qs, qp) in enumerate(_pieces(qpos, chunks)):
         for kj, (ks, kp) in enumerate(_pieces(kpos, chunks)):
-            if mask.hides(qp, kp) or (live is not None and not live[qi][kchunks[kj]]):
+            mark = WHOLE if live is None else live[qi][kchunks[kj]]
+            if mask.hides(qp, kp) or mark == HIDDEN:
                 continue
-            yield qs, ks, mask.of(qp, kp)
+            rows = qs.stop - qs.start
+            tile = max(1, min(rows, TILE_BYTES // per_row)) if per_row else rows
+            for start in range(0, rows, tile):
+                tqs = slice(qs.start + start, min(qs.stop, qs.start + start + tile))
+                tqp = qp[start:start + tile]
+                if tile == rows or not mask.hides(tqp, kp):
+                    yield tqs, ks, mask.of(tqp, kp), mark == PARTIAL
 
 
-def _live_pairs(extra: Optional[torch.Tensor], chunks: int, layout: "SequenceLayout",
-                length: int) -> Optional[list[list[bool]]]:
-    """Which (query chunk of this rank, global key chunk) pairs an explicit mask keeps any
-    of, read in one transfer to the host per attention call: transformers' causal masks
-    arrive as tensors, and the pairs they hide are skipped as ``causal`` ones are."""
+def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout",
+                length: int) -> Optional[list[list[int]]]:
+    """What an explicit mask keeps of each (query chunk of this rank, global key chunk)
+    pair, HIDDEN, PARTIAL or WHOLE, read in one transfer to the host per attention call:
+    transformers' causal masks arrive as tensors or programs, and the pairs they hide are
+    skipped as ``causal`` ones are."""
     if extra is None:
         return None
+    if isinstance(extra, BlockMask):
+        return extra.grid(chunks, layout)
     kept = extra if extra.dtype == torch.bool else extra > float("-inf")
-    kept = kept.any(dim=1).any(dim=0)  # [sq|1, S]
+    plain = kept if extra.dtype == torch.bool else extra == 0
+    whole = (kept & plain).all(dim=1).all(dim=0)  # [sq|1, S]
+    kept = kept.any(dim=1).any(dim=0)
     rows = kept.shape[0]
     per_query = chunks if rows > 1 else 1
-    grid = kept.reshape(per_query, rows // per_query, layout.chunks, length // layout.chunks)
-    live = grid.any(dim=3).any(dim=1).tolist()
+    shape = (per_query, rows // per_query, layout.chunks, length // layout.chunks)
+    marks = kept.reshape(shape).any(dim=3).any(dim=1).long() + \
+        whole.reshape(shape).all(dim=3).all(dim=1).long()
+    live = marks.tolist()
     return live * chunks if per_query == 1 else live
 
 
@@ -171,10 +324,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[to
     return s
 
 
-def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                device: torch.device) -> Optional[torch.Tensor]:
+def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Any,
+                device: torch.device) -> Any:
     """The key padding and the explicit mask as one [b|1, h|1, sq|1, S] mask (columns in the
-    global order): boolean, or additive where ``attn_mask`` is."""
+    global order): boolean, or additive where ``attn_mask`` is; or one ``BlockMask``."""
+    if isinstance(attn_mask, BlockMask):
+        return attn_mask if key_mask is None else replace(attn_mask, keys=key_mask)
     keys = key_mask.to(device, torch.bool)[:, None, None, :] if key_mask is not None else None
     if attn_mask is None:
         return keys
@@ -186,11 +341,14 @@ def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tens
     return mask if keys is None else mask.masked_fill(~keys, float("-inf"))
 
 
-def _block(extra: Optional[torch.Tensor], rows: slice, columns: torch.Tensor
+def _block(extra: Any, rows: slice, columns: torch.Tensor, partial: bool = True
            ) -> Optional[torch.Tensor]:
-    """The part of the mask for some of this rank's queries and one block's keys."""
-    if extra is None:
+    """The part of the mask for some of this rank's queries and one block's keys (None
+    where it keeps the whole pair)."""
+    if extra is None or not partial:
         return None
+    if isinstance(extra, BlockMask):
+        return extra.block(rows, columns)
     part = extra if extra.shape[2] == 1 else extra[:, :, rows]
     return part.index_select(3, columns.to(extra.device))
 
@@ -258,6 +416,7 @@ class _RingAttention(torch.autograd.Function):
         total = q.new_zeros((b, hq, sq), dtype=wide)  # running sum of exp
         acc = q.new_zeros((b, hq, sq, v.shape[-1]), dtype=wide)
         live = ctx.live = _live_pairs(extra, chunks, layout, length)
+        per_row = 4 * b * hq * (length // layout.chunks)
         block = [k, v]
         for step in range(layout.cp):
             # the next block travels while this one is computed
@@ -266,9 +425,9 @@ class _RingAttention(torch.autograd.Function):
             source = (comm.rank - step) % layout.cp
             kpos = layout.positions(source, length)
             kb, vb = _expand(block[0], groups), _expand(block[1], groups)
-            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks, live,
-                                          layout.chunks_of(source)):
-                keys = _block(extra, qs, kpos[ks])
+            for qs, ks, allowed, partial in _pairs(mask, qpos, kpos, chunks, live,
+                                                   layout.chunks_of(source), per_row):
+                keys = _block(extra, qs, kpos[ks], partial)
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 new_top = torch.maximum(top[:, :, qs], s.amax(-1))
                 safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
@@ -284,8 +443,9 @@ class _RingAttention(torch.autograd.Function):
         out = torch.where(empty[..., None], torch.zeros_like(acc),
                           acc / torch.where(empty, torch.ones_like(total), total)[..., None])
         lse = torch.where(empty, torch.full_like(top, float("inf")), top + torch.log(total))
-        ctx.save_for_backward(q, k, v, out, lse, extra)
-        ctx.setup = (comm, layout, mask, scale, label)
+        program = extra if isinstance(extra, BlockMask) else None
+        ctx.save_for_backward(q, k, v, out, lse, None if program is not None else extra)
+        ctx.setup = (comm, layout, mask, scale, label, program)
         return out.to(q.dtype)
 
     @staticmethod
@@ -297,13 +457,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse, extra = ctx.saved_tensors
-        comm, layout, mask, scale, label = ctx.setup
+        comm, layout, mask, scale, label, program = ctx.setup
+        extra = program if program is not None else extra
         b, hq, sq, d = q.shape
         groups = hq // k.shape[1]
         length = sq * layout.cp
         qpos = layout.positions(comm.rank, length)
         chunks = len(layout.chunks_of(0))
         live = ctx.live
+        per_row = 4 * b * hq * (length // layout.chunks)
         do = _wide(grad)
         delta = (do * out).sum(-1)  # [b, hq, sq]
         dq = torch.zeros(q.shape, dtype=do.dtype, device=q.device)
@@ -320,9 +482,9 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
             dk = torch.zeros_like(kb)
             dv = torch.zeros_like(vb)
-            for qs, ks, allowed in _pairs(mask, qpos, kpos, chunks, live,
-                                          layout.chunks_of(source)):
-                keys = _block(extra, qs, kpos[ks])
+            for qs, ks, allowed, partial in _pairs(mask, qpos, kpos, chunks, live,
+                                                   layout.chunks_of(source), per_row):
+                keys = _block(extra, qs, kpos[ks], partial)
                 s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
                 p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
                 dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
@@ -403,17 +565,21 @@ def _checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicat
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
                    layout: SequenceLayout, *, causal: bool = False,
                    window: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
-                   attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   attn_mask: Any = None, scale: Optional[float] = None,
                    label: str = "ring") -> torch.Tensor:
     """Attention of this rank's queries over every rank's keys and values: q [b, hq, s/cp, d],
     k and v [b, hk, s/cp, d] (hk dividing hq) as ``layout`` shards the sequence.
     ``attn_mask``: scaled_dot_product_attention's mask for this rank's queries (boolean, True
     where kept, or additive), broadcastable to [b, hq, s/cp, s]: its rows this rank's
-    queries, its columns every key in the global order."""
+    queries, its columns every key in the global order; or a ``BlockMask`` making it."""
     _checked(q, k, v, comm, layout, causal, window, key_mask)
     length = q.shape[2] * layout.cp
-    if attn_mask is not None and (attn_mask.shape[-1] != length or attn_mask.dim() < 2 or
-                                  attn_mask.shape[-2] not in (1, q.shape[2])):
+    if isinstance(attn_mask, BlockMask):
+        if (attn_mask.queries, attn_mask.length) != (q.shape[2], length):
+            raise ConfigError(f"the mask program is bound to {attn_mask.queries} queries of "
+                              f"{attn_mask.length}, not this rank's {q.shape[2]} of {length}")
+    elif attn_mask is not None and (attn_mask.shape[-1] != length or attn_mask.dim() < 2 or
+                                    attn_mask.shape[-2] not in (1, q.shape[2])):
         raise ConfigError(f"attn_mask must have this rank's {q.shape[2]} queries (or 1) as "
                           f"rows and all {length} keys as columns; got "
                           f"{list(attn_mask.shape)}")
@@ -465,18 +631,22 @@ class RingAttention(nn.Module):
     """``aten.scaled_dot_product_attention`` of a rank program whose plan shards q, k and v
     along the sequence over the group (as ``comm.sequence`` lays it out: balanced, or
     contiguous where it is None): the same arguments, computed by ``ring_attention``. The
-    mask arrives with this rank's query rows and every key column."""
+    mask arrives with this rank's query rows and every key column, or (``mask``: the program
+    that makes it) as its factors, ``mask_factors``."""
 
-    def __init__(self, comm: Communicator, label: str):
+    def __init__(self, comm: Communicator, label: str, mask: Optional[MaskProgram] = None):
         super().__init__()
         self.comm = comm
         self.label = label
         self.layout = comm.sequence or SequenceLayout(comm.world_size, balanced=False)
+        self.mask = mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                attn_mask: Any = None, dropout_p: float = 0.0,
                 is_causal: bool = False, *, scale: Optional[float] = None,
-                enable_gqa: bool = False) -> torch.Tensor:
+                enable_gqa: bool = False, mask_factors: tuple = ()) -> torch.Tensor:
+        if self.mask is not None:
+            attn_mask = self.mask.bind(mask_factors, q.shape[2], q.shape[2] * self.layout.cp)
         if dropout_p:
             raise ConfigError(f"{self.label}: attention dropout (dropout_p={dropout_p}) under "
                               "context parallelism: put the model in eval mode or set the "
@@ -489,8 +659,7 @@ class RingAttention(nn.Module):
         return self.attend(q, k, v, attn_mask, is_causal, scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_mask: Optional[torch.Tensor], is_causal: bool,
-               scale: Optional[float]) -> torch.Tensor:
+               attn_mask: Any, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
         return ring_attention(q, k, v, self.comm, self.layout, causal=is_causal,
                               attn_mask=attn_mask, scale=scale, label=self.label)
 
@@ -501,8 +670,7 @@ class UlyssesAttention(RingAttention):
     it where its all-to-alls send fewer bytes than the ring: ``attention_strategy``)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attn_mask: Optional[torch.Tensor], is_causal: bool,
-               scale: Optional[float]) -> torch.Tensor:
+               attn_mask: Any, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
         if attn_mask is not None:
             raise ConfigError(f"{self.label}: a mask tensor reached Ulysses attention, which "
                               "the plan gives only attention without one")

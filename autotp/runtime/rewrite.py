@@ -33,12 +33,13 @@ from autotp.runtime.collectives import (
 )
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import RingAttention, UlyssesAttention
+from autotp.runtime.context import MaskProgram, RingAttention, UlyssesAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_layout, \
     whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.context import grouped_source
+from autotp.planner.masks import MaskRegion, mask_region
 from autotp.planner.plan import Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
@@ -343,10 +344,13 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
     (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group,
     or as ``ulysses_attention`` where the plan chose it (``[ulysses]``); returns original
     node -> the node now holding its value. ``tp_plan``: the tp plan the context-parallel
-    ``plan`` runs inside (its heads split over tp)."""
+    ``plan`` runs inside (its heads split over tp). A mask made by elementwise ops
+    (``planner.masks.mask_region``) goes to the ring as their program and its factors,
+    and its [s/cp, s] rows are no longer computed."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     kinds = {"[ring]": ("ring", RingAttention), "[ulysses]": ("ulysses", UlyssesAttention)}
+    programs: dict[fx.Node, tuple[MaskProgram, MaskRegion]] = {}
     for node in list(graph.nodes):
         choice = plan.choices.get(node.name)
         kind = next((k for k in kinds if choice is not None and choice.strategy.endswith(k)),
@@ -355,8 +359,21 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
             continue
         prefix, module = kinds[kind]
         name = f"autotp_{prefix}_{node.name}"
-        root.add_module(name, module(comm, node.name))
         args, kwargs = _grouped_kv(node, tp_plan)
+        mask = node_arg(node, "attn_mask")
+        program = None
+        if kind == "[ring]" and isinstance(mask, fx.Node):
+            if mask not in programs:
+                region = mask_region(mask)
+                if region is not None:
+                    programs[mask] = (MaskProgram(region), region)
+            if mask in programs:
+                program, region = programs[mask]
+                args = args[:3] + (None,) + args[4:] if len(args) > 3 else args
+                kwargs = {**{k: v for k, v in kwargs.items() if k != "attn_mask"},
+                          "mask_factors": region.factors}
+        root.add_module(name, module(comm, node.name, program) if program is not None
+                        else module(comm, node.name))
         with graph.inserting_before(node):
             new = graph.call_module(name, args, kwargs)
         new.meta.update(node.meta)
@@ -366,6 +383,10 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
         for value in repeated:  # the repeated keys and values no reader takes any more
             _erase_unread(graph, value)
         renamed[node.name] = new.name
+    for _, region in programs.values():  # the mask's ops, as far as nothing else reads them
+        for op in reversed(region.nodes):
+            if not op.users:
+                graph.erase_node(op)
     return renamed
 
 
