@@ -26,7 +26,7 @@
    fused AdamW): the forward and backward time, the optimizer step, the model states, what
    the forward leaves for backward and the peak, each predicted beside measured.
 
-Every model is built on the meta device (no weights); nothing here needs a GPU but step 4.
+Every model is built on the meta device (no weights); nothing here needs a GPU but step 5.
 """
 
 from __future__ import annotations
@@ -232,6 +232,16 @@ def context() -> None:
         print(f"4. LLaMA-3-8B shape, 32 x H100 (8 per node), global batch {batch} x {seq}, "
               "bf16")
         print("   " + to_table(est, top=6).replace("\n", "\n   "))
+        fitting = [c for c in est.configs if c.fits and c.time is not None]
+        for what, pick in (("with tp > 1", lambda c: c.tp > 1),
+                           ("with tp across a node", lambda c: c.tp == 8)):
+            kind = [c for c in fitting if pick(c) and (c.cp > 1) == (seq > 8192)]
+            if fitting and kind and fitting[0].time is not None and kind[0].time is not None:
+                print(f"   the best {what}: {kind[0].mesh} mb={kind[0].micro_batch} "
+                      f"sp={'on' if kind[0].sequence_parallel else 'off'}, "
+                      f"{kind[0].time.step:.1f} s ({kind[0].time.step / fitting[0].time.step:.3f}"
+                      f"x the best; tp {kind[0].time.tp_comm:.1f} s of it), "
+                      f"{kind[0].memory.total / 2**30 if kind[0].memory else 0:.1f} GiB")
 
 
 # (hidden, layers, micro-batch, sequence, recomputation) of the LLaMA shapes timed on a GPU

@@ -525,8 +525,10 @@ def _llama_on_meta(layers: int = 2) -> nn.Module:
 
 def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
     """At cp 4 a rank's program is the cp 1 program on a quarter of the sequence: every
-    product, the attention's work (its queries against every key), the activations kept and
-    the tp collectives a quarter; each attention adds its ring, one shift carrying the kv
+    product, the activations kept and the tp collectives a quarter; the attention's work
+    (its queries against every key) an eighth, as the ring skips the chunk pairs that
+    transformers' causal mask hides, where SDPA with the mask tensor computes them all
+    (``planner/masks.ordered``); each attention adds its ring, one shift carrying the kv
     heads' blocks (b x T/cp x kv heads/tp x head dim x 2 tensors x 2 bytes; transformers'
     repeat of the kv heads for GQA is read through) forward, with their float32 gradients
     backward, and the gradients' shift home."""
@@ -547,10 +549,11 @@ def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
         return sum(c.nbytes for c in prof.comms if c.layer == layer and c.group == "tp")
 
     for layer in one.layers:
-        for kind in ("gemm", "attention"):
+        for kind, skipped in (("gemm", 1), ("attention", 2)):
             mine = [op.flops for op in four.ops if op.layer == layer and op.kind == kind]
             whole = [op.flops for op in one.ops if op.layer == layer and op.kind == kind]
-            assert mine and sum(mine) == pytest.approx(sum(whole) / cp, rel=1e-9), kind
+            assert mine and sum(mine) == pytest.approx(sum(whole) / cp / skipped,
+                                                       rel=1e-9), kind
         assert saved(four, layer) == pytest.approx(saved(one, layer) / cp)
         assert tp_bytes(one, layer) > 0
         assert tp_bytes(four, layer) == pytest.approx(tp_bytes(one, layer) / cp)
@@ -563,6 +566,53 @@ def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
     assert not [c for c in one.comms if c.group == "cp"]
     with pytest.raises(ConfigError, match="cp=3 does not divide the sequence 4096"):
         build_profile(captured, plan, 1, seq, cp=3)
+
+
+def test_a_mask_made_from_positions_is_held_as_its_factors() -> None:
+    """transformers' LLaMA builds its mask by elementwise ops from vectors of positions; at
+    cp the ring builds each block of it from those vectors (``runtime/context.BlockMask``),
+    so the profile keeps the vectors, not the mask's [T/cp, T] rows: what the embeddings'
+    side and the first layer keep doubles with the sequence, where the rows would
+    quadruple, and stays far below the rows' bytes."""
+    from autotp.planner.job.configure import training_example
+
+    model = _llama_on_meta()
+    captured = capture(model, None, training_example(model))
+    plan = plan_graph(captured, 1)
+    cp, first, entering = 4, {}, {}
+    for seq in (4096, 8192):
+        prof = build_profile(captured, plan, 1, seq, dtype_bytes=2, cp=cp)
+        first[seq] = end_activations(prof, "first")
+        entering[seq] = prof.layer_inputs[prof.layers[0]]
+    assert first[8192] <= 2.01 * first[4096] and entering[8192] <= 2.01 * entering[4096], \
+        (first, entering)
+    rows = 8192 // cp * 8192  # one byte per (query, key) of this rank's rows
+    assert first[8192] < rows / 8 and entering[8192] < rows / 8, (first, entering)
+
+
+def test_causal_shaped_masks_are_told_from_bidirectional_ones() -> None:
+    """``planner/masks.ordered``: transformers' causal masks (LLaMA, GPT-2) and sliding-window
+    mask (Mistral), each with a padding mask joined in, keep at most the causal half of the
+    pairs (an order comparison of query and key positions, joined by conjunctions), which
+    the ring's skipped chunk pairs and the model FLOPs count; BERT's bidirectional padding
+    mask does not."""
+    import models
+
+    from autotp.ops import node_arg
+    from autotp.planner.masks import mask_region, ordered
+
+    ids = torch.randint(0, models.VOCAB, (2, 16))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :3] = 0
+    for name, causal in (("llama", True), ("gpt2", True), ("mistral_window", True),
+                         ("bert", False)):
+        captured = capture(models.BUILDERS[name]().eval(), None,
+                           {"input_ids": ids, "attention_mask": padding})
+        masks = [node_arg(n, "attn_mask") for n in captured.gm.graph.nodes
+                 if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+        regions = [mask_region(m) for m in masks]
+        assert regions and all(r is not None for r in regions), name
+        assert all(ordered(r) == causal for r in regions if r is not None), name
 
 
 def test_the_ring_shows_only_where_it_outlasts_the_attention() -> None:

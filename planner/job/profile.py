@@ -43,6 +43,7 @@ from autotp.errors import ConfigError
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.assemble import attention_kind
+from autotp.planner.masks import MaskRegion, mask_region, ordered
 from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
@@ -132,6 +133,9 @@ class Profile:
     expert_imbalance: float = 1.0
     ep: int = 1  # expert parallelism: the experts split over ep data-parallel ranks as well
     cp: int = 1  # context parallelism: the sequence split over cp ranks (``seq`` is the shard)
+    # attention ops whose mask tensor keeps at most the causal half (``planner.masks.
+    # ordered``): their useful work is half the products an attention with the mask computes
+    causal_masks: set[str] = field(default_factory=set)
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
@@ -283,6 +287,13 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                               nbytes * (cp if quadratic else 1), quadratic, side[node.name])
 
     inputs = _inputs_of(gm)
+    # masks the ring builds block by block from their factors (runtime/context.BlockMask):
+    # mask -> the factors held instead of its [s/cp, s] rows
+    regions = _mask_regions(gm, cp, tp)
+    factors_of = {mask: [f for f in region.factors
+                         if isinstance(f.meta.get("val"), torch.Tensor)]
+                  for mask, region in regions.items()}
+    prof.causal_masks = _causal_masks(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.name not in plan.values:
             continue
@@ -310,6 +321,10 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                 flops = busiest * _flops(node, ins, in_layouts, sizes, tp)
             if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
                 flops *= cp
+                mask = node_arg(node, "attn_mask")
+                if isinstance(mask, fx.Node) and mask.name in regions and \
+                        node.name in prof.causal_masks:
+                    flops /= 2  # the ring skips the chunk pairs a causal-shaped mask hides
                 sources = [_kv_source(a, sizes) for a in ins[1:3]]
                 kv = [local_bytes(a, _layout(plan.values.get(a.name))) if a is not b
                       else local_bytes(a, read_layout(a, node, i))
@@ -354,6 +369,11 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
         for i, (arg, lay) in enumerate(zip(ins, in_layouts)):
             if node.target in DROPOUTS or arg.op == "get_attr" or (only and i not in only):
                 continue
+            if node.target in ATTENTION and arg.name in factors_of:
+                for factor in factors_of[arg.name]:
+                    keep(factor.name, factor, local_bytes(
+                        factor, _layout(plan.values.get(factor.name))), False)
+                continue
             if only is None and not saves_input(node, arg, lambda n: grads.get(n.name, False)):
                 continue
             edge = reads.get((arg.name, node.name))
@@ -388,8 +408,39 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     if plan.ep > 1:
         prof.comms += _exchanges(gm, plan, sizes, dtype_bytes, own)
     prof.params = _params(gm, plan, side)
-    prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout)
+    prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout, factors_of)
     return prof
+
+
+def _causal_masks(gm: fx.GraphModule) -> set[str]:
+    """The attention nodes whose mask keeps at most the causal half of the pairs."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ATTENTION:
+            region = mask_region(node_arg(node, "attn_mask"))
+            if region is not None and ordered(region):
+                out.add(node.name)
+    return out
+
+
+def _mask_regions(gm: fx.GraphModule, cp: int, tp: int) -> dict[str, MaskRegion]:
+    """Under context parallelism, each mask a ring attention reads that is made by
+    elementwise ops (``planner.masks.mask_region``) -> those ops and their factors: the
+    runtime builds the mask's blocks from the factors (evaluating the ops over all of its
+    rows once, to find the pairs of chunks it hides, and again on the pairs it keeps part
+    of)."""
+    out: dict[str, MaskRegion] = {}
+    if cp == 1:
+        return out
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in ATTENTION or \
+                attention_kind(node, cp, tp)[0] == "ulysses":
+            continue
+        mask = node_arg(node, "attn_mask")
+        region = mask_region(mask) if isinstance(mask, fx.Node) else None
+        if region is not None and isinstance(mask, fx.Node):
+            out[mask.name] = region
+    return out
 
 
 def _kv_source(node: fx.Node, sizes: _Sizes) -> fx.Node:
@@ -632,9 +683,12 @@ def _params(gm: fx.GraphModule, plan: Plan, side: dict[str, str]) -> list[Param]
 
 
 def _layer_inputs(plan: Plan, nodes: dict[str, fx.Node], local_bytes: Any,
-                  read_layout: Any) -> dict[int, float]:
+                  read_layout: Any, factors_of: Optional[dict[str, list[fx.Node]]] = None
+                  ) -> dict[int, float]:
     """The activations each layer reads from outside itself (what a fully recomputed layer
-    keeps): edges of the dataflow graph that enter the layer from an earlier op."""
+    keeps): edges of the dataflow graph that enter the layer from an earlier op (a mask
+    built block by block: its factors, ``factors_of``)."""
+    factors_of = factors_of or {}
     graph = nx.DiGraph()
     for consumer, inputs in plan.graph.items():
         for value in inputs:
@@ -648,6 +702,12 @@ def _layer_inputs(plan: Plan, nodes: dict[str, fx.Node], local_bytes: Any,
             continue
         node = nodes.get(consumer)
         if node is None or node.op != "call_function":
+            continue
+        if value in factors_of:
+            for factor in factors_of[value]:
+                if factor.name not in entering:
+                    entering[factor.name] = (layer, local_bytes(
+                        factor, _layout(plan.values.get(factor.name))))
             continue
         position = tensor_inputs(node).index(src) if src in tensor_inputs(node) else 0
         if value not in entering:
