@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -162,8 +163,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     _, captured, plan = _prepare(args, meta=True)
-    told = explain(captured, plan, args.target, args.tp, _cost_model(args),
-                   _options(args, strict=args.strict), model_name=args.model)
+    options, degree = _options(args, strict=args.strict), args.tp
+    if plan.context_parallel:  # --tp 1 --cp C: the cp group's plan, as plan_tp_cp makes it
+        options = dataclasses.replace(options, context_parallel=True, sequence_parallel=False)
+        degree = plan.tp
+    told = explain(captured, plan, args.target, degree, _cost_model(args), options,
+                   model_name=args.model)
     print(told.heading)
     print(f"{len(told.alternatives)} candidate(s); each forced in turn, everything else "
           "re-planned:")

@@ -189,6 +189,18 @@ def test_explain_shows_candidates_and_the_chosen_one() -> None:
     assert "parameters per rank +" in replicated  # replicating costs memory
 
 
+def test_explain_with_cp_explains_the_context_parallel_plan() -> None:
+    """``--tp 1 --cp 2``: the candidates are the cp group's (two ranks, the sequence split),
+    where a parameter is held whole and splitting it adds collectives."""
+    out = autotp("explain", *SMALL_GPT2, "--tp", "1", "--cp", "2",
+                 "transformer.h.0.attn.c_proj.weight").stdout
+    assert "stored R" in out, out
+    lines = [line.strip() for line in out.splitlines() if line.startswith("  ")]
+    assert any(line.startswith("chosen R") for line in lines), out
+    split = [line for line in lines if line.startswith(("S(0)", "S(1)"))]
+    assert len(split) == 2 and all("forward +1, backward +1" in line for line in split), out
+
+
 def test_explain_an_op_marks_its_chosen_strategy() -> None:
     """An op's candidates are its rules' strategies: the plan's own is marked and costs no more
     than the plan; the others cost at least as much, or no plan takes them."""
