@@ -12,6 +12,7 @@ recognizes a mask that keeps at most a causal half of the pairs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
@@ -42,8 +43,7 @@ def mask_region(mask: Any) -> Optional[MaskRegion]:
     to the first op that is not one; None where ``mask`` is not made by one (an input)."""
     if not isinstance(mask, fx.Node) or not blockwise(mask):
         return None
-    ops = nx.DiGraph((a, n) for n in mask.graph.nodes if blockwise(n)
-                     for a in n.all_input_nodes if blockwise(a))
+    ops = _blockwise_ops(mask.graph)
     region = nx.ancestors(ops, mask) | {mask} if mask in ops else {mask}
     nodes = tuple(n for n in mask.graph.nodes if n in region)
     factors = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
@@ -81,6 +81,21 @@ def ordered(region: MaskRegion) -> bool:
     mask = region.nodes[-1]
     reached = nx.ancestors(joins, mask) | {mask} if mask in joins else {mask}
     return any(n.target in _ORDERS and sides(n) for n in reached)
+
+
+# graph -> (its node count when read, the dataflow among its blockwise ops): made once per
+# graph (a model's layers all read one mask), again where nodes were added or erased since
+_OPS: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, nx.DiGraph]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _blockwise_ops(graph: fx.Graph) -> nx.DiGraph:
+    known = _OPS.get(graph)
+    if known is None or known[0] != len(graph.nodes):
+        ops = nx.DiGraph((a, n) for n in graph.nodes if blockwise(n)
+                         for a in n.all_input_nodes if blockwise(a))
+        known = _OPS[graph] = (len(graph.nodes), ops)
+    return known[1]
 
 
 def blockwise(node: fx.Node) -> bool:

@@ -350,23 +350,28 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     kinds = {"[ring]": ("ring", RingAttention), "[ulysses]": ("ulysses", UlyssesAttention)}
-    programs: dict[fx.Node, tuple[MaskProgram, MaskRegion]] = {}
-    for node in list(graph.nodes):
+    calls = {}
+    for node in graph.nodes:
         choice = plan.choices.get(node.name)
         kind = next((k for k in kinds if choice is not None and choice.strategy.endswith(k)),
                     None)
-        if node.op != "call_function" or node.target != sdpa or kind is None:
-            continue
+        if node.op == "call_function" and node.target == sdpa and kind is not None:
+            calls[node] = kind
+    # the masks' programs, read before the graph changes
+    programs: dict[fx.Node, tuple[MaskProgram, MaskRegion]] = {}
+    for node, kind in calls.items():
+        mask = node_arg(node, "attn_mask")
+        if kind == "[ring]" and isinstance(mask, fx.Node) and mask not in programs:
+            region = mask_region(mask)
+            if region is not None:
+                programs[mask] = (MaskProgram(region), region)
+    for node, kind in calls.items():
         prefix, module = kinds[kind]
         name = f"autotp_{prefix}_{node.name}"
         args, kwargs = _grouped_kv(node, tp_plan)
         mask = node_arg(node, "attn_mask")
         program = None
         if kind == "[ring]" and isinstance(mask, fx.Node):
-            if mask not in programs:
-                region = mask_region(mask)
-                if region is not None:
-                    programs[mask] = (MaskProgram(region), region)
             if mask in programs:
                 program, region = programs[mask]
                 args = args[:3] + (None,) + args[4:] if len(args) > 3 else args
