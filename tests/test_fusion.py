@@ -91,3 +91,31 @@ def test_compiled_program_matches_the_unsharded_model(sequence_parallel: bool) -
 def test_inductor_compiled_program_matches_the_unsharded_model() -> None:
     """compile=True (inductor, the backend docs/performance.md's figures use)."""
     _check_compiled(True)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral_window"])
+def test_a_traced_causal_mask_runs_by_the_kernels_causal_path(name: str) -> None:
+    """transformers' causal mask, a tensor once traced, is checked at run time
+    (``runtime/causal.py``): unpadded it is the causal one and every attention runs with
+    ``is_causal=True`` and no mask (one check per forward for all layers); a padded batch or
+    a sliding window keeps its mask. Exact against the unsharded model at tp 2 either way."""
+    from autotp.features.verify import assert_equivalent
+    from autotp.runtime.causal import CausalWhereMasked
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :3] = 0
+    model = BUILDERS[name]().eval()
+    for padded in (False, True):
+        inputs = {"input_ids": ids, "labels": ids}
+        if padded:
+            inputs["attention_mask"] = padding
+        sim = autotp.simulate(model, 2, example_kwargs=inputs)
+        assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: out.loss,
+                          pick=lambda out: out.logits)
+        checkers = [m for m in sim.ranks[0].program.modules()
+                    if isinstance(m, CausalWhereMasked)]
+        assert len(checkers) == 1, checkers  # one mask, read by both layers
+        causal = not padded and name != "mistral_window"  # a window of 5 in 16 tokens
+        calls = (checkers[0].causal_calls, checkers[0].masked_calls)
+        assert (calls[0] > 0, calls[1] > 0) == (causal, not causal), calls

@@ -117,12 +117,18 @@ def test_decoding_is_captured_once(llama_sim) -> None:
 
         for got in sim.run(run):
             assert torch.equal(got, want)
+    from autotp.runtime.causal import CausalWhereMasked
+
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for rank in sim.ranks:
         assert sorted(rank._decoder.programs) == [(False, 1), (True, 1)]
         # the k/v heads are read from the cache as they are, not repeated to the query heads
-        decode = rank._decoder.programs[(False, 1)].module.graph
-        calls = [n for n in decode.nodes if n.target == sdpa]
+        # (as scaled_dot_product_attention, or where its mask may be the causal one, as the
+        # module that checks it: runtime/causal.py)
+        module = rank._decoder.programs[(False, 1)].module
+        calls = [n for n in module.graph.nodes if n.target == sdpa or (
+            n.op == "call_module" and
+            isinstance(module.get_submodule(n.target), CausalWhereMasked))]
         assert len(calls) == LAYERS and all(n.kwargs.get("enable_gqa") for n in calls)
 
 

@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 from torch.fx.node import Argument
 
-from autotp.ops import RESHAPES, arg_node, arg_seq, node_arg
+from autotp.ops import RESHAPES, arg_node, arg_seq, argument, node_arg
+from autotp.runtime.causal import SDPA_CALL
 
 aten = torch.ops.aten
 
@@ -207,12 +208,15 @@ def _repeated_heads(node: Any) -> Optional[fx.Node]:
 
 
 def fuse_repeated_kv_attention(graph: fx.Graph) -> int:
-    """sdpa(q, repeat(k), repeat(v)) -> sdpa(q, k, v, enable_gqa=True); returns the count."""
+    """sdpa(q, repeat(k), repeat(v)) -> sdpa(q, k, v, enable_gqa=True); returns the count.
+    Also where the call is a module taking sdpa's arguments (``causal.SDPA_CALL``)."""
     count = 0
+    sdpa = aten.scaled_dot_product_attention.default
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
+        if not ((node.op == "call_function" and node.target == sdpa) or
+                node.meta.get(SDPA_CALL)):
             continue
-        if node_arg(node, "enable_gqa", False) or len(node.args) > 7:
+        if argument(sdpa, node.args, node.kwargs, "enable_gqa", False) or len(node.args) > 7:
             continue
         key, value = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
         if key is None or value is None:

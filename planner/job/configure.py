@@ -364,14 +364,12 @@ def _expert_degrees(req: Request, experts: int, tp: int, dp: int,
 
 
 def _model_flops(planner: Planner, req: Request, dtype_bytes: int) -> float:
-    """Training FLOPs of one sample: 3 x the forward products of the unsharded program (an
-    attention under a causal-shaped mask tensor: its causal half, as under ``is_causal``)."""
+    """Training FLOPs of one sample: 3 x the forward products of the unsharded program."""
     try:
         prof = planner.profile(1, False, 1, dtype_bytes)
     except ConfigError:
         return 0.0
-    return 3.0 * sum(op.flops / (2 if op.name in prof.causal_masks else 1)
-                     for op in prof.ops if op.kind != "memory")
+    return 3.0 * sum(op.flops for op in prof.ops if op.kind != "memory")
 
 
 def _evaluate(planner: Planner, hw: Hardware, req: Request, prec: Precision, tp: int, pp: int,

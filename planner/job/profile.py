@@ -134,7 +134,8 @@ class Profile:
     ep: int = 1  # expert parallelism: the experts split over ep data-parallel ranks as well
     cp: int = 1  # context parallelism: the sequence split over cp ranks (``seq`` is the shard)
     # attention ops whose mask tensor keeps at most the causal half (``planner.masks.
-    # ordered``): their useful work is half the products an attention with the mask computes
+    # ordered``), priced as causal: unpadded, such a mask is the causal one, which the
+    # runtime attends under by the kernel's causal path (runtime/causal.py) or the ring
     causal_masks: set[str] = field(default_factory=set)
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
@@ -319,12 +320,12 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
             flops = 0.0
             if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
                 flops = busiest * _flops(node, ins, in_layouts, sizes, tp)
+            if node.name in prof.causal_masks:
+                # a causal mask tensor: the kernel's causal path (runtime/causal.py), or the
+                # ring's skipped chunk pairs, do the causal half (no padding at run time)
+                flops /= 2
             if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
                 flops *= cp
-                mask = node_arg(node, "attn_mask")
-                if isinstance(mask, fx.Node) and mask.name in regions and \
-                        node.name in prof.causal_masks:
-                    flops /= 2  # the ring skips the chunk pairs a causal-shaped mask hides
                 sources = [_kv_source(a, sizes) for a in ins[1:3]]
                 kv = [local_bytes(a, _layout(plan.values.get(a.name))) if a is not b
                       else local_bytes(a, read_layout(a, node, i))
