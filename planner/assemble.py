@@ -11,12 +11,12 @@ import torch.fx as fx
 
 from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
 from autotp.errors import PlanError
-from autotp.ops import node_arg, repeated_heads
+from autotp.ops import repeated_heads
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
 from autotp.planner.coalesce import join_siblings
 from autotp.planner.cost import CostModel, attention_strategy, parse_size_expr, readable
 from autotp.planner.invariant import stages
-from autotp.planner.masks import mask_region
+from autotp.planner.masks import attention_mask, mask_region
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
                                     is_grouped, output_layout)
@@ -306,7 +306,7 @@ def attention_kind(node: fx.Node, cp: int, tp: int = 1,
     k_arg = node.args[1] if len(node.args) > 1 else None
     source = repeated_heads(k_arg) or k_arg
     k = source.meta.get("val") if isinstance(source, fx.Node) else None
-    mask = node_arg(node, "attn_mask")
+    mask = attention_mask(node)
     if mask is not None and mask_region(mask) is not None:
         return "ring", ("the attention reads a mask made by elementwise ops, which the ring "
                         "builds block by block from their operands")

@@ -20,6 +20,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from autotp.ops import node_arg
 from autotp.rules.pointwise import ELEMENTWISE
 
 aten = torch.ops.aten
@@ -36,6 +37,14 @@ class MaskRegion:
     [s/cp, s] rows are never held."""
     nodes: tuple[fx.Node, ...]
     factors: tuple[fx.Node, ...]
+
+
+def attention_mask(node: fx.Node) -> Any:
+    """An attention op's ``attn_mask`` argument; None for the fused kernels that take none."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or "attn_mask" not in [a.name for a in schema.arguments]:
+        return None
+    return node_arg(node, "attn_mask")
 
 
 def mask_region(mask: Any) -> Optional[MaskRegion]:

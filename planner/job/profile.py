@@ -43,7 +43,7 @@ from autotp.errors import ConfigError
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
 from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
 from autotp.planner.assemble import attention_kind
-from autotp.planner.masks import MaskRegion, mask_region, ordered
+from autotp.planner.masks import MaskRegion, attention_mask, mask_region, ordered
 from autotp.planner.cost import parse_size_expr
 from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
@@ -414,11 +414,13 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
 
 
 def _causal_masks(gm: fx.GraphModule) -> set[str]:
-    """The attention nodes whose mask keeps at most the causal half of the pairs."""
+    """The attention nodes whose mask keeps at most the causal half of the pairs, and that
+    the runtime can attend by the causal path (no dropout: runtime/causal.py)."""
     out = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ATTENTION:
-            region = mask_region(node_arg(node, "attn_mask"))
+        if node.op == "call_function" and node.target in ATTENTION and \
+                not node_arg(node, "dropout_p", 0.0):
+            region = mask_region(attention_mask(node))
             if region is not None and ordered(region):
                 out.add(node.name)
     return out
@@ -437,7 +439,7 @@ def _mask_regions(gm: fx.GraphModule, cp: int, tp: int) -> dict[str, MaskRegion]
         if node.op != "call_function" or node.target not in ATTENTION or \
                 attention_kind(node, cp, tp)[0] == "ulysses":
             continue
-        mask = node_arg(node, "attn_mask")
+        mask = attention_mask(node)
         region = mask_region(mask) if isinstance(mask, fx.Node) else None
         if region is not None and isinstance(mask, fx.Node):
             out[mask.name] = region
