@@ -29,6 +29,9 @@ from autotp.planner.cost import CostModel
 from autotp.planner.gradflow import check_gradient_flow
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions
+from autotp.runtime.calls import Retracer, skeleton
+from autotp.runtime.contract import describe
+from autotp.runtime.grads import data_parallel_group
 from autotp.rules.registry import Registry
 from autotp.sharded import (ModelInfo, ShardedModule, build_rank, expert_parameters,
                             finish_expert_gradients, full_state_dict, process_group)
@@ -225,7 +228,7 @@ def parallelize(
                                  checkpoint=checkpoint, init=init, device=device)
     if cp_group is not None:
         raise ConfigError("cp_group= without cp=: pass cp, the size of the group")
-    group = process_group(group)
+    mesh_group, group = group, process_group(group)
     group, ep_group = _expert_groups(tp, ep, group, process_group(ep_group))
     world = dist.get_world_size(group)
     tp = world if tp is None else positive_int("tp", tp)
@@ -245,14 +248,19 @@ def parallelize(
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
     ep_comm = ProcessGroupComm(ep_group, timeout=timeout) if ep > 1 else None
+    retracer = _retracer(model, tp, 1, the_plan, strict=strict,
+                         sequence_parallel=sequence_parallel, gather_outputs=gather_outputs,
+                         cost_model=cost_model, check_plan=check_plan)
     return _built(model, captured, the_plan, comm, checkpoint=checkpoint, init=init,
                   device=device, strict=strict, check_plan=check_plan, grad_sync=grad_sync,
-                  compile=compile, keep_gathered=keep_gathered, ep_comm=ep_comm)
+                  compile=compile, keep_gathered=keep_gathered, ep_comm=ep_comm,
+                  retracer=retracer,
+                  data_parallel=data_parallel_group(mesh_group) if ep == 1 else None)
 
 
 def _built(model: nn.Module, captured: Captured, the_plan: Plan, comm: Communicator, *,
-           checkpoint: Any, init: bool, device: Any, strict: bool,
-           **build_options: Any) -> ShardedModule:
+           checkpoint: Any, init: bool, device: Any, strict: bool, retracer: Retracer,
+           data_parallel: Any = None, **build_options: Any) -> ShardedModule:
     """This rank's module of a planned model: its weights (the model's, a checkpoint's
     slices or initialized), placed on ``device`` where the model has none."""
     meta = has_meta_parameters(model)
@@ -269,13 +277,38 @@ def _built(model: nn.Module, captured: Captured, the_plan: Plan, comm: Communica
             seed = _agreed_seed(build_options["cp_comm"], on, seed)
     try:
         sharded = build_rank(captured, the_plan, comm.rank, comm, weights=weights,
-                             device=device if meta else None, seed=seed, **build_options)
+                             device=device if meta else None, seed=seed,
+                             model_class=type(model), **build_options)
     finally:
         weights.close()
-    sharded.source = ModelInfo.of(model)
-    sharded.strict = strict
+    _finish(sharded, model, strict, retracer, data_parallel)
     sharded.placed_on = device if meta else None
     return sharded
+
+
+def _retracer(model: nn.Module, tp: int, cp: int, the_plan: Plan, *, strict: bool,
+              sequence_parallel: bool, gather_outputs: bool, cost_model: Optional[CostModel],
+              registry: Optional[Registry] = None, check_plan: bool = True) -> Retracer:
+    """What a call of another input structure is traced and planned with: the model's
+    structure without its weights, and the options of the first plan."""
+    options = PlanOptions(strict=strict, sequence_parallel=bool(sequence_parallel),
+                          gather_outputs=bool(gather_outputs), expert_parallel=the_plan.ep)
+    return Retracer(skeleton(model), tp, cp, options, registry=registry,
+                    cost_model=cost_model, check_flow=check_plan,
+                    model_name=_model_name(model))
+
+
+def _finish(sharded: ShardedModule, model: nn.Module, strict: bool,
+            retracer: Optional[Retracer], data_parallel: Any = None) -> None:
+    """What the rank's module takes of the model besides its program: what saving needs,
+    what Trainer reads (``runtime.contract``), and what tracing another structure needs."""
+    sharded.source = ModelInfo.of(model)
+    sharded.strict = strict
+    sharded.retracer = retracer if retracer is not None and retracer.model is not None \
+        else None
+    describe(sharded, model, data_parallel)
+    if data_parallel is not None:
+        sharded.average_over(data_parallel)
 
 
 def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int], group: Any,
@@ -302,18 +335,24 @@ def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int
     cp_comm = ProcessGroupComm(cp_group, timeout=timeout)
     comm = cp_comm if tp == 1 else ProcessGroupComm(group, timeout=timeout)
     check_plan = options.pop("check_plan")
+    cost_model = options.pop("cost_model")
+    sequence_parallel = options.pop("sequence_parallel")
+    gather_outputs = options.pop("gather_outputs")
     captured, the_plan = prepare(
         model, tp, cp=cp, example_args=options.pop("example_args"),
         example_kwargs=options.pop("example_kwargs"), strict=options["strict"],
-        cost_model=options.pop("cost_model"),
-        sequence_parallel=options.pop("sequence_parallel"),
-        gather_outputs=options.pop("gather_outputs"), share=comm.made_once)
+        cost_model=cost_model, sequence_parallel=sequence_parallel,
+        gather_outputs=gather_outputs, share=comm.made_once)
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
+    retracer = _retracer(model, tp, cp, the_plan, strict=options["strict"],
+                         sequence_parallel=sequence_parallel, gather_outputs=gather_outputs,
+                         cost_model=cost_model, check_plan=check_plan)
     return _built(model, captured, the_plan, comm, checkpoint=options["checkpoint"],
                   init=options["init"], device=options["device"], strict=options["strict"],
                   check_plan=check_plan, grad_sync=options["grad_sync"],
-                  compile=options["compile"], cp_comm=cp_comm if tp > 1 else None)
+                  compile=options["compile"], cp_comm=cp_comm if tp > 1 else None,
+                  retracer=retracer)
 
 
 def _context_groups(tp: Optional[int], cp: int, group: Any, cp_group: Any
@@ -479,9 +518,13 @@ def simulate(
                                  cost_model=cost_model, registry=registry,
                                  sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs, ep=ep, cp=cp)
+    asked_tp = tp
     tp = the_plan.tp
     if check_plan:
         check_gradient_flow(the_plan, captured.gm)
+    retracer = _retracer(model, asked_tp, cp, the_plan, strict=strict,
+                         sequence_parallel=sequence_parallel, gather_outputs=gather_outputs,
+                         cost_model=cost_model, registry=registry, check_plan=check_plan)
     ranks = []
     if the_plan.context is not None:  # rank c * tp + t: tp rank t of cp rank c
         cp_hubs = [ThreadHub(cp, timeout) for _ in range(tp)]
@@ -489,17 +532,18 @@ def simulate(
             for comm in ThreadHub(tp, timeout).comms():
                 ranks.append(build_rank(captured, the_plan, comm.rank, comm, registry=registry,
                                         grad_sync=grad_sync, compile=compile,
-                                        cp_comm=ThreadComm(cp_hubs[comm.rank], c)))
+                                        cp_comm=ThreadComm(cp_hubs[comm.rank], c),
+                                        model_class=type(model)))
     ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []
     for e in range(ep if the_plan.context is None else 0):
         for comm in ThreadHub(tp, timeout).comms():
             ranks.append(build_rank(captured, the_plan, comm.rank, comm, registry=registry,
                                 grad_sync=grad_sync, compile=compile,
                                 keep_gathered=keep_gathered,
-                                ep_comm=ThreadComm(ep_hubs[comm.rank], e) if ep > 1 else None))
-    for rank in ranks:
-        rank.source = ModelInfo.of(model)
-        rank.strict = strict
+                                ep_comm=ThreadComm(ep_hubs[comm.rank], e) if ep > 1 else None,
+                                model_class=type(model)))
+    for rank in ranks:  # one retracer: the ranks share each new structure's capture and plan
+        _finish(rank, model, strict, retracer)
     return Simulation(the_plan, ranks, captured)
 
 

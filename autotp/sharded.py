@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autotp.capture.trace import Captured, sequence_symbols, size_expr
+from autotp.capture.trace import Captured
 from autotp.errors import ConfigError
 from autotp.layout import Shard
 from autotp.ops import path_attr
@@ -28,10 +28,14 @@ from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.collectives import GradBucket, GradSync, gather
 from autotp.runtime.context import SequenceLayout
-from autotp.runtime.comm import Communicator
+from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
+                                  held_tensors, sequence_dims, significant, structure)
+from autotp.runtime.comm import Communicator, ProcessGroupComm
+from autotp.runtime.grads import DataParallelMean, mark_pieces
 from autotp.runtime.layers import split_layers
 from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.rewrite import rewrite
+from autotp.runtime.wrappers import WrapperCheck
 from autotp.weights.materialize import Weights
 
 if TYPE_CHECKING:
@@ -41,13 +45,17 @@ if TYPE_CHECKING:
 class ShardedModule(nn.Module):
     """One rank's part of a tensor-parallel model. Call it like the original model.
 
-    Its program keeps the original model's layers as submodules under their own paths
-    (``sharded.model.layers[3]``): FSDP2's ``fully_shard``, activation checkpointing and
-    ``torch.compile`` apply per layer (``autotp.runtime.layers``)."""
+    It holds the model's modules under their own paths (``sharded.model.layers[3]``;
+    ``named_parameters()`` and ``state_dict()`` give the model's names, with this rank's
+    pieces): FSDP2's ``fully_shard``, activation checkpointing and ``torch.compile`` apply
+    per layer (``autotp.runtime.layers``). A call of another input structure than the
+    traced one (without ``labels``, with an ``attention_mask``) is traced and planned on
+    first use and runs on the same parameters (``autotp.runtime.calls``)."""
 
     plan: Plan
     comm: Communicator
     seed: int
+    program: torch.fx.GraphModule  # the first traced structure's program (not a submodule)
     # set where a feature needs them (read with getattr until then)
     placed_on: Optional[torch.device]  # parallelize: where weights loaded later go
     checkpoint_experts: dict[str, PerExpert]  # from_pretrained: how save_pretrained splits
@@ -59,55 +67,92 @@ class ShardedModule(nn.Module):
                  ep_comm: Optional[Communicator] = None,
                  cp_comm: Optional[Communicator] = None):
         super().__init__()
-        self.program = program
+        # the program's modules and tensors are this module's, under the model's paths
+        object.__setattr__(self, "program", program)
+        self._modules.update(program._modules)
+        self._parameters.update(program._parameters)
+        self._buffers.update(program._buffers)
         # context parallelism inside tp (``plan.context``): the cp group
         self.cp_comm = cp_comm
         # expert parallelism: the ranks the experts are split over besides the tp group
         self.ep_comm = ep_comm
-        # sequence parallelism: saved gathered inputs are kept as shards (autotp.runtime.regather)
-        self._keeper = keeper
-        # torch.compile of the program: the compute between collectives is compiled, the
-        # collectives and tracked dropouts run eagerly (graph breaks around them)
-        self._run: Any = program
-        if compile:
-            options = dict(compile) if isinstance(compile, dict) else {}
-            self._run = torch.compile(program, **options)
+        self._compile = compile
         self.plan = plan
         self.comm = comm
         self.seed = seed
-        self._bucket = bucket
         self._unused = list(captured.unused)
         self.source: Optional[ModelInfo] = None  # set by parallelize: what saving needs
         self.strict = True  # whether ops with no rule were refused (also for decoding)
         self._signature: Optional[inspect.Signature] = captured.signature
-        self._example: dict[str, Any] = captured.example_kwargs
-        self._plan_checked = not check_plan
-        # input -> its sequence dims, whose sizes tp must divide (sequence parallelism)
-        self._seq_dims: dict[str, list[int]] = {}
+        first = Traced(program, plan, _compiled(program, compile), bucket, keeper,
+                       captured.example_kwargs, checked=not check_plan)
         if plan.sequence_parallel or plan.cp > 1:
-            symbols = sequence_symbols(captured.dim_names)
-            for node in captured.gm.graph.nodes:
-                val = node.meta.get("val")
-                if node.op == "placeholder" and isinstance(val, torch.Tensor):
-                    dims = [d for d, size in enumerate(val.shape) if size_expr(size) in symbols]
-                    if dims:
-                        self._seq_dims[str(node.target)] = dims
+            first.seq_dims = sequence_dims(captured)
+        self._first = first
+        self._traced: dict[Structure, Traced] = {self._structure(first.example): first}
+        # what tracing another structure takes (set by parallelize and simulate)
+        self.retracer: Optional[Retracer] = None
+        self._rebuild: dict[str, Any] = {}
+        self._wrappers = WrapperCheck(self)
+        self._dp_mean: Optional[DataParallelMean] = None
+        mark_pieces(self._pieces())
+
+    # what the first program's attributes were, read by features (pipelines, decoding)
+    @property
+    def _run(self) -> Any:
+        return self._first.run
+
+    @property
+    def _bucket(self) -> GradBucket:
+        return self._first.bucket
+
+    @property
+    def _keeper(self) -> Optional[ShardKeeper]:
+        return self._first.keeper
+
+    @property
+    def _example(self) -> dict[str, Any]:
+        return self._first.example
+
+    @property
+    def _plan_checked(self) -> bool:
+        return self._first.checked
 
     @property
     def rank(self) -> int:
         return self.comm.rank
 
-    def __getattr__(self, name: str) -> Any:
-        """The original model's top-level modules, as the program holds them:
-        ``sharded.model.layers[3]``, ``sharded.get_submodule("model.layers.3")``."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            program = self._modules.get("program")
-            if program is not None and not name.startswith("autotp_") and \
-                    name in program._modules:
-                return program._modules[name]
-            raise
+    @property
+    def tp_size(self) -> Optional[int]:
+        """The tensor-parallel degree (transformers' and accelerate's name for it): None for
+        a single rank, as an unsharded transformers model says."""
+        return self.plan.tp if self.plan.tp > 1 else None
+
+    _tp_size = tp_size
+
+    def _get_name(self) -> str:
+        # the model's own class name: transformers' Trainer picks a loss by it
+        return self.source.model_class.__name__ if self.source is not None else \
+            super()._get_name()
+
+    def train(self, mode: bool = True) -> "ShardedModule":
+        super().train(mode)
+        for traced in self._traced.values():
+            traced.program.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
+        super()._apply(fn, recurse)
+        # the program's own tensors where conversion made new ones; the other structures'
+        for name in list(self.program._buffers):
+            if name in self._buffers:
+                self.program._buffers[name] = self._buffers[name]
+        for name in self.program._parameters:
+            self.program._parameters[name] = self._parameters[name]
+        for traced in self._traced.values():
+            if traced is not self._first:
+                traced.program._apply(fn, recurse)
+        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache") or any(kwargs.get(key) is not None
@@ -116,11 +161,19 @@ class ShardedModule(nn.Module):
             from autotp.features.generate import decoder_of  # layer: it imports this module
 
             return decoder_of(self).host(*args, **kwargs)
-        call = self._bind(args, kwargs)
-        if not self._plan_checked:
-            self.check_plan()
-        with self._keeper.saving() if self._keeper is not None else contextlib.nullcontext():
-            return self._run(**call)
+        self._wrappers.check()
+        named = self._named(args, kwargs)
+        traced = self._program_for(named)
+        call = self._call(traced, named)
+        if not traced.checked:
+            self.check_plan(traced.plan)
+            traced.checked = True
+        if self._dp_mean is not None and torch.is_grad_enabled() and \
+                not self._wrappers.reduce_over_dp():
+            self._dp_mean.arm()
+        with traced.keeper.saving() if traced.keeper is not None else \
+                contextlib.nullcontext():
+            return traced.run(**call)
 
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
@@ -135,11 +188,12 @@ class ShardedModule(nn.Module):
                 "the model again without cp (tp=...) to generate")
         return decoder_of(self).generate(inputs, **kwargs)
 
-    def check_plan(self) -> None:
+    def check_plan(self, plan: Optional[Plan] = None) -> None:
         """Collective: every rank must hold the same plan (a hash exchanged over the group).
         Different models, degrees or examples on different ranks would otherwise run
         mismatched collectives: a hang or a silently wrong result."""
-        digest = hashlib.sha256(self.plan.to_json().encode()).hexdigest()[:15]
+        plan = plan or self.plan
+        digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:15]
         # plain integers in a tensor: nothing exchanged between ranks is ever unpickled
         mine = torch.tensor([int(digest, 16), self.seed % 2**62, self.seed >> 62],
                             dtype=torch.int64, device=self._device())
@@ -167,7 +221,8 @@ class ShardedModule(nn.Module):
                 f"the ranks hold different tensor-parallel plans ({text}): call "
                 "autotp.parallelize with the same model, tp and example inputs on every rank"
             )
-        self._plan_checked = True
+        if plan is self.plan:
+            self._first.checked = True
 
     def _device(self) -> torch.device:
         tensors = itertools.chain(self.program.parameters(), self.program.buffers())
@@ -175,48 +230,92 @@ class ShardedModule(nn.Module):
         # every parameter still on meta (loading deferred): where parallelize places them
         return found or getattr(self, "placed_on", None) or torch.device("cpu")
 
-    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        signature: Optional[inspect.Signature] = self._signature
-        if signature is not None:
-            try:
-                named = dict(signature.bind_partial(*args, **kwargs).arguments)
-            except TypeError as exc:
-                raise ConfigError(f"the call does not fit the model's signature: {exc}") from None
-            for name, param in signature.parameters.items():
-                if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
-                    named.update(named.pop(name))
-        else:
+    # ---- calls -------------------------------------------------------------------------
+
+    def _structure(self, named: dict[str, Any]) -> Structure:
+        return structure(significant(named, self._signature))
+
+    def _named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's inputs by name, as the model's signature binds them."""
+        signature = self._signature
+        if signature is None:
             if args:
                 raise ConfigError("this model was captured with keyword inputs only")
-            named = dict(kwargs)
-        extra = sorted(set(named) - set(self._example))
-        if extra:
-            raise ConfigError(
-                f"the sharded model was traced without {extra}; pass them in example_kwargs "
-                "to autotp.parallelize so that they are part of the traced program"
-            )
+            return dict(kwargs)
+        try:
+            named = dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError as exc:
+            raise ConfigError(f"the call does not fit the model's signature: {exc}") from None
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+        return named
+
+    def _program_for(self, named: dict[str, Any]) -> Traced:
+        key = self._structure(named)
+        found = self._traced.get(key)
+        if found is None:
+            found = self._trace(key, named)
+            self._traced[key] = found
+        return found
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The first program's inputs for this call."""
+        return self._call(self._first, self._named(args, kwargs))
+
+    def _call(self, traced: Traced, named: dict[str, Any]) -> dict[str, Any]:
+        """``traced``'s inputs: the call's, and the traced values of what it leaves out (the
+        inputs that change nothing: ``significant``)."""
         call = {}
-        for name, example in self._example.items():
-            if name in named:
-                value = named[name]
-                if isinstance(example, torch.Tensor):
-                    _check_input(name, value, example)
-                    multiple, what = self._sequence_multiple()
-                    for dim in self._seq_dims.get(name, ()):
-                        if value.shape[dim] % multiple:
-                            raise ConfigError(
-                                f"{what}, but {name!r} has {value.shape[dim]} along dim "
-                                f"{dim}: pad the sequence to a multiple of {multiple}")
-                call[name] = value
-            elif isinstance(example, torch.Tensor):
-                raise ConfigError(f"missing input {name!r} (the example had it)")
-            else:
+        for name, example in traced.example.items():
+            if name not in named:
                 call[name] = example
+                continue
+            value = named[name]
+            if isinstance(example, torch.Tensor):
+                multiple, what = self._sequence_multiple(traced.plan)
+                for dim in traced.seq_dims.get(name, ()):
+                    if value.shape[dim] % multiple:
+                        raise ConfigError(
+                            f"{what}, but {name!r} has {value.shape[dim]} along dim "
+                            f"{dim}: pad the sequence to a multiple of {multiple}")
+            call[name] = value
         return call
 
-    def _sequence_multiple(self) -> tuple[int, str]:
+    def _trace(self, key: Structure, named: dict[str, Any]) -> Traced:
+        """The program of a new input structure, on this module's parameters."""
+        retracer = self.retracer
+        if retracer is None:
+            raise ConfigError(
+                f"the sharded model was traced with inputs {sorted(self._first.example)}; "
+                f"this call has {sorted(significant(named, self._signature))}, and this module "
+                "cannot trace another structure (autotp.parallelize could not copy the model's "
+                "structure): pass this call's inputs as example_kwargs")
+        held, buffers = held_tensors(self.program, self.plan, self._unused)
+        dtype = next((p.dtype for p in held.values() if p.is_floating_point()),
+                     torch.float32)
+        share = self.comm.made_once if isinstance(self.comm, ProcessGroupComm) and \
+            self.comm.world_size > 1 else None
+        if not retracer.example:
+            retracer.example = significant(self._first.example, self._signature)
+        captured, plan = retracer.plan(key, significant(named, self._signature), self.plan,
+                                       dtype, share)
+        device = self._device()
+        weights = HeldWeights(retracer.skeleton, held, buffers, device)
+        program, bucket, keeper = rank_program(
+            captured, plan, self.comm.rank, self.comm, weights=weights, device=device,
+            seed=self.seed, ep_comm=self.ep_comm, cp_comm=self.cp_comm, **self._rebuild)
+        adopt(program, plan, bucket, held, buffers)
+        program.train(self.training)
+        traced = Traced(program, plan, _compiled(program, self._compile), bucket, keeper,
+                        captured.example_kwargs)
+        if plan.sequence_parallel or plan.cp > 1:
+            traced.seq_dims = sequence_dims(captured)
+        return traced
+
+    def _sequence_multiple(self, plan: Optional[Plan] = None) -> tuple[int, str]:
         """What every sequence length must divide by, and why."""
-        plan, order = self.plan, (self.cp_comm or self.comm).sequence
+        plan, order = plan or self.plan, (self.cp_comm or self.comm).sequence
         if order is None:
             return plan.tp, f"sequence parallelism needs the sequence length divisible by " \
                             f"tp={plan.tp}"
@@ -230,6 +329,42 @@ class ShardedModule(nn.Module):
         return multiple, (f"context parallelism with sequence parallelism needs the sequence "
                           f"length divisible by {multiple}: by {why} and by cp x tp = {split} "
                           f"(tp={plan.tp} splits each rank's shard again)")
+
+    # ---- parameters ----------------------------------------------------------------------
+
+    def _pieces(self) -> list[tuple[nn.Parameter, tuple[Communicator, ...]]]:
+        """Each parameter and the groups its gradient is split over (runtime.grads)."""
+        experts = set(self.plan.expert_params) if self.ep_comm is not None else set()
+        out = []
+        for target, param in self.local_parameters().items():
+            over: list[Communicator] = []
+            if isinstance(self.plan.param_layout(target), Shard) and self.plan.tp > 1:
+                over.append(self.comm)
+            if target in experts and self.ep_comm is not None:
+                over.append(self.ep_comm)
+            out.append((param, tuple(over)))
+        return out
+
+    def average_over(self, group: Any) -> None:
+        """Average the gradients over ``group`` (a DeviceMesh's "dp" axis) after each
+        backward that no DDP or FSDP2 over it reduces (``runtime.grads.DataParallelMean``)."""
+        self._dp_mean = DataParallelMean(group, list(self.parameters()))
+
+    def get_extra_state(self) -> torch.Tensor:
+        """Which piece of the model ``state_dict()`` holds (saved under ``_extra_state``,
+        torch's key for it): this rank and the degree. Its tensors have the model's names
+        and this rank's shapes, the same on every rank: a file of one rank's pieces read on
+        another would load without an error."""
+        return torch.tensor([self.comm.rank, self.plan.tp], dtype=torch.int64)
+
+    def set_extra_state(self, state: Any) -> None:
+        rank, tp = (int(v) for v in torch.as_tensor(state).tolist())
+        if (rank, tp) != (self.comm.rank, self.plan.tp):
+            raise ConfigError(
+                f"this state dict holds the pieces of rank {rank} of {tp}, and this is rank "
+                f"{self.comm.rank} of {self.plan.tp}: each rank loads its own state_dict(); "
+                "to save and load the whole model use autotp.save_checkpoint / "
+                "load_checkpoint (any tp) or autotp.save_pretrained (transformers' format)")
 
     def expert_parameters(self) -> dict[str, nn.Parameter]:
         """Plan parameter name -> this rank's share of the experts: ``expert_parameters``."""
@@ -246,6 +381,41 @@ class ShardedModule(nn.Module):
         for target in self.plan.params:
             out[target] = path_attr(self.program, target)
         return out
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def sharded_class(model_class: type, signature: Optional[inspect.Signature]) -> type:
+    """The class of a sharded ``model_class``: ``ShardedModule`` whose ``forward`` shows the
+    model's signature (tools read it from the class: transformers' Trainer finds the label
+    inputs there)."""
+    if signature is None:
+        return ShardedModule
+    key = (model_class, str(signature))
+    found = _CLASSES.get(key)
+    if found is None:
+        def forward(self: ShardedModule, *args: Any, **kwargs: Any) -> Any:
+            return ShardedModule.forward(self, *args, **kwargs)
+
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[self_param, *signature.parameters.values()])
+        forward.__doc__ = getattr(getattr(model_class, "forward", None), "__doc__", None)
+        name = f"Sharded{model_class.__name__}"
+        found = type(name, (ShardedModule,), {"forward": forward, "__qualname__": name,
+                                              "__module__": ShardedModule.__module__})
+        _CLASSES[key] = found
+    return found
+
+
+def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
+    """The program, or its torch.compile: the compute between collectives is compiled, the
+    collectives and tracked dropouts run eagerly (graph breaks around them)."""
+    if not compile:
+        return program
+    options = dict(compile) if isinstance(compile, dict) else {}
+    return torch.compile(program, **options)
 
 
 @dataclass
@@ -268,19 +438,6 @@ class ModelInfo:
                    getattr(model, "generation_config", None))
 
 
-def _check_input(name: str, value: Any, example: torch.Tensor) -> None:
-    """Batch and sequence sizes may change; the rank and dtype of an input may not."""
-    if not isinstance(value, torch.Tensor):
-        raise ConfigError(f"input {name!r} must be a tensor (the example was one), "
-                          f"got {type(value).__name__}")
-    if value.dim() != example.dim() or value.dtype != example.dtype:
-        raise ConfigError(
-            f"input {name!r} is {value.dtype} with {value.dim()} dims, but the model was "
-            f"traced with {example.dtype} and {example.dim()} dims: other batch and sequence "
-            "sizes work, another rank or dtype needs autotp.parallelize with such an example"
-        )
-
-
 def _grad_sync(value: Any) -> GradSync:
     try:
         return GradSync(value)
@@ -289,17 +446,15 @@ def _grad_sync(value: Any) -> GradSync:
                           f"got {value!r}") from None
 
 
-def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
-           registry: Optional[Registry] = None, check_plan: bool = True,
-           seed: Optional[int] = None, grad_sync: str = "bucket",
-           compile: Any = False, weights: Optional[Weights] = None,
-           device: Optional[torch.device] = None, keep_gathered: bool = False,
-           ep_comm: Optional[Communicator] = None,
-           cp_comm: Optional[Communicator] = None) -> ShardedModule:
+def rank_program(captured: Captured, plan: Plan, rank: int, comm: Communicator,
+                 registry: Optional[Registry] = None, seed: Optional[int] = None,
+                 grad_sync: str = "bucket", weights: Optional[Weights] = None,
+                 device: Optional[torch.device] = None, keep_gathered: bool = False,
+                 ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None
+                 ) -> tuple[torch.fx.GraphModule, GradBucket, Optional[ShardKeeper]]:
+    """This rank's program of a planned capture, split by layer; its gradient bucket and,
+    with sequence parallelism, its keeper of gathered inputs."""
     seed = torch.initial_seed() if seed is None else seed
-    if not isinstance(compile, (bool, dict)):
-        raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
-                          f"{type(compile).__name__}")
     keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
     sequence_comm = cp_comm if plan.context is not None else comm
     if plan.cp > 1 and sequence_comm is not None and sequence_comm.sequence is None:
@@ -309,8 +464,32 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
                               keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
     split_layers(program)
-    return ShardedModule(program, plan, captured, comm, bucket, check_plan, seed, compile,
-                         keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
+    return program, bucket, keeper
+
+
+def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
+               registry: Optional[Registry] = None, check_plan: bool = True,
+               seed: Optional[int] = None, grad_sync: str = "bucket",
+               compile: Any = False, weights: Optional[Weights] = None,
+               device: Optional[torch.device] = None, keep_gathered: bool = False,
+               ep_comm: Optional[Communicator] = None,
+               cp_comm: Optional[Communicator] = None,
+               model_class: Optional[type] = None) -> ShardedModule:
+    seed = torch.initial_seed() if seed is None else seed
+    if not isinstance(compile, (bool, dict)):
+        raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
+                          f"{type(compile).__name__}")
+    program, bucket, keeper = rank_program(
+        captured, plan, rank, comm, registry, seed=seed, grad_sync=grad_sync, weights=weights,
+        device=device, keep_gathered=keep_gathered, ep_comm=ep_comm, cp_comm=cp_comm)
+    cls = sharded_class(model_class, captured.signature) if model_class is not None else \
+        ShardedModule
+    sharded = cls(program, plan, captured, comm, bucket, check_plan, seed, compile,
+                  keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
+    # what a program of another input structure is built with (runtime.calls)
+    sharded._rebuild = {"registry": registry, "grad_sync": grad_sync,
+                        "keep_gathered": keep_gathered}
+    return sharded
 
 
 def expert_parameters(module: Any) -> dict[str, nn.Parameter]:

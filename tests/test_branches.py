@@ -115,7 +115,8 @@ def test_a_size_comparison_every_size_decides_traces_as_a_bool() -> None:
 @pytest.mark.parametrize("kind", ["where", "item_checked", "flag", "size_checked"])
 def test_the_ways_forward_are_exact(kind: str) -> None:
     """Each way forward the refusals print traces and runs exact; what it does not cover is
-    refused at the call, not run wrong."""
+    refused at the call, not run wrong. A flag the call gives another value of is another
+    input structure: traced on first use, exact too."""
     torch.manual_seed(0)
     model = Branchy(kind)
     x = torch.randn(2, 16, 32)
@@ -123,8 +124,10 @@ def test_the_ways_forward_are_exact(kind: str) -> None:
     sim = autotp.simulate(model, 2, example_kwargs=example)
     _exact(model, example, sim)
     if kind == "flag":
-        outside: dict[str, Any] = {"x": x, "causal": True}
-    elif kind == "size_checked":
+        _exact(model, {"x": x, "causal": True}, sim)
+        return
+    if kind == "size_checked":
+        outside: dict[str, Any] = {"x": torch.randn(2, 4, 32)}
         outside = {"x": torch.randn(2, 4, 32)}
     elif kind == "item_checked":
         outside = {"x": 1e4 * x}

@@ -101,12 +101,16 @@ def test_op_without_rule_is_named_or_replicated_when_not_strict() -> None:
     assert_equivalent(model, sim, args=(x,))
 
 
-def test_untraced_input_is_refused_with_a_fix() -> None:
+def test_untraceable_input_structure_is_refused_with_a_fix() -> None:
+    """A call of another structure where the module cannot trace one (no copy of the
+    model's structure) names the inputs and the fix."""
     model = BUILDERS["gpt2"]()
     args, kwargs = example("gpt2")
     sim = autotp.simulate(model, 2, example_args=args, example_kwargs=kwargs)
     ids = kwargs["input_ids"]
-    with pytest.raises(autotp.ConfigError, match=r"traced without \['labels'\]"):
+    sim.ranks[0].retracer = None
+    with pytest.raises(autotp.ConfigError, match=r"this call has \['input_ids', 'labels'\]"
+                                                 r".*pass this call's inputs as example_kwargs"):
         sim.ranks[0](input_ids=ids, labels=ids)
 
 
