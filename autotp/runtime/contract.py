@@ -1,0 +1,92 @@
+"""What the tools around a model read of it, on the sharded module.
+
+transformers' Trainer and accelerate treat a model sharded by tensor parallelism by what it
+says of itself: ``tp_size`` (> 1: no DDP wrap, every rank of a tensor-parallel group gets
+the same batches, ``num_items_in_batch`` counted once per group) and
+``config.distributed_config.dp_size`` (the ranks with distinct batches). The sharded module
+says so (``ShardedModule.tp_size``; ``describe`` gives it the model's config with a
+``distributed_config``, and the attributes Trainer reads to compute the loss:
+``main_input_name``, ``accepts_loss_kwargs``, ``loss_type``). The model's config object is
+not changed: the module holds a shallow copy. In CPU processes, accelerate's check that
+keeps tensor parallelism to accelerators is widened (``admit_cpu_tensor_parallel``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+# read by transformers' Trainer off the model it trains; copied where the model has them
+TRAINER_ATTRIBUTES = ("main_input_name", "accepts_loss_kwargs", "loss_type")
+
+
+def distributed_config(tp: int, dp: int) -> Any:
+    """transformers' ``DistributedConfig`` of a model split tp ways with dp replicas (its
+    ``dp_size`` is what Trainer reads)."""
+    try:
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError:  # an older transformers: Trainer reads only dp_size
+        from types import SimpleNamespace
+
+        return SimpleNamespace(tp_size=tp, dp_replicate_size=dp, dp_size=dp)
+    return DistributedConfig(tp_size=tp, dp_replicate_size=dp)
+
+
+def describe(sharded: Any, model: nn.Module, data_parallel: Optional[Any]) -> None:
+    """Give ``sharded`` the model's attributes Trainer reads, and its config with the
+    parallel sizes (``data_parallel``: the data-parallel group, or None)."""
+    for name in TRAINER_ATTRIBUTES:
+        if hasattr(model, name):
+            object.__setattr__(sharded, name, getattr(model, name))
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
+    config = copy.copy(config)
+    tp = sharded.plan.tp
+    if tp > 1:
+        config.distributed_config = distributed_config(tp, dp)
+        if sharded._device().type == "cpu":
+            admit_cpu_tensor_parallel()
+    object.__setattr__(sharded, "config", config)
+
+
+def admit_cpu_tensor_parallel() -> None:
+    """Let accelerate run a tensor-parallel model in CPU processes (gloo).
+
+    accelerate builds its tensor-parallel mesh and its data loading (the same batches on
+    every rank of a tensor-parallel group) for any device type, but its config check admits
+    tensor parallelism on accelerators only: transformers' Trainer, given a model with a
+    ``tp_size``, would refuse to start in CPU processes. The check is widened for CPU
+    processes (``DistributedType.MULTI_CPU``) alone, once per process; nothing else in
+    accelerate changes. Without accelerate installed there is nothing to do."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    check = ParallelismConfig._validate_accelerator
+    if getattr(check, "autotp_cpu", False):
+        return
+
+    def validate(self: Any, accelerator: Any) -> Any:
+        if accelerator.distributed_type != DistributedType.MULTI_CPU:
+            return check(self, accelerator)
+        kind = type(accelerator)
+        saved = kind.__dict__.get("multi_device")
+        kind.multi_device = property(lambda _: True)  # what the check asks of the device
+        try:
+            return check(self, accelerator)
+        finally:
+            if saved is None:
+                del kind.multi_device
+            else:
+                kind.multi_device = saved
+
+    validate.autotp_cpu = True  # type: ignore[attr-defined]
+    ParallelismConfig._validate_accelerator = validate  # type: ignore[method-assign]
