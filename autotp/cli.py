@@ -25,6 +25,7 @@ from autotp.errors import AutotpError, ConfigError
 from autotp.features.check_model import check_model
 from autotp.features.dot import to_dot
 from autotp.features.explain import explain
+from autotp.features.export import to_tp_plan
 from autotp.features.page import to_html
 from autotp.features.report import to_json, to_table
 from autotp.ops import positive_int
@@ -155,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         text = to_json(plan, cost_model)
     elif args.format == "dot":
         text = to_dot(plan, cost_model)
+    elif args.format == "tp-plan":
+        text = to_tp_plan(plan).to_json()
     else:
         text = to_html(plan, cost_model)
     _emit(text, args)
@@ -334,9 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
     _add_model_args(p)
-    p.add_argument("--format", choices=["table", "json", "dot", "html"], default="table",
-                   help="a table (default), JSON (schema autotp.plan/1), Graphviz DOT, or one "
-                        "self-contained HTML page")
+    p.add_argument("--format", choices=["table", "json", "dot", "html", "tp-plan"],
+                   default="table",
+                   help="a table (default), JSON (schema autotp.plan/1), Graphviz DOT, one "
+                        "self-contained HTML page, or transformers' tp_plan as JSON with what "
+                        "it cannot express (schema autotp.tp_plan/1)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--sharded-outputs", action="store_true",
                    help="return sharded outputs (e.g. vocabulary-sharded logits) ungathered")

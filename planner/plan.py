@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from autotp.layout import Layout, parse_layout
+
+if TYPE_CHECKING:  # the export is a feature, a layer above the planner
+    from autotp.features.export import TpPlanExport
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,14 @@ class Plan:
                 f"{how}, {count} per rank"
             parts.append(f"{text} ({n} stacked weight{'s' if n != 1 else ''})")
         return "; ".join(parts)
+
+    def to_tp_plan(self, *, style: str = "transformers") -> "TpPlanExport":
+        """This plan as ``style``'s module styles: "transformers" (a model's ``tp_plan``
+        strings) or "torch" (``parallelize_module`` styles); what they cannot say is in
+        ``not_expressible`` (``autotp.features.export``)."""
+        from autotp.features.export import to_tp_plan  # a layer above: imported when called
+
+        return to_tp_plan(self, style=style)
 
     # ---- JSON ------------------------------------------------------------------------
 

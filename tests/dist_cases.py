@@ -586,3 +586,82 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
                 c.strategy.endswith("[ring]") for c in context.choices.values()),
             "stage_params": sum(p.numel() for p in params),
             "full_params": sum(p.numel() for p in original.parameters())}
+
+
+def torch_styles_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    """Model ``name`` from the same weights: unsharded, ``autotp.parallelize``, torch's
+    ``parallelize_module`` with autotp's plan exported as torch styles
+    (``plan.to_tp_plan(style="torch").as_torch()``) and, for a transformers model,
+    transformers' own ``apply_tensor_parallelism`` with the exported ``tp_plan`` (its ``*``
+    patterns expanded by the model, as ``from_pretrained`` does); one forward and backward
+    each, the outputs and whole gradients compared (tests/test_export.py)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autotp
+    from autotp.features.verify import compare, reference_step, sharded_step
+    from models import BUILDERS, batch, example, loss_of, main_output
+
+    torch.set_num_threads(1)
+    model = BUILDERS[name]()
+    args, kwargs = example(name)
+    ids = batch()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def call(m: torch.nn.Module) -> Any:
+        return m(ids) if args else m(input_ids=ids)
+
+    def loss(out: Any) -> torch.Tensor:
+        return loss_of(out, ids)
+
+    reference = reference_step(model, call, loss, main_output)
+    plan = autotp.plan(model, world_size, example_args=args, example_kwargs=kwargs)
+    export = plan.to_tp_plan(style="torch")
+    steps = {"autotp": sharded_step(autotp.parallelize(copy.deepcopy(model), tp=world_size,
+                                                       example_args=args,
+                                                       example_kwargs=kwargs),
+                                    call, loss, main_output)}
+    styled = parallelize_module(copy.deepcopy(model), mesh, export.as_torch())
+    steps["torch"] = _styled_step(styled, call, loss)
+    if hasattr(model, "_expand_parallel_plan"):  # a transformers model
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        tf_model = copy.deepcopy(model)
+        tp_plan = tf_model._expand_parallel_plan(plan.to_tp_plan().as_transformers())
+        steps["transformers"] = _styled_step(apply_tensor_parallelism(tf_model, mesh, tp_plan),
+                                             call, loss)
+    scale = float(reference.output.abs().max())
+    result: dict[str, Any] = {"not_expressible": dict(export.not_expressible),
+                              "sharded": _dtensors(styled)}
+    for label, got in steps.items():
+        for against, want in (("unsharded", reference), ("autotp", steps["autotp"])):
+            cmp = compare(want, got)
+            result[f"{label} vs {against}"] = {
+                "output_rel": cmp.output_diff / scale, "grad_rel": cmp.grad_rel,
+                "worst_param": cmp.worst_param}
+    return result
+
+
+def _styled_step(model: torch.nn.Module, call: Any, loss: Any) -> Any:
+    """One step of a model with DTensor parameters: its output, loss and whole gradients
+    (``full_tensor``, in the same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    from autotp.features.verify import StepResult, main_output
+
+    out = call(model)
+    value = loss(out)
+    value.backward()
+    grads = {}
+    for key, param in model.named_parameters(remove_duplicate=False):
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grads[key] = grad.detach().clone()
+    return StepResult(main_output(out).detach().clone(), float(value.detach()), grads)
+
+
+def _dtensors(model: torch.nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) for p in model.parameters())
