@@ -53,6 +53,14 @@ def test_trainer_at_dp_2_x_tp_2_trains_as_ddp_over_2_ranks() -> None:
         _same_training(result, reference)
 
 
+def test_trainer_on_a_model_of_no_library() -> None:
+    """A plain nn.Module returning a dict with the loss: Trainer reads the parallel sizes
+    from the config the module gives it."""
+    reference = _run(cases.plain_case, 1, 0)[0]
+    for result in _run(cases.plain_case, 2, 2):
+        _same_training(result, reference)
+
+
 def test_ddp_over_tensor_parallel_peers_is_refused() -> None:
     for message in _run(cases.ddp_over_peers_case, 2):
         assert message.startswith("DistributedDataParallel over ranks [0, 1]"), message

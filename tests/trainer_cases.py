@@ -153,3 +153,51 @@ def fsdp_over_peers_case(rank: int, world: int) -> str:
     except autotp.ConfigError as exc:
         return str(exc)
     return "not refused"
+
+
+class PlainLM(torch.nn.Module):
+    """A language model of no library: a dict with the loss when given labels. No bias on
+    q|k|v: a key bias's gradient is zero in exact arithmetic (softmax ignores a constant per
+    row), and AdamW would turn its rounding, which differs between any two ways of summing,
+    into steps of the learning rate's size."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.out = torch.nn.Linear(width, width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids)
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in self.qkv(x).chunk(3, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, c))
+        x = x + self.down(torch.nn.functional.gelu(self.up(x)))
+        logits = self.head(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return out
+
+
+def plain_case(rank: int, world: int, tp: int) -> dict[str, Any]:
+    """Trainer on a model of no library: the reference when ``tp`` is 0, else sharded."""
+    _environment(rank, world)
+    torch.manual_seed(0)
+    model = PlainLM()
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        sharded = autotp.parallelize(model, tp=tp, group=mesh["tp"],
+                                     example_kwargs={"input_ids": Tokens().ids[:2]})
+        numbers, _ = _train(sharded)
+        return {"numbers": numbers, "weights": _sent(autotp.full_state_dict(sharded))}
+    numbers, _ = _train(model)
+    return {"numbers": numbers, "weights": _sent(dict(model.named_parameters()))}

@@ -14,10 +14,13 @@ keeps tensor parallelism to accelerators is widened (``admit_cpu_tensor_parallel
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch.distributed as dist
 from torch import nn
+
+from autotp.runtime.comm import ProcessGroupComm
 
 # read by transformers' Trainer off the model it trains; copied where the model has them
 TRAINER_ATTRIBUTES = ("main_input_name", "accepts_loss_kwargs", "loss_type")
@@ -29,8 +32,6 @@ def distributed_config(tp: int, dp: int) -> Any:
     try:
         from transformers.distributed.configuration_utils import DistributedConfig
     except ImportError:  # an older transformers: Trainer reads only dp_size
-        from types import SimpleNamespace
-
         return SimpleNamespace(tp_size=tp, dp_replicate_size=dp, dp_size=dp)
     return DistributedConfig(tp_size=tp, dp_replicate_size=dp)
 
@@ -41,17 +42,22 @@ def describe(sharded: Any, model: nn.Module, data_parallel: Optional[Any]) -> No
     for name in TRAINER_ATTRIBUTES:
         if hasattr(model, name):
             object.__setattr__(sharded, name, getattr(model, name))
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return
-    dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
-    config = copy.copy(config)
     tp = sharded.plan.tp
+    config = getattr(model, "config", None)
+    config = copy.copy(config) if config is not None else None
     if tp > 1:
-        config.distributed_config = distributed_config(tp, dp)
-        if sharded._device().type == "cpu":
+        dp = dist.get_world_size(data_parallel) if data_parallel is not None else 1
+        # a model of other code than transformers has no config (or one of its own): Trainer
+        # reads only the parallel sizes of it
+        config = config if config is not None else SimpleNamespace()
+        try:
+            config.distributed_config = distributed_config(tp, dp)
+        except (AttributeError, TypeError):  # a frozen config of the model's own
+            pass
+        if isinstance(sharded.comm, ProcessGroupComm) and sharded._device().type == "cpu":
             admit_cpu_tensor_parallel()
-    object.__setattr__(sharded, "config", config)
+    if config is not None:
+        object.__setattr__(sharded, "config", config)
 
 
 def admit_cpu_tensor_parallel() -> None:

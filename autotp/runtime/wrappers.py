@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +38,9 @@ class WrapperCheck:
         self.seen: set[int] = set()  # the DDP objects and device meshes already checked
         self.ddp_over_dp = False  # a DDP runs the current forward (over dp: else refused)
         self.fsdp = False  # FSDP2 holds the parameters (over dp: else refused)
+        # the modules that hold parameters, walked at every forward (FSDP2 swaps their
+        # parameters for DTensors, and their class for a subclass of FSDPModule, in place)
+        self.owners = [m for m in sharded.modules() if m._parameters]
 
     def _peers(self) -> Optional[list[int]]:
         comm = self.sharded.comm
@@ -48,7 +52,7 @@ class WrapperCheck:
         peers = self._peers()
         ddp = DistributedDataParallel._get_active_ddp_module()
         self.ddp_over_dp = ddp is not None
-        meshes = _fsdp_meshes(self.sharded)
+        meshes = _fsdp_meshes(self.owners + [self.sharded])
         self.fsdp = bool(meshes)
         if peers is None:
             return
@@ -81,15 +85,15 @@ class WrapperCheck:
             "Trainer needs no wrapper: it reads the module's tp_size")
 
 
-def _fsdp_meshes(module: Any) -> list[Any]:
-    """The device meshes FSDP2 shards ``module``'s parameters over: those of the DTensors it
-    holds between steps and, inside a forward where they are gathered, of its parameter
-    groups."""
-    from torch.distributed.fsdp import FSDPModule
-
-    meshes = {id(p.device_mesh): p.device_mesh for p in module.parameters()
-              if isinstance(p, DTensor)}
-    for sub in module.modules():
+def _fsdp_meshes(modules: list[Any]) -> list[Any]:
+    """The device meshes FSDP2 shards the parameters of ``modules`` over: those of the
+    DTensors they hold between steps and, inside a forward where they are gathered, of
+    their parameter groups."""
+    meshes = {}
+    for sub in modules:
+        for p in sub._parameters.values():
+            if isinstance(p, DTensor):
+                meshes[id(p.device_mesh)] = p.device_mesh
         if isinstance(sub, FSDPModule):
             group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
             mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
