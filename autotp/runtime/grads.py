@@ -162,9 +162,6 @@ class DataParallelMean:
     def arm(self) -> None:
         self.armed = True
 
-    def disarm(self) -> None:
-        self.armed = False
-
     def _ready(self, param: torch.Tensor) -> None:
         if self.armed and not self.queued:
             self.queued = True
@@ -177,16 +174,32 @@ class DataParallelMean:
                  not isinstance(p.grad, DTensor)]
         if not grads:
             return
-        plain = [_plain(g) for g in grads]
-        for dtype in sorted({g.dtype for g in plain}, key=str):
-            group = [g for g in plain if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in group])
+        for bucket in _buckets([_plain(g) for g in grads]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.size)
             offset = 0
-            for g in group:
+            for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor], limit: int = 64 * 2**20) -> list[list[torch.Tensor]]:
+    """``grads`` in runs of one dtype and device of at most ``limit`` bytes (one tensor
+    larger than that alone): one all-reduce each, without a copy of every gradient at
+    once."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        last = out[-1] if out else None
+        if last is None or last[0].dtype != g.dtype or last[0].device != g.device or \
+                size + g.numel() * g.element_size() > limit:
+            out.append([g])
+            size = g.numel() * g.element_size()
+        else:
+            last.append(g)
+            size += g.numel() * g.element_size()
+    return out
 
 
 def data_parallel_group(group: Any) -> Optional[Any]:
