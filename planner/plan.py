@@ -15,6 +15,7 @@ from autotp.layout import Layout, parse_layout
 
 if TYPE_CHECKING:  # the export is a feature, a layer above the planner
     from autotp.features.export import TpPlanExport
+    from autotp.planner.cost import CostModel
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,29 @@ class Plan:
                 f"{how}, {count} per rank"
             parts.append(f"{text} ({n} stacked weight{'s' if n != 1 else ''})")
         return "; ".join(parts)
+
+    def table(self, cost_model: Optional["CostModel"] = None) -> str:
+        """Every parameter's layout and every collective (with its bytes and time under
+        ``cost_model``, default ``CostModel()``), as ``autotp plan`` prints them."""
+        from autotp.features.report import to_table  # a layer above: imported when called
+        from autotp.planner.cost import CostModel
+
+        return to_table(self, cost_model or CostModel())
+
+    def report(self, cost_model: Optional["CostModel"] = None) -> dict[str, Any]:
+        """The plan as ``autotp plan --format json`` writes it (schema ``autotp.plan/1``,
+        docs/command-line.md); ``to_json`` is the plan's own round-trip form."""
+        from autotp.features.report import to_dict  # a layer above: imported when called
+        from autotp.planner.cost import CostModel
+
+        return to_dict(self, cost_model or CostModel())
+
+    def to_html(self, cost_model: Optional["CostModel"] = None) -> str:
+        """The one-page HTML view ``autotp plan --format html`` writes."""
+        from autotp.features.page import to_html  # a layer above: imported when called
+        from autotp.planner.cost import CostModel
+
+        return to_html(self, cost_model or CostModel())
 
     def to_tp_plan(self, *, style: str = "transformers") -> "TpPlanExport":
         """This plan as ``style``'s module styles: "transformers" (a model's ``tp_plan``

@@ -625,3 +625,22 @@ def test_browser_draws_the_plans_rows_in_their_layouts_colours(
     expected = params + collectives
     assert any(bands[i:i + len(expected)] == expected for i in range(len(bands))), \
         (expected, bands)
+
+
+def test_the_python_entry_points_give_what_the_command_line_writes(llama_plan: Plan) -> None:
+    """``plan.table()``, ``plan.report()`` and ``plan.to_html()`` are the CLI's table, JSON
+    (schema autotp.plan/1) and page: every parameter's layout and every collective."""
+    from autotp.features.page import to_html
+    from autotp.features.report import to_dict, to_table
+    from autotp.planner.cost import CostModel
+
+    cost = CostModel()
+    table = llama_plan.table()
+    assert table == to_table(llama_plan, cost)
+    for name, param in llama_plan.params.items():  # identical layers folded into one block
+        short = re.sub(r"^.*\.\d+\.", "", param.names[0])
+        assert re.search(rf"{re.escape(short)} +\S+ {re.escape(param.layout)} ", table), name
+    report = llama_plan.report()
+    assert report == to_dict(llama_plan, cost) and report["schema"] == "autotp.plan/1"
+    assert len(report["collectives"]) == len(llama_plan.collectives)
+    assert llama_plan.to_html() == to_html(llama_plan, cost)
