@@ -8,32 +8,78 @@
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING, Any
+
+from autotp import progress
 
 try:
     __version__ = _version("autotp")
 except PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
 
-from autotp.api import (
-    ShardedModule,
-    Simulation,
-    expert_parameters,
-    finish_expert_gradients,
-    full_state_dict,
-    parallelize,
-    plan,
-    simulate,
-)
-from autotp.features.checkpoint import load_checkpoint, save_checkpoint
-from autotp.features.pretrained import from_pretrained, save_pretrained
-from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError, PlanError,
-                           TraceError)
-from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
-from autotp.weights.materialize import empty_weights
-from autotp.features.clipping import clip_grad_norm_
-from autotp.features.pipeline import pipeline_stages
-from autotp.planner.job.configure import Estimate, estimate
-from autotp.planner.plan import Plan
+# name -> the module that defines it, imported on first use: ``import autotp`` and
+# ``autotp --help`` load neither the planner nor torch.export, nor transformers
+_LAZY = {
+    "ShardedModule": "autotp.api", "Simulation": "autotp.api",
+    "expert_parameters": "autotp.api", "finish_expert_gradients": "autotp.api",
+    "full_state_dict": "autotp.api", "parallelize": "autotp.api", "plan": "autotp.api",
+    "simulate": "autotp.api",
+    "load_checkpoint": "autotp.features.checkpoint",
+    "save_checkpoint": "autotp.features.checkpoint",
+    "from_pretrained": "autotp.features.pretrained",
+    "save_pretrained": "autotp.features.pretrained",
+    "AutotpError": "autotp.errors", "ConfigError": "autotp.errors",
+    "GradientFlowError": "autotp.errors", "NoRuleError": "autotp.errors",
+    "PlanError": "autotp.errors", "TraceError": "autotp.errors",
+    "P": "autotp.layout", "R": "autotp.layout", "R_STAR": "autotp.layout",
+    "Partial": "autotp.layout", "Replicate": "autotp.layout", "Shard": "autotp.layout",
+    "empty_weights": "autotp.weights.materialize",
+    "clip_grad_norm_": "autotp.features.clipping",
+    "pipeline_stages": "autotp.features.pipeline",
+    "Estimate": "autotp.planner.job.configure", "estimate": "autotp.planner.job.configure",
+    "Plan": "autotp.planner.plan",
+}
+
+if TYPE_CHECKING:
+    from autotp.api import (
+        ShardedModule,
+        Simulation,
+        expert_parameters,
+        finish_expert_gradients,
+        full_state_dict,
+        parallelize,
+        plan,
+        simulate,
+    )
+    from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError,
+                               PlanError, TraceError)
+    from autotp.features.checkpoint import load_checkpoint, save_checkpoint
+    from autotp.features.clipping import clip_grad_norm_
+    from autotp.features.pipeline import pipeline_stages
+    from autotp.features.pretrained import from_pretrained, save_pretrained
+    from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
+    from autotp.planner.job.configure import Estimate, estimate
+    from autotp.planner.plan import Plan
+    from autotp.weights.materialize import empty_weights
+
+
+def __getattr__(name: str) -> Any:
+    """The public API's names and the subpackages (``autotp.api.default_device``), each
+    imported on first use."""
+    from importlib import import_module
+    from importlib.util import find_spec
+
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(import_module(module), name)
+    if not name.startswith("__") and find_spec(f"autotp.{name}") is not None:
+        return import_module(f"autotp.{name}")
+    raise AttributeError(f"module 'autotp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",
@@ -47,6 +93,7 @@ __all__ = [
     "Partial",
     "Plan",
     "pipeline_stages",
+    "progress",
     "PlanError",
     "R",
     "R_STAR",

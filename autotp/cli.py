@@ -10,72 +10,45 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
 import traceback
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-
+# The parser is built from these alone (torch, no planner, no torch.export, no transformers):
+# each command imports what it runs (``autotp --help`` costs little beyond ``import torch``).
 import autotp
-from autotp.capture.named_models import load_model, parse_overrides
-from autotp.capture.trace import capture
+from autotp import progress
+from autotp.cli_support import (OnOff, cast, in_flag_words, input_message, model_source,
+                                output_format, rejected_input, terminal)
 from autotp.errors import AutotpError, ConfigError
-from autotp.features.check_model import check_model
-from autotp.features.dot import to_dot
-from autotp.features.explain import explain
-from autotp.features.export import to_tp_plan
-from autotp.features.page import to_html
-from autotp.features.report import to_json, to_table
 from autotp.ops import positive_int
-from autotp.planner.cost import CostModel
-from autotp.planner.job import hardware as hw_module
-from autotp.planner.job.configure import (Estimate, Planner, Request, attention_heads,
-                                          capture_for_training, parse_mesh_dims, search,
-                                          training_example)
-from autotp.planner.job.estimate_view import write
 from autotp.planner.job.hardware import PRESETS
-from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS, precision
-from autotp.planner.context import plan_tp_cp
-from autotp.planner.solve import PlanOptions
-
-
-class Progress:
-    """One line per long step on stderr (stdout stays clean for JSON)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            print(f"autotp: {text}", file=sys.stderr, flush=True)
-
-    @contextmanager
-    def step(self, text: str) -> Iterator[None]:
-        start = time.perf_counter()
-        if self.enabled:
-            print(f"autotp: {text} ...", end="", file=sys.stderr, flush=True)
-        try:
-            yield
-        finally:
-            if self.enabled:
-                print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+from autotp.planner.job.memory import OPTIMIZER_MOMENTS, PRECISIONS
 
 
 def _cost_model(args: argparse.Namespace) -> Any:
+    from autotp.planner.cost import CostModel
+
     return CostModel(bandwidth=args.bandwidth * 1e9, latency=args.latency * 1e-6,
                      step_latency=args.step_latency * 1e-6,
                      batch=args.batch, seq=args.seq)
 
 
 def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
+    from autotp.planner.solve import PlanOptions
+
     return PlanOptions(sequence_parallel=args.sequence_parallel,
                        gather_outputs=not getattr(args, "sharded_outputs", False),
                        expert_parallel=getattr(args, "ep", 1), **kwargs)
 
 
 SEQ = 2048  # the sequence length bytes and times are counted at, in every subcommand
+DTYPES = ["bfloat16", "float16", "float32"]
+VERBOSE_HELP = ("the libraries' own output too (torch's logs, Python warnings) and the trace "
+                "of an error")
 
 
 def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> None:
@@ -89,11 +62,14 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
                         metavar="KEY=VALUE", help="override a config field (repeatable)")
     parser.add_argument("--non-strict", dest="strict", action="store_false",
                         help="replicate ops without a rule (recorded) instead of failing")
-    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
-                        default=False,
+    parser.add_argument("--sequence-parallel", action=OnOff, default=False,
                         help="shard the activations between blocks along the sequence "
                              "(default: off)")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="build the model in this dtype (default: its config's, float32 "
+                             "for a factory's own)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     if not costs:
         return
     parser.add_argument("--ep", type=int, default=1,
@@ -116,23 +92,25 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
 
 
 def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
-    progress = Progress(not args.quiet)
+    from autotp.capture.named_models import load_model, parse_overrides
+    from autotp.capture.trace import capture
+    from autotp.planner.context import plan_tp_cp
+
     positive_int("--tp", args.tp)
     positive_int("--ep", getattr(args, "ep", 1))
     cp = positive_int("--cp", getattr(args, "cp", 1))
     if cp > 1 and (args.sequence_parallel or getattr(args, "ep", 1) > 1):
         raise ConfigError(f"--cp {cp} runs with no --sequence-parallel and no --ep (context "
                           "parallelism splits the sequence itself)")
-    with progress.step(f"building {args.model}" + (" on the meta device" if meta else "")):
-        loaded = load_model(args.model, parse_overrides(args.overrides), meta=meta)
-    with progress.step("tracing with torch.export"):
-        captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
+    with progress.stage(f"building {args.model}" + (" on the meta device" if meta else "")), \
+            model_source(args.model) as source:
+        loaded = cast(load_model(source, parse_overrides(args.overrides), meta=meta),
+                      args.dtype)
+    captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
     for path, (traced, total) in captured.traced_layers.items():
         progress.note(f"{path}: {traced} of {total} layers traced, the rest stamped from them")
-    with progress.step("planning"):
-        plan = plan_tp_cp(captured, args.tp, cp, _options(args, strict=args.strict,
-                                                          force=force),
-                          cost_model=_cost_model(args), model_name=args.model)
+    plan = plan_tp_cp(captured, args.tp, cp, _options(args, strict=args.strict, force=force),
+                      cost_model=_cost_model(args), model_name=args.model)
     return loaded, captured, plan
 
 
@@ -148,15 +126,21 @@ def _emit(text: str, args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from autotp.features.dot import to_dot
+    from autotp.features.export import to_tp_plan
+    from autotp.features.page import to_html
+    from autotp.features.report import to_json, to_table
+
     _, _, plan = _prepare(args, meta=True)
     cost_model = _cost_model(args)
-    if args.format == "table":
+    form = output_format(args.format, args.output, PLAN_FORMATS)
+    if form == "table":
         text = to_table(plan, cost_model)
-    elif args.format == "json":
+    elif form == "json":
         text = to_json(plan, cost_model)
-    elif args.format == "dot":
+    elif form == "dot":
         text = to_dot(plan, cost_model)
-    elif args.format == "tp-plan":
+    elif form == "tp-plan":
         text = to_tp_plan(plan).to_json()
     else:
         text = to_html(plan, cost_model)
@@ -165,6 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from autotp.features.explain import explain
+
     _, captured, plan = _prepare(args, meta=True)
     options, degree = _options(args, strict=args.strict), args.tp
     if plan.context_parallel:  # --tp 1 --cp C: the cp group's plan, as plan_tp_cp makes it
@@ -191,13 +177,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    progress = Progress(not args.quiet)
+    from autotp.capture.named_models import parse_overrides
+    from autotp.features.check_model import check_model
+
     how = f"running {args.tp} gloo processes" if args.procs else \
         "tracing, planning, rewriting and running all ranks"
-    with progress.step(f"building {args.model} with random weights, {how}"):
-        checked = check_model(args.model, parse_overrides(args.overrides), args.tp,
+    with progress.stage(f"building {args.model} with random weights, {how}"), \
+            model_source(args.model) as source:
+        checked = check_model(source, parse_overrides(args.overrides), args.tp,
                               strict=args.strict, sequence_parallel=args.sequence_parallel,
-                              procs=args.procs)
+                              procs=args.procs, dtype=args.dtype)
     if checked.proven:  # simulate raised if the proof fails; each process proves its own
         print(f"gradient flow: each of {checked.proven} trainable parameters gets its whole "
               "gradient in its own layout (proven on the plan)")
@@ -224,10 +213,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    progress = Progress(not args.quiet)
+    from autotp.capture.named_models import load_model, parse_overrides
+    from autotp.planner.job import hardware as hw_module
+    from autotp.planner.job.configure import (Estimate, Planner, Request, attention_heads,
+                                              capture_for_training, parse_mesh_dims, search,
+                                              training_example)
+    from autotp.planner.job.estimate_view import write
+    from autotp.planner.job.memory import precision
+
     base = hw_module.hardware(args.hardware)
-    if args.calibrate:
-        with progress.step(f"measuring this device against {base.name}"):
+    if args.calibrate or args.calibrate_anyway:
+        refusal = calibration_refusal(base.name)
+        if refusal and not args.calibrate_anyway:
+            raise ConfigError(refusal + ": run --calibrate on that GPU, pass --hardware "
+                              "the preset this device is, or --calibrate-anyway to write "
+                              "this device's numbers under the name anyway")
+        with progress.stage(f"measuring this device against {base.name}"):
             measured, _ = hw_module.calibrate(base, dtype=args.dtype)
         path = args.output or f"{measured.name}.json"
         hw_module.save(measured, path)
@@ -246,15 +247,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if cp is not None and "cp=" in args.mesh.replace(" ", "") and cp != dims["cp"]:
             raise ConfigError(f"--cp {cp} and --mesh {args.mesh} disagree: give cp once")
         cp = dims["cp"] if cp is None else cp
+        size = dims["pp"] * dims["dp"] * cp * dims["tp"]
+        if size != args.gpus:  # before tracing: a wrong product is seconds, not minutes
+            raise ConfigError(f"--mesh {args.mesh} is pp={dims['pp']} x dp={dims['dp']} x "
+                              f"cp={cp} x tp={dims['tp']} = {size} GPUs, not the {args.gpus} "
+                              "of --gpus: change --mesh or --gpus")
     start = time.perf_counter()
-    with progress.step(f"building {args.model} on the meta device"):
-        loaded = load_model(args.model, parse_overrides(args.overrides), meta=True)
+    with progress.stage(f"building {args.model} on the meta device"), \
+            model_source(args.model) as source:
+        loaded = load_model(source, parse_overrides(args.overrides), meta=True)
     example_args, example_kwargs = loaded.example_args, loaded.example_kwargs
     if example_args is None and example_kwargs is None:
         example_kwargs = training_example(loaded.model)
-    with progress.step("tracing with torch.export"):
-        profiled, planned = capture_for_training(loaded.model, example_args, example_kwargs,
-                                                 args.dtype)
+    profiled, planned = capture_for_training(loaded.model, example_args, example_kwargs,
+                                             args.dtype)
     req = Request(
         gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
         gpus_per_node=args.gpus_per_node, micro_batch=args.micro_batch, cp=cp,
@@ -264,13 +270,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dp_shard=args.dp_shard, tp_across_nodes=args.tp_across_nodes,
         max_micro_batch=args.max_micro_batch, ep=args.ep)
     planner = Planner(profiled, args.model, args.seq, attention_heads(loaded.model), planned)
-    with progress.step("planning and ranking configurations"):
-        configs = search(planner, base, req)
+    configs = search(planner, base, req)
     est = Estimate(model=args.model, hardware=base, gpus=req.gpus,
                    global_batch=req.global_batch, seq=req.seq, dtype=req.dtype,
                    precision=precision(req.precision, req.optimizer).name, configs=configs,
                    seconds=time.perf_counter() - start)
-    text = write(est, args.format, top=args.top)
+    text = write(est, output_format(args.format, args.output, ESTIMATE_FORMATS), top=args.top)
     _emit(text, args)
     return 0 if est.best is not None else EXIT_VERDICT
 
@@ -289,7 +294,7 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-micro-batch", type=int, default=8,
                    help="the largest micro-batch searched (default 8)")
     s.add_argument("--seq", type=int, default=SEQ, help=f"sequence length (default {SEQ})")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+    s.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="compute dtype (default bfloat16)")
     s.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS),
                    help="bf16-mixed (16-bit weights and grads, float32 master and moments), "
@@ -308,18 +313,41 @@ def _add_estimate_args(s: argparse.ArgumentParser) -> None:
                         "(searched; 1 for none)")
     s.add_argument("--checkpointing", choices=["none", "selective", "full"],
                    help="activation recomputation (searched)")
-    s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+    s.add_argument("--sequence-parallel", action=OnOff, default=None,
                    help="with or without sequence parallelism (default: both searched)")
     s.add_argument("--tp-across-nodes", action="store_true",
                    help="also try tp larger than a node")
-    s.add_argument("--format", choices=["table", "json", "html"], default="table",
-                   help="a ranked table (default), JSON, or one self-contained HTML page")
+    s.add_argument("--format", choices=ESTIMATE_FORMATS,
+                   help="a ranked table (default), JSON, or one self-contained HTML page "
+                        "(default: the one -o's suffix names, .json or .html; else a table)")
     s.add_argument("--top", type=int, default=20, help="rows of the table (default 20)")
     s.add_argument("-o", "--output", help="write to this file instead of stdout")
     s.add_argument("--calibrate", action="store_true",
                    help="measure this machine's GPU (GEMMs, memory, collectives) starting "
-                        "from --hardware, and write a hardware file (-o FILE)")
+                        "from --hardware, and write a hardware file (-o FILE); refused "
+                        "where this device is not that GPU")
+    s.add_argument("--calibrate-anyway", action="store_true",
+                   help="--calibrate on a device that is not --hardware's GPU (a CPU, another "
+                        "GPU): its own numbers, written under that name")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    s.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+
+
+PLAN_FORMATS = ["table", "json", "dot", "html", "tp-plan"]
+ESTIMATE_FORMATS = ["table", "json", "html"]
+
+
+def calibration_refusal(name: str) -> Optional[str]:
+    """Why this process's device cannot be measured as the GPU ``name`` names (``h100``,
+    ``a100-80gb``), or None where it is that GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"--calibrate measures a GPU, and this machine has none to measure as {name}"
+    device = torch.cuda.get_device_name()
+    if name.split("-")[0].lower() not in device.lower():  # h100 in "NVIDIA H100 80GB HBM3"
+        return f"this GPU is {device}, not the {name} of --hardware"
+    return None
 
 
 def _installed_version() -> str:
@@ -337,11 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show the tensor-parallel plan of a model")
     _add_model_args(p)
-    p.add_argument("--format", choices=["table", "json", "dot", "html", "tp-plan"],
-                   default="table",
+    p.add_argument("--format", choices=PLAN_FORMATS,
                    help="a table (default), JSON (schema autotp.plan/1), Graphviz DOT, one "
                         "self-contained HTML page, or transformers' tp_plan as JSON with what "
-                        "it cannot express (schema autotp.tp_plan/1)")
+                        "it cannot express (schema autotp.tp_plan/1); default: the one -o's "
+                        "suffix names (.json, .html, .dot), else a table")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.add_argument("--sharded-outputs", action="store_true",
                    help="return sharded outputs (e.g. vocabulary-sharded logits) ungathered")
@@ -370,14 +398,27 @@ EXIT_VERDICT, EXIT_INPUT, EXIT_INTERNAL = 1, 2, 3
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
     try:
-        return int(args.func(args))
+        quiet = getattr(args, "quiet", False)  # progress on stderr (stdout stays clean)
+        with contextlib.nullcontext() if quiet else progress.to_stream(sys.stderr), \
+                terminal(verbose):
+            return int(args.func(args))
     except AutotpError as exc:
-        print(f"autotp: error: {exc}", file=sys.stderr)
+        if verbose:
+            traceback.print_exc()
+        print(f"autotp: error: {in_flag_words(str(exc))}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         raise
-    except Exception:  # noqa: BLE001 - anything else is autotp's bug: say so, with its trace
+    except Exception as exc:  # noqa: BLE001 - autotp's bug, unless the user's model refused
+        library = rejected_input(exc)  # the user's MODEL and --set values (exit 2)
+        if library is not None:
+            if verbose:
+                traceback.print_exc()
+            print(f"autotp: error: {input_message(exc, library, args.model, args.overrides)}",
+                  file=sys.stderr)
+            return EXIT_INPUT
         traceback.print_exc()
         print("autotp: internal error (a bug in autotp, not in your command): please report "
               "it with the command line and the trace above", file=sys.stderr)

@@ -37,6 +37,7 @@ from autotp.layout import Shard, is_mixed, whole_numel
 from autotp.ops import MATMULS, RESHAPES
 from autotp.planner.checks import narrow_matrices
 from autotp.planner.transitions import Collective
+from autotp.progress import step as progress_step
 
 aten = torch.ops.aten
 
@@ -163,6 +164,7 @@ class FrontierSolver:
 
     def run(self) -> tuple[dict[str, Any], float]:
         segments = {s.start: s for s in self.segments()} if self.reuse_layers else {}
+        order = {start: k for k, start in enumerate(segments, 1)}  # (for the progress)
         solved: dict[Any, _Solved] = {}
         states: States = {frozenset(): (0.0, {})}
         i = 0
@@ -181,6 +183,7 @@ class FrontierSolver:
             else:
                 self.cut = False
                 entering = states
+                progress_step(f"layer {segment.layer}", order[segment.start], len(order))
                 for j in range(segment.start, segment.end):
                     states = self.step(j, states)
                 useful = self._origins(segment, states, entering)

@@ -60,6 +60,7 @@ from autotp.planner.problem import (
 )
 from autotp.planner.plan import Plan
 from autotp.planner.transitions import transition
+from autotp.progress import stage, step as progress_step
 from autotp.rules.registry import Registry, Strategy, output_layouts
 
 aten = torch.ops.aten
@@ -74,10 +75,13 @@ def plan_graph(
     options: PlanOptions = PlanOptions(),
     model_name: str = "model",
     share: Optional[Callable[[str, Callable[[], str]], str]] = None,
+    problems: Optional[dict[str, list[PNode]]] = None,
 ) -> Plan:
     """The plan of ``captured`` at degree ``tp``. ``share``: (the program's key, make) -> the
     plan's JSON as every rank of a group holds it; one rank makes it (searching, or reading
-    the cache) and the others receive it (``ProcessGroupComm.made_once``)."""
+    the cache) and the others receive it (``ProcessGroupComm.made_once``). ``problems``:
+    the problems built so far, kept by the caller between plans of one ``captured``, ``tp``,
+    registry and cost model (explain's forced alternatives)."""
     default_rules = registry is None
     registry = registry or Registry.default()
     cost_model = cost_model or CostModel()
@@ -87,11 +91,26 @@ def plan_graph(
     blocks = block_counts(gm, sequence_symbols(captured.dim_names) if options.context_parallel
                           else frozenset())
 
+    def problem(options: PlanOptions) -> list[PNode]:
+        if problems is None:
+            return build_problem(captured, tp, blocks, registry, cost_model, options)
+        # the beam (its width, its ranking) and a leaf's forced layout are the solver's:
+        # one problem serves them all, its memoized costs (PNode.own, .reads) too
+        ops = {node.name for node in gm.graph.nodes if node.op == "call_function"}
+        built = replace(options, max_states=0, lookahead=False,
+                        force=tuple((name, c) for name, c in options.force if name in ops))
+        key = repr(_options_key(built))  # (as the cache's key reads it)
+        if key not in problems:
+            problems[key] = build_problem(captured, tp, blocks, registry, cost_model, built)
+        return problems[key]
+
     def plan_with(options: PlanOptions) -> tuple[Plan, bool]:
         """The plan under ``options``, and whether its search was exhaustive: the beam cut
         no state and no strategy was left out that a search with partial statistics
         offers."""
-        pnodes = build_problem(captured, tp, blocks, registry, cost_model, options)
+        pnodes = problem(options)
+        progress_step(f"a search of {options.max_states} states"
+                      + (", ranked by what they owe" if options.lookahead else ""))
         decisions, total, exhaustive = solve(pnodes, tp, cost_model, options)
         plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options,
                         model_name)
@@ -114,16 +133,17 @@ def plan_graph(
             return cached(captured, key_parts, search)
         return search()
 
-    if share is None:
-        plan = made()
-    else:
-        plan = Plan.from_json(share(plan_key(captured, key_parts), lambda: made().to_json()))
+    with stage(f"planning tp={tp}"):
+        if share is None:
+            plan = made()
+        else:
+            plan = Plan.from_json(share(plan_key(captured, key_parts),
+                                        lambda: made().to_json()))
     plan.fallbacks = fallbacks + plan.fallbacks
     if not options.context_parallel:  # (context parallelism holds every matrix whole)
         check_divisibility(plan, tp, options.strict)
-        note_replicated_products(plan, gm, options.strict, options.reported, problem=lambda:
-                                 build_problem(captured, tp, blocks, registry, cost_model,
-                                               options))
+        note_replicated_products(plan, gm, options.strict, options.reported,
+                                 problem=lambda: problem(options))
     for text in plan.fallbacks:
         warnings.warn(f"autotp: {text}", stacklevel=3)
     return plan

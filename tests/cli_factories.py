@@ -57,3 +57,24 @@ class NoisyMLP(nn.Module):
 def noisy_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     torch.manual_seed(0)
     return NoisyMLP(), (torch.randn(2, 8, 32),)
+
+
+class BranchyMLP(nn.Module):
+    """A branch on a tensor's value: torch.export cannot trace it symbolically; autotp follows
+    the example's side (and says so) or refuses with its own message, never torch's dump."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        if h.sum() > 0:
+            h = h * 2
+        return x + self.down(h)
+
+
+def branchy_mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    return BranchyMLP(), (torch.randn(2, 8, 32),)

@@ -34,6 +34,11 @@ def autotp_process(*args: str, check: bool = True) -> subprocess.CompletedProces
 
 def autotp(*args: str, check: bool = True) -> Any:
     """``autotp ARGS -q`` through ``autotp.cli.main``: returncode, stdout and stderr."""
+    return run_cli(*args, "-q", check=check)
+
+
+def run_cli(*args: str, check: bool = True) -> Any:
+    """``autotp ARGS`` (as given: progress on) through ``autotp.cli.main``."""
     import torch
 
     from autotp.cli import main
@@ -42,7 +47,7 @@ def autotp(*args: str, check: bool = True) -> Any:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
             torch.random.fork_rng(), _process_state():
         try:
-            code = main([*args, "-q"])
+            code = main(list(args))
         except SystemExit as exc:  # argparse: an int, or None for success
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
@@ -157,10 +162,102 @@ def test_plan_writes_a_file(tmp_path) -> None:
     assert data["params"]["down.weight"]["layout"] == "S(1)"
 
 
-def test_unknown_model_type_lists_the_known_ones() -> None:
+def test_unknown_model_type_suggests_a_close_one_in_one_line() -> None:
     result = autotp_process("plan", "hf:not_a_model", "--tp", "2", check=False)
     assert result.returncode == 2
     assert "unknown model type 'not_a_model'" in result.stderr and "llama" in result.stderr
+    assert len(result.stderr) < 600, result.stderr  # no list of every type
+    lama = autotp("plan", "hf:lama", "--tp", "2", check=False)
+    assert lama.returncode == 2 and "did you mean hf:llama" in lama.stderr, lama.stderr
+
+
+def test_a_hub_id_not_in_the_cache_says_how_to_pass_a_directory() -> None:
+    """autotp reads a Hub id's config from transformers' cache only (no network): one not
+    there is refused with how to pass a directory instead."""
+    result = autotp("plan", "hf:no-such-org/no-such-model", "--tp", "2", check=False)
+    assert result.returncode == 2, result.stderr
+    assert "not in transformers' cache" in result.stderr, result.stderr
+    assert "config.json" in result.stderr and "pass DIR as MODEL" in result.stderr
+
+
+def test_a_config_the_library_rejects_is_the_users_input() -> None:
+    """transformers' ValueError on the --set values: exit 2, its message and the flag."""
+    result = autotp("verify", "hf:gpt2", "--tp", "2", "--set", "n_layer=2", "--set",
+                    "n_embd=64", check=False)
+    assert result.returncode == 2, result.stderr
+    assert "transformers rejected the model hf:gpt2" in result.stderr
+    assert "divisible by num_heads" in result.stderr and "--set n_embd=64" in result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_failed_trace_prints_autotps_message_only() -> None:
+    """No torch.export graph dump, no torch log lines; the whole text under -v."""
+    result = run_cli("plan", f"{FACTORIES}:branchy_mlp", "--tp", "2", check=False)
+    assert result.returncode == 2
+    assert "def forward" not in result.stderr and "torch.ops.aten" not in result.stderr
+    assert "cli_factories.py:73" in result.stderr and "example_kwargs" not in result.stderr
+    verbose = run_cli("plan", f"{FACTORIES}:branchy_mlp", "--tp", "2", "-v", check=False)
+    assert verbose.returncode == 2 and "def forward" in verbose.stderr
+
+
+def test_messages_name_flags_not_python_arguments() -> None:
+    from autotp.cli_support import in_flag_words
+
+    assert in_flag_words("use tp in {1, 2}, or strict=False to replicate it") == \
+        "use tp in {1, 2}, or --non-strict to replicate it"
+    assert "example_args=" not in in_flag_words(
+        "autotp needs example inputs to trace this model: pass example_args=(...) and/or "
+        "example_kwargs={...} with tensors")
+
+
+@pytest.mark.parametrize("suffix, start", [(".html", "<!DOCTYPE html>"), (".json", "{"),
+                                            (".dot", "digraph")])
+def test_output_suffix_picks_the_format(tmp_path, suffix: str, start: str) -> None:
+    target = tmp_path / f"plan{suffix}"
+    autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", "-o", str(target))
+    assert target.read_text().lstrip().startswith(start), target.read_text()[:80]
+    table = tmp_path / "plan.txt"  # --format wins over the suffix
+    autotp("plan", f"{FACTORIES}:mlp", "--tp", "2", "--format", "table", "-o", str(table))
+    assert table.read_text().startswith("autotp plan: ")
+
+
+def test_plan_takes_dtype() -> None:
+    data = json.loads(autotp("plan", *SMALL_GPT2, "--tp", "2", "--dtype", "bfloat16",
+                             "--format", "json").stdout)
+    full = json.loads(small_gpt2_json())
+    first = next(c for c in full["collectives"] if c["phase"] == "forward")
+    half = next(c for c in data["collectives"] if c["phase"] == "forward")
+    assert half["bytes"] * 2 == first["bytes"]  # bfloat16 activations: half the bytes
+
+
+def test_calibrate_without_the_named_gpu_is_refused(tmp_path) -> None:
+    from autotp.cli import calibration_refusal
+
+    if calibration_refusal("h100") is None:
+        pytest.skip("this machine has an H100")
+    target = tmp_path / "hw.json"
+    result = autotp("estimate", "--calibrate", "--hardware", "h100", "-o", str(target),
+                    check=False)
+    assert result.returncode == 2 and "--calibrate-anyway" in result.stderr
+    assert not target.exists()
+
+
+def test_estimate_best_line_parses_back_and_mesh_is_checked_first() -> None:
+    from autotp.cli import build_parser
+
+    command = ["estimate", *SMALL_GPT2, "--gpus", "4", "--global-batch", "8", "--seq", "64"]
+    out = autotp(*command).stdout
+    best = next(line for line in out.splitlines() if line.startswith("best: "))
+    flags = best[len("best: "):].split(":")[0].split()
+    args = build_parser().parse_args([*command, *flags])
+    assert args.mesh and args.micro_batch and args.sequence_parallel in (True, False)
+    assert args.sequence_parallel == ("--sequence-parallel on" in best)
+    import time
+
+    start = time.perf_counter()
+    wrong = autotp(*command, "--mesh", "pp=1,dp=2,tp=4", check=False)
+    assert wrong.returncode == 2 and "= 8 GPUs, not the 4 of --gpus" in wrong.stderr
+    assert time.perf_counter() - start < 2.0  # refused before building and tracing
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import re
 import shlex
 import warnings
@@ -196,6 +197,48 @@ def test_command_line_parses(block: Block, argv: list[str]) -> None:
         raise AssertionError(f"{block.where}: {' '.join(argv)} does not parse") from exc
 
 
+PLACEHOLDER = re.compile(r"^path/to/")  # a reader's own file: the line shows the form only
+
+
+def _expected_exit(argv: list[str]) -> int:
+    """0, but ``estimate --calibrate`` measures a GPU: refused (2) where this machine has
+    none of the named kind."""
+    if "--calibrate" in argv:
+        from autotp.cli import calibration_refusal
+
+        return 0 if calibration_refusal(argv[argv.index("--hardware") + 1]) is None else 2
+    return 0
+
+
+@pytest.mark.parametrize(("block", "argv"), AUTOTP_LINES,
+                         ids=[f"{b.where}:{' '.join(a[1:3])}" for b, a in AUTOTP_LINES])
+def test_command_line_runs(block: Block, argv: list[str], tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each documented command, run as written (with its optional flags, in a fresh
+    directory for its -o files): the exit code the page promises, and nothing on stderr but
+    autotp's own lines (no Python warnings, no torch.export dumps)."""
+    if any(PLACEHOLDER.match(a.split(":")[0]) for a in argv):
+        pytest.skip(f"{block.where}: {argv[1]} of a placeholder path")
+    from test_cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(*argv[1:], check=False)
+    expected = _expected_exit(argv)
+    assert result.returncode == expected, \
+        f"{block.where}: {' '.join(argv)} exited {result.returncode}:\n{result.stderr}"
+    foreign = [line for line in result.stderr.splitlines()
+               if line.strip() and not line.startswith(("autotp: ", "  "))]
+    assert not foreign, f"{block.where}: {' '.join(argv)} printed {foreign[:5]}"
+    if expected == 0 and "-o" in argv:
+        target = tmp_path / argv[argv.index("-o") + 1]
+        if target.suffix == ".html":
+            assert "<html" in target.read_text()[:500].lower(), target.read_text()[:200]
+        else:
+            assert json.loads(target.read_text())
+    if expected == 2:
+        assert "--calibrate-anyway" in result.stderr, result.stderr
+
+
 def _flags(script: str) -> set[str]:
     """The flags ``script``'s argument parser defines: the ``--`` strings of its
     ``add_argument`` calls (read from the source, without starting a process)."""
@@ -224,7 +267,6 @@ def test_example_flags_exist() -> None:
 def test_the_json_schema_lists_every_key_the_plan_writes() -> None:
     """docs/command-line.md's schema against a plan autotp wrote (the golden GPT-2 plan):
     every key at every level is documented."""
-    import json
 
     page = (ROOT / "docs" / "command-line.md").read_text()
     schema = next(b.code for b in blocks(ROOT / "docs" / "command-line.md")

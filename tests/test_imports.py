@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"autotp": "autotp", "rules": "autotp.rules", "planner": "autotp.planner"}
 # lowest first: a module may import its own layer and the layers before it
 LAYERS = [
-    {"autotp.errors", "autotp.ops", "autotp.layout"},
+    {"autotp.errors", "autotp.ops", "autotp.layout", "autotp.progress"},
     {"autotp.rules"},
     {"autotp.capture"},
     {"autotp.planner"},
@@ -27,7 +27,7 @@ LAYERS = [
     {"autotp.sharded"},
     {"autotp.api"},
     {"autotp.features"},
-    {"autotp.cli", "autotp.__main__", "autotp"},
+    {"autotp.cli", "autotp.cli_support", "autotp.__main__", "autotp"},
 ]
 VOCABULARY = LAYERS[0]
 

@@ -37,6 +37,7 @@ from autotp.capture.passes import (unruled_mutations, broadcast_to_as_expand,
                                    histogram_of_floats, inline_autocast,
                                    merge_tied_parameters, out_of_place, sink_bias_adds,
                                    split_biases)
+from autotp.progress import staged
 from autotp.ops import path_attr
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
@@ -206,6 +207,7 @@ def _has_tensor(value: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
 
 
+@staged("tracing with torch.export")
 def capture(
     model: torch.nn.Module,
     example_args: Optional[tuple[Any, ...]] = None,

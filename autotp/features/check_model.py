@@ -55,14 +55,16 @@ class ModelCheck:
 
 
 def check_model(spec: str, overrides: dict[str, Any], tp: int, *, strict: bool = True,
-                sequence_parallel: bool = False, procs: bool = False) -> ModelCheck:
+                sequence_parallel: bool = False, procs: bool = False,
+                dtype: Optional[str] = None) -> ModelCheck:
     """``procs``: ``tp`` gloo processes, each planning with ``parallelize`` (which proves its
-    plan's gradient flow); otherwise the ranks simulated in this process."""
-    loaded = load_model(spec, overrides, meta=False)
-    model = loaded.model.float().eval()
+    plan's gradient flow); otherwise the ranks simulated in this process. ``dtype``: the
+    model and its example in that dtype (``--dtype``; float32 by default)."""
+    loaded = _built(spec, overrides, dtype)
+    model = loaded.model.eval()
     if procs:
         outcome = worst_outcome(run_processes(_check_rank, tp, spec, overrides, strict,
-                                              sequence_parallel))
+                                              sequence_parallel, dtype))
         outcome["tp"] = tp
         return ModelCheck(outcome, 0, model, loaded, strict, sequence_parallel)
     sim = simulate(model, tp, example_args=loaded.example_args,
@@ -80,10 +82,11 @@ def check_model(spec: str, overrides: dict[str, Any], tp: int, *, strict: bool =
 
 
 def _check_rank(rank: int, world_size: int, spec: str, overrides: dict[str, Any],
-                strict: bool, sequence_parallel: bool) -> dict[str, Any]:
+                strict: bool, sequence_parallel: bool,
+                dtype: Optional[str] = None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    loaded = load_model(spec, overrides, meta=False)
-    model = loaded.model.float().eval()
+    loaded = _built(spec, overrides, dtype)
+    model = loaded.model.eval()
     sharded = parallelize(model, world_size, example_args=loaded.example_args,
                                  example_kwargs=loaded.example_kwargs, strict=strict,
                                  sequence_parallel=sequence_parallel)
@@ -91,6 +94,24 @@ def _check_rank(rank: int, world_size: int, spec: str, overrides: dict[str, Any]
     reference = reference_step(model, call, generic_loss, first_float)
     got = sharded_step(sharded, call, generic_loss, first_float)
     return _row(reference, got, sharded.comm.log)
+
+
+def _built(spec: str, overrides: dict[str, Any], dtype: Optional[str]) -> Any:
+    """The model with random weights, it and the floating tensors of its example in
+    ``dtype`` (float32 where None)."""
+    loaded = load_model(spec, overrides, meta=False)
+    to = getattr(torch, dtype or "float32")
+    loaded.model.to(to)
+
+    def convert(value: Any) -> Any:
+        return value.to(to) if isinstance(value, torch.Tensor) and value.is_floating_point() \
+            else value
+
+    if loaded.example_args is not None:
+        loaded.example_args = tuple(convert(v) for v in loaded.example_args)
+    if loaded.example_kwargs is not None:
+        loaded.example_kwargs = {k: convert(v) for k, v in loaded.example_kwargs.items()}
+    return loaded
 
 
 def _row(reference: Any, got: Any, log: Any) -> dict[str, Any]:

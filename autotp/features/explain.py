@@ -3,7 +3,10 @@ of the program re-planned around it, and what each costs beside the chosen one.
 
 A parameter's candidates are the layouts it can be stored in (``leaf_candidates``); an op's
 are its rules' strategies. Forcing one and re-planning everything else gives the least cost
-the plan could have with that choice: the chosen candidate is the one whose cost is least.
+the plan could have with that choice: the chosen candidate is the one whose cost is least,
+and its plan is the plan explained (not searched again). The alternatives share the traced
+program and the planning problems built for it (a forced layout is the solver's choice, not
+the problem's): each costs its searches alone.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.planner.problem import block_counts, build_problem, leaf_candidates
 from autotp.planner.solve import PlanOptions, plan_graph
+from autotp.progress import stage, step
 from autotp.rules.registry import Registry
 
 
@@ -67,28 +71,46 @@ def explain(captured: Captured, plan: Plan, target: str, tp: int, cost_model: Co
     base_fwd, base_bwd = _collective_counts(plan)
     base_bytes = _param_bytes(plan)
     alternatives = []
-    for candidate, label in zip(forced, labels):
-        try:
-            # a forced alternative may replicate what strict mode refuses: show its cost
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                alt = plan_graph(captured, tp, cost_model=cost_model,
-                                 options=replace(options, strict=False,
-                                                 force=((node.name, candidate),)),
-                                 model_name=model_name)
-        except PlanError as exc:
-            alternatives.append(Alternative(label, label == chosen,
-                                            infeasible=str(exc).splitlines()[0]))
-            continue
-        fwd, bwd = _collective_counts(alt)
-        alternatives.append(Alternative(
-            label, label == chosen, forward=fwd - base_fwd, backward=bwd - base_bwd,
-            param_mib=(_param_bytes(alt) - base_bytes) / 2**20, cost=alt.cost - plan.cost))
+    problems: dict = {}  # shared by the alternatives (plan_graph's ``problems``)
+    with stage(f"explaining {target}"):
+        for index, (candidate, label) in enumerate(zip(forced, labels), 1):
+            if label == chosen:  # its plan is the plan at hand
+                alternatives.append(Alternative(label, True))
+                continue
+            step(f"forcing {label}", index, len(forced))
+            try:
+                alt = _forced(captured, tp, cost_model, options, node.name, candidate,
+                              model_name, problems)
+            except PlanError as exc:
+                alternatives.append(Alternative(label, False,
+                                                infeasible=str(exc).splitlines()[0]))
+                continue
+            alternatives.append(_relative(label, alt, plan, base_fwd, base_bwd, base_bytes))
     kept_whole = []
     if param is not None and param in plan.blocked:
         report = to_dict(plan, cost_model).get("why_replicated", {})
         kept_whole = [line.strip() for line in why_replicated_lines({param: report[param]})[1:]]
     return Explanation(heading, alternatives, kept_whole)
+
+
+def _forced(captured: Captured, tp: int, cost_model: CostModel, options: PlanOptions,
+            name: str, candidate: Any, model_name: Optional[str], problems: dict) -> Plan:
+    """The plan with ``name`` forced to ``candidate``, everything else searched again."""
+    # a forced alternative may replicate what strict mode refuses: show its cost
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_graph(captured, tp, cost_model=cost_model,
+                          options=replace(options, strict=False, force=((name, candidate),)),
+                          model_name=model_name or "model", problems=problems)
+
+
+def _relative(label: str, alt: Plan, plan: Plan, base_fwd: int, base_bwd: int,
+              base_bytes: int) -> Alternative:
+    """``alt`` against the plan explained."""
+    fwd, bwd = _collective_counts(alt)
+    return Alternative(label, False, forward=fwd - base_fwd, backward=bwd - base_bwd,
+                       param_mib=(_param_bytes(alt) - base_bytes) / 2**20,
+                       cost=alt.cost - plan.cost)
 
 
 def _find(captured: Captured, plan: Plan, target: str) -> Any:

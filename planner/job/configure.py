@@ -44,6 +44,7 @@ from autotp.planner.job.memory import (
 )
 from autotp.planner.job.profile import Profile, build_profile
 from autotp.planner.job.timing import MeshShape, StageWork, StepTime, stage_work, step_time
+from autotp.progress import stage, step
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "tfloat32": 4}
 
@@ -293,8 +294,21 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
     if req.ep is not None and req.ep > 1 and not experts:
         raise ConfigError(f"ep={req.ep}: the model has no grouped experts to split; leave ep "
                           "out")
+    with stage(f"ranking {len(meshes)} meshes"):
+        configs = _evaluated(planner, hw, req, prec, meshes, policies, experts, dtype_bytes,
+                             model_flops, g)
+    configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
+                                c.memory.total if c.memory else math.inf))
+    return configs
+
+
+def _evaluated(planner: Planner, hw: Hardware, req: Request, prec: Precision,
+               meshes: list[tuple[int, int, int, int]], policies: list[str], experts: int,
+               dtype_bytes: int, model_flops: float, g: int) -> list[Config]:
+    """Every configuration of ``meshes`` (pp, dp, cp, tp), evaluated or refused."""
     configs: list[Config] = []
-    for pp, dp, cp, tp in meshes:
+    for index, (pp, dp, cp, tp) in enumerate(meshes, 1):
+        step(f"pp={pp} dp={dp} cp={cp} tp={tp}", index, len(meshes))
         sps = [req.sequence_parallel] if req.sequence_parallel is not None else \
             ([False, True] if tp > 1 else [False])
         for sp in sps:
@@ -321,8 +335,6 @@ def search(planner: Planner, hw: Hardware, req: Request) -> list[Config]:
                                            asked=bool(req.checkpointing), ep=ep, cp=cp)
                         if config is not None:
                             configs.append(config)
-    configs.sort(key=lambda c: (not c.fits, c.time.step if c.time else math.inf,
-                                c.memory.total if c.memory else math.inf))
     return configs
 
 

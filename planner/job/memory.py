@@ -20,10 +20,12 @@ holds ``pp`` micro-batches' activations, stage ``i`` holds ``pp - i``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from autotp.errors import ConfigError
-from autotp.planner.job.profile import Param, Profile
+
+if TYPE_CHECKING:  # (the command line's parser reads PRECISIONS without the planner)
+    from autotp.planner.job.profile import Param, Profile
 
 POLICIES = ("none", "selective", "full")
 
