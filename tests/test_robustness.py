@@ -676,3 +676,14 @@ def test_a_bfloat16_model_solves_each_repeated_layer_once(monkeypatch: pytest.Mo
     reusing, solving = (json.loads(plan.to_json()) for plan in plans)
     assert reusing.pop("cost") == pytest.approx(solving.pop("cost"), rel=1e-6)
     assert reusing == solving
+
+
+def test_a_communicators_log_keeps_the_newest_events_only() -> None:
+    """A long training run records a collective per use: the log stays bounded."""
+    from autotp.runtime.comm import LOG_EVENTS, CollectiveLog
+
+    log = CollectiveLog()
+    for i in range(LOG_EVENTS + 5):
+        log.record("all_reduce", "forward", None, i, "x")
+    assert len(log.events) == LOG_EVENTS
+    assert log.events[0].nbytes == 5 and log.events[-1].nbytes == LOG_EVENTS + 4

@@ -6,12 +6,14 @@ the simulation uses it to check whole models cheaply and deterministically. Redu
 in rank order on every rank, so replicated results are bitwise identical across ranks.
 
 Every executed collective is appended to the communicator's ``log`` with its phase and the
-transformer layer it serves: tests count collectives from what actually ran.
+transformer layer it serves (the newest ``LOG_EVENTS`` kept): tests count collectives from
+what actually ran.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -32,9 +34,13 @@ class CollectiveEvent:
     label: str
 
 
+# the events a log keeps: the newest, so that a long training run holds a bounded log
+LOG_EVENTS = 100_000
+
+
 @dataclass
 class CollectiveLog:
-    events: list[CollectiveEvent] = field(default_factory=list)
+    events: deque[CollectiveEvent] = field(default_factory=lambda: deque(maxlen=LOG_EVENTS))
     enabled: bool = True
 
     def record(self, kind: str, phase: str, layer: Optional[int], nbytes: int, label: str) -> None:
