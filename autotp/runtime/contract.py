@@ -14,6 +14,7 @@ keeps tensor parallelism to accelerators is widened (``admit_cpu_tensor_parallel
 from __future__ import annotations
 
 import copy
+import inspect
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -28,12 +29,18 @@ TRAINER_ATTRIBUTES = ("main_input_name", "accepts_loss_kwargs", "loss_type")
 
 def distributed_config(tp: int, dp: int) -> Any:
     """transformers' ``DistributedConfig`` of a model split tp ways with dp replicas (its
-    ``dp_size`` is what Trainer reads)."""
+    ``dp_size`` is what Trainer reads); where transformers' has no replicas (before 5.2x's
+    ``dp_size``), the sizes alone, as Trainer there reads ``fsdp_size`` off the model."""
+    import importlib
+
     try:
-        from transformers.distributed.configuration_utils import DistributedConfig
-    except ImportError:  # an older transformers: Trainer reads only dp_size
-        return SimpleNamespace(tp_size=tp, dp_replicate_size=dp, dp_size=dp)
-    return DistributedConfig(tp_size=tp, dp_replicate_size=dp)
+        found: Any = importlib.import_module("transformers.distributed.configuration_utils")
+    except ImportError:
+        found = None
+    made = getattr(found, "DistributedConfig", None)
+    if made is not None and "dp_replicate_size" in inspect.signature(made).parameters:
+        return made(tp_size=tp, dp_replicate_size=dp)
+    return SimpleNamespace(tp_size=tp, dp_replicate_size=dp, fsdp_size=1, dp_size=dp)
 
 
 def describe(sharded: Any, model: nn.Module, data_parallel: Optional[Any]) -> None:
@@ -50,10 +57,13 @@ def describe(sharded: Any, model: nn.Module, data_parallel: Optional[Any]) -> No
         # a model of other code than transformers has no config (or one of its own): Trainer
         # reads only the parallel sizes of it
         config = config if config is not None else SimpleNamespace()
+        sizes = distributed_config(tp, dp)
         try:
-            config.distributed_config = distributed_config(tp, dp)
+            config.distributed_config = sizes
         except (AttributeError, TypeError):  # a frozen config of the model's own
             pass
+        if isinstance(sizes, SimpleNamespace):  # transformers < 5.2x's Trainer reads this
+            object.__setattr__(sharded, "fsdp_size", dp)
         if isinstance(sharded.comm, ProcessGroupComm) and sharded._device().type == "cpu":
             admit_cpu_tensor_parallel()
     if config is not None:
