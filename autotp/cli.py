@@ -21,7 +21,7 @@ from typing import Any, Optional
 # each command imports what it runs (``autotp --help`` costs little beyond ``import torch``).
 import autotp
 from autotp import progress
-from autotp.cli_support import (OnOff, cast, in_flag_words, input_message, model_source,
+from autotp.cli_support import (OnOff, in_flag_words, input_message, model_source,
                                 output_format, rejected_input, terminal)
 from autotp.errors import AutotpError, ConfigError
 from autotp.ops import positive_int
@@ -104,8 +104,8 @@ def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tupl
                           "parallelism splits the sequence itself)")
     with progress.stage(f"building {args.model}" + (" on the meta device" if meta else "")), \
             model_source(args.model) as source:
-        loaded = cast(load_model(source, parse_overrides(args.overrides), meta=meta),
-                      args.dtype)
+        loaded = load_model(source, parse_overrides(args.overrides), meta=meta)
+        loaded.cast(args.dtype)
     captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
     for path, (traced, total) in captured.traced_layers.items():
         progress.note(f"{path}: {traced} of {total} layers traced, the rest stamped from them")

@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import torch
 
 from autotp.errors import ConfigError
 
@@ -127,25 +126,6 @@ def model_source(spec: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="autotp-config-") as directory:
         config.save_pretrained(directory)
         yield directory
-
-
-def cast(loaded: Any, dtype: Optional[str]) -> Any:
-    """``--dtype``: the model and the floating tensors of its example in ``dtype``."""
-    if dtype is None:
-        return loaded
-    to = getattr(torch, dtype)
-    loaded.model.to(to)
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(to)
-        return value
-
-    if loaded.example_args is not None:
-        loaded.example_args = tuple(convert(v) for v in loaded.example_args)
-    if loaded.example_kwargs is not None:
-        loaded.example_kwargs = {k: convert(v) for k, v in loaded.example_kwargs.items()}
-    return loaded
 
 
 # ---- output ---------------------------------------------------------------------------------

@@ -34,6 +34,25 @@ class LoadedModel:
     name: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)
 
+    def cast(self, dtype: Optional[str]) -> "LoadedModel":
+        """The model and the floating tensors of its example in ``dtype`` (as they are where
+        None); returns itself."""
+        if dtype is None:
+            return self
+        to = getattr(torch, dtype)
+        self.model.to(to)
+
+        def convert(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(to)
+            return value
+
+        if self.example_args is not None:
+            self.example_args = tuple(convert(v) for v in self.example_args)
+        if self.example_kwargs is not None:
+            self.example_kwargs = {k: convert(v) for k, v in self.example_kwargs.items()}
+        return self
+
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}

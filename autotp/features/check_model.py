@@ -99,19 +99,7 @@ def _check_rank(rank: int, world_size: int, spec: str, overrides: dict[str, Any]
 def _built(spec: str, overrides: dict[str, Any], dtype: Optional[str]) -> Any:
     """The model with random weights, it and the floating tensors of its example in
     ``dtype`` (float32 where None)."""
-    loaded = load_model(spec, overrides, meta=False)
-    to = getattr(torch, dtype or "float32")
-    loaded.model.to(to)
-
-    def convert(value: Any) -> Any:
-        return value.to(to) if isinstance(value, torch.Tensor) and value.is_floating_point() \
-            else value
-
-    if loaded.example_args is not None:
-        loaded.example_args = tuple(convert(v) for v in loaded.example_args)
-    if loaded.example_kwargs is not None:
-        loaded.example_kwargs = {k: convert(v) for k, v in loaded.example_kwargs.items()}
-    return loaded
+    return load_model(spec, overrides, meta=False).cast(dtype or "float32")
 
 
 def _row(reference: Any, got: Any, log: Any) -> dict[str, Any]:
