@@ -66,16 +66,16 @@ def _sent(weights: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     return {k: v.detach().double().flatten().tolist() for k, v in weights.items()}
 
 
-def reference_case(rank: int, world: int) -> dict[str, Any]:
+def reference_case(rank: int, world: int, accumulate: int = 1) -> dict[str, Any]:
     """Trainer on the unsharded model (DDP over the ``world`` processes when more than
-    one)."""
+    one), accumulating gradients over ``accumulate`` batches."""
     _environment(rank, world)
     model = gpt2()
-    numbers, _ = _train(model)
+    numbers, _ = _train(model, gradient_accumulation_steps=accumulate)
     return {"numbers": numbers, "weights": _sent(dict(model.named_parameters()))}
 
 
-def sharded_case(rank: int, world: int, tp: int) -> dict[str, Any]:
+def sharded_case(rank: int, world: int, tp: int, accumulate: int = 1) -> dict[str, Any]:
     """Trainer on ``autotp.parallelize`` at ``tp`` over a ("dp", "tp") mesh of the world,
     with nothing autotp-specific besides the call."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,7 +86,7 @@ def sharded_case(rank: int, world: int, tp: int) -> dict[str, Any]:
     example = Tokens()[0]
     sharded = autotp.parallelize(model, tp=tp, group=mesh["tp"],
                                  example_kwargs={"input_ids": example["input_ids"][None]})
-    numbers, _ = _train(sharded)
+    numbers, _ = _train(sharded, gradient_accumulation_steps=accumulate)
     weights = autotp.full_state_dict(sharded)
     return {"numbers": numbers, "weights": _sent(weights),
             "names": sorted(n for n, _ in sharded.named_parameters()),
