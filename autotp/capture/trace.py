@@ -3,7 +3,9 @@
 ``torch.export.export(strict=False)`` is the tracer; its ``ep.module()`` is an ordinary
 trainable GraphModule that shares the model's parameters and keeps its output structure.
 Every example input is passed by keyword, so the sharded module can bind any call of the
-original signature. The normalization passes that follow, each exact, are listed in
+original signature, and the model's own output containers (a dataclass it returns) are
+registered with pytree while it is traced (``capture.outputs``). The normalization passes
+that follow, each exact, are listed in
 ``autotp.capture.passes``; this module holds the export driver (examples, dynamic shapes,
 branches the trace cannot decide) and the graph facts the later stages read (a node's
 layer, source line, module, tensor inputs and op call).
@@ -43,6 +45,7 @@ from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
                                      size_comparison_as_bool, ways_forward)
 from autotp.capture.identities import drop_identities
+from autotp.capture.outputs import registered_outputs
 from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.errors import ConfigError, TraceError
@@ -250,7 +253,8 @@ def capture(
                 with _state_kept(model), \
                         _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
-                        _named_forward(model, list(named), signature), truncated(model, stacks):
+                        _named_forward(model, list(named), signature), \
+                        registered_outputs(model), truncated(model, stacks):
                     ep = _export(model, named, spec, follow_example=not meta)
                 break
             except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
