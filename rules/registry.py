@@ -183,6 +183,9 @@ class OpCall:
 
 Rule = Callable[[OpCall], Iterable[Strategy]]
 
+# Rules for a user's own ops (``autotp.register_rule``), by op overload or qualified name.
+USER_RULES: dict[Any, Rule] = {}
+
 
 @dataclass
 class RuleSet:
@@ -238,15 +241,33 @@ class Registry:
         schema = getattr(op, "_schema", None)
         return schema.name if schema is not None else op
 
+    def rule(self, op: Any) -> Optional[Rule]:
+        """The op's rule: hand-written, registered by the user (``autotp.register_rule``),
+        or derived from what torch declares about the op (``autotp.rules.derived``)."""
+        key = self._key(op)
+        found = self._rules.get(key) or USER_RULES.get(op) or USER_RULES.get(key)
+        if found is not None:
+            return found
+        from autotp.rules.derived import derived_rule  # cycle: it imports this module
+
+        return derived_rule(op)
+
     def __contains__(self, op: Any) -> bool:
+        return self.rule(op) is not None
+
+    def written(self, op: Any) -> bool:
+        """Whether a hand-written rule names ``op`` (not derived, not the user's)."""
         return self._key(op) in self._rules
 
     @property
     def ops(self) -> list[Any]:
+        """The ops with hand-written rules."""
         return sorted(self._rules, key=str)
 
     def base_strategies(self, call: OpCall) -> list[Strategy]:
-        return list(self._rules[self._key(call.op)](call))
+        rule = self.rule(call.op)
+        assert rule is not None, f"no rule for {call.op}"
+        return list(rule(call))
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         """All strategies of ``call``, with gradient semantics applied, deduplicated."""

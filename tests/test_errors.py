@@ -92,7 +92,7 @@ class UsesAnOpWithoutRule(nn.Module):
 def test_op_without_rule_is_named_or_replicated_when_not_strict() -> None:
     model = UsesAnOpWithoutRule()
     x = torch.randn(2, 4, 8)
-    with pytest.raises(autotp.NoRuleError, match=r"no layout rule for aten\.linalg_det") as info:
+    with pytest.raises(autotp.NoRuleError, match=r"no layout rule for aten\._?linalg_det") as info:
         autotp.plan(model, 2, example_args=(x,))
     assert "test_errors.py" in str(info.value)
     plan = autotp.plan(model, 2, example_args=(x,), strict=False)

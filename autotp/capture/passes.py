@@ -192,6 +192,39 @@ def unruled_mutations(gm: fx.GraphModule) -> list[fx.Node]:
             and node.target._schema.is_mutable and node.target not in registry]
 
 
+def unruled_decompositions(gm: fx.GraphModule) -> dict[Any, Callable[..., Any]]:
+    """Functional ops with no rule (hand-written, derived or the user's) that torch can
+    decompose, each with its decomposition: capture re-runs the program through them, so
+    the planner sees the ops they are made of, which have rules (``F.hardswish`` as a
+    clamp and a product, ``reshape_as`` as a view)."""
+    registry = _default_registry()
+    table: dict[Any, Callable[..., Any]] = {}
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
+                op in table or op._schema.is_mutable or op in registry:
+            continue
+        decomposition = _decomposition(op)
+        if decomposition is not None:
+            table[op] = decomposition
+    return table
+
+
+def _decomposition(op: torch._ops.OpOverload) -> Optional[Callable[..., Any]]:
+    """torch.export's own decomposition of ``op`` (its table holds the composite ops' as
+    export runs them), else the op's composite kernel (``reshape_as``: a view)."""
+    found = _export_decompositions().get(op)
+    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd"):
+        found = op.decompose
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _export_decompositions() -> dict[Any, Callable[..., Any]]:
+    return dict(torch.export.default_decompositions().items())
+
+
 @functools.lru_cache(maxsize=1)
 def _default_registry() -> Any:
     return Registry.default()
