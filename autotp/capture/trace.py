@@ -32,13 +32,13 @@ from torch.export import Dim
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from autotp.capture.passes import (unruled_mutations, broadcast_to_as_expand,
-                                   constant_index_to_slice, copies_as_values,
+from autotp.capture.passes import (broadcast_to_as_expand, constant_index_to_slice,
+                                   copies_as_values,
                                    decompose_cross_entropy, decompose_feature_norms,
                                    detach_factories, drop_metadata_asserts,
                                    histogram_of_floats, inline_autocast,
                                    merge_tied_parameters, out_of_place, sink_bias_adds,
-                                   split_biases)
+                                   split_biases, unruled_decompositions, unruled_mutations)
 from autotp.progress import staged
 from autotp.ops import path_attr
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
@@ -266,19 +266,37 @@ def capture(
                     continue
                 raise TraceError(_trace_failure_message(model, exc)) from exc
         gm = _normalized(ep, model, stacks)
-        if unruled_mutations(gm):
-            # Writes through views or into inputs (a slice filled by ``copy_``):
-            # functionalize the whole program, so they become ``slice_scatter``/
-            # ``index_put``/``copy`` and get the ordinary rules.
+        # Writes through views or into inputs (a slice filled by ``copy_``) are
+        # functionalized, so they become ``slice_scatter``/``index_put``/``copy`` and get the
+        # ordinary rules; ops with no rule are replaced by their decompositions (which
+        # functionalizing may reveal, hence the rounds).
+        table: dict = {}
+        for _ in range(4):
+            more = unruled_decompositions(gm)
+            mutations = unruled_mutations(gm)
+            if not more and not mutations:
+                break
             try:
-                gm = _normalized(ep.run_decompositions({}), model, stacks)
+                ep, gm = _decomposed(ep, {**table, **more}, model, stacks)
+                table.update(more)
             except Mismatch:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the unfunctionalized ops are named later
-                raise TraceError(f"torch.export could not functionalize "
-                                 f"{type(model).__name__}'s in-place ops: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-            copies_as_values(gm)
+            except Exception as exc:  # noqa: BLE001 - the ops with no rule are named later
+                # a decomposition torch cannot run here: those ops stay as they are
+                _log.info("decomposing %s: %s: %s", sorted(map(str, more)),
+                          type(exc).__name__, exc)
+                if not mutations:
+                    break
+                try:
+                    ep, gm = _decomposed(ep, table, model, stacks)
+                except Mismatch:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the unfunctionalized ops are named
+                    raise TraceError(f"torch.export could not functionalize "
+                                     f"{type(model).__name__}'s in-place ops: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+            if mutations:
+                copies_as_values(gm)
         return gm
 
     stacks = find_stacks(model) if layers_once and not every_layer() else []
@@ -530,6 +548,13 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor-valued nodes ``node`` reads, in flatten order (args, then kwargs)."""
     flat, _ = pytree.tree_flatten((node.args, node.kwargs))
     return [a for a in flat if is_tensor_node(a)]
+
+
+def _decomposed(ep: Any, table: dict, model: torch.nn.Module,
+                stacks: list) -> tuple[Any, fx.GraphModule]:
+    """``ep`` run through ``table``'s decompositions and functionalized, and its graph."""
+    ep = ep.run_decompositions(table)
+    return ep, _normalized(ep, model, stacks)
 
 
 def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],
