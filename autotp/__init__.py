@@ -30,7 +30,9 @@ _LAZY = {
     "save_pretrained": "autotp.features.pretrained",
     "AutotpError": "autotp.errors", "ConfigError": "autotp.errors",
     "GradientFlowError": "autotp.errors", "NoRuleError": "autotp.errors",
-    "PlanError": "autotp.errors", "TraceError": "autotp.errors",
+    "PlanError": "autotp.errors", "RuleError": "autotp.errors", "TraceError": "autotp.errors",
+    "register_rule": "autotp.features.custom_ops",
+    "unregister_rule": "autotp.features.custom_ops",
     "P": "autotp.layout", "R": "autotp.layout", "R_STAR": "autotp.layout",
     "Partial": "autotp.layout", "Replicate": "autotp.layout", "Shard": "autotp.layout",
     "empty_weights": "autotp.weights.materialize",
@@ -52,7 +54,8 @@ if TYPE_CHECKING:
         simulate,
     )
     from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError,
-                               PlanError, TraceError)
+                               PlanError, RuleError, TraceError)
+    from autotp.features.custom_ops import register_rule, unregister_rule
     from autotp.features.checkpoint import load_checkpoint, save_checkpoint
     from autotp.features.clipping import clip_grad_norm_
     from autotp.features.pipeline import pipeline_stages
@@ -98,6 +101,7 @@ __all__ = [
     "R",
     "R_STAR",
     "Replicate",
+    "RuleError",
     "Shard",
     "ShardedModule",
     "Simulation",
@@ -111,7 +115,9 @@ __all__ = [
     "load_checkpoint",
     "parallelize",
     "plan",
+    "register_rule",
     "save_checkpoint",
     "save_pretrained",
     "simulate",
+    "unregister_rule",
 ]

@@ -25,6 +25,10 @@ class NoRuleError(AutotpError, NotImplementedError):
     """The graph holds an op that autotp has no layout rule for."""
 
 
+class RuleError(AutotpError, ValueError):
+    """A layout rule registered for an op gives other numbers than the op."""
+
+
 class PlanError(AutotpError, ValueError):
     """No tensor-parallel plan satisfies the constraints (divisibility, strictness)."""
 

@@ -18,8 +18,8 @@ from autotp.planner.cost import CostModel, attention_strategy, parse_size_expr, 
 from autotp.planner.invariant import stages
 from autotp.planner.masks import attention_mask, mask_region
 from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
-from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, joins_ahead,
-                                    is_grouped, output_layout)
+from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, is_custom_op,
+                                    is_grouped, joins_ahead, output_layout)
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output, output_layouts
 
@@ -62,7 +62,9 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             if pn.constant:
                 plan.constants.append(f"{pn.node.target} at {name} ({origin_of(pn.node)})")
             if pn.fallback:
-                plan.fallbacks.append(f"{pn.node.target} at {name}: replicated "
+                how = " (a custom op with no rule: autotp.register_rule)" \
+                    if is_custom_op(pn.node.target) else ""
+                plan.fallbacks.append(f"{pn.node.target} at {name}: replicated{how} "
                                       f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
                 op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy), tp,

@@ -386,11 +386,12 @@ def build_problem(
                 pn.strategies = [Strategy((R,) * len(ins), _map_out(out, R) if
                                           isinstance(out, tuple) else R, name="constant")]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
-                if options.strict:
+                if options.strict and not is_custom_op(node.target):
                     raise NoRuleError(
                         f"autotp has no layout rule for {node.target}{where(node)}\n  pass "
                         "strict=False to compute it replicated (recorded in the plan), or "
-                        "register a rule for it"
+                        f"teach autotp how it shards: autotp.register_rule("
+                        f"{_op_name(node.target)!r}, [...]) (docs/custom-ops.md)"
                     )
                 pn.kind = "op"
                 pn.fallback = True
@@ -536,6 +537,19 @@ def mutated_inputs(node: fx.Node) -> frozenset:
         if isinstance(value, fx.Node):
             written.add(value.name)
     return frozenset(written)
+
+
+def is_custom_op(op: Any) -> bool:
+    """An op of a library other than torch's own (``torch.library``, a C++ extension): with
+    no rule it runs replicated, named in the plan, whatever ``strict`` says; its author can
+    register a rule (``autotp.register_rule``)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.name.split("::")[0] not in ("aten", "prims")
+
+
+def _op_name(op: Any) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else str(op)
 
 
 def _shared_key(node: fx.Node) -> Any:

@@ -14,6 +14,7 @@ batch and sequence size at once (``capture.trace``).
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -104,6 +105,21 @@ def ways_forward(exc: BaseException) -> str:
             "\n    - decide before forward: pass the flag as a Python bool argument (in "
             "example_kwargs); the program is traced for that value, and a call with "
             "another value is refused"
+        )
+    custom = re.search(r"no fake impl registered for <CustomOpDef\((\w+::\w+)\)>|"
+                       r"[Nn]o fake impl.*?for (\w+::\w+)|(\w+::\w+).*?(?:Meta|fake) kernel",
+                       str(exc))
+    if custom:
+        op = next(g for g in custom.groups() if g)
+        return (
+            f"\n  {op} is a custom op with no fake kernel: autotp traces with torch.export, "
+            "which runs every op on shapes only. Ways forward:"
+            f"\n    - register one: @torch.library.register_fake(\"{op}\") on a function "
+            "that returns an empty tensor of the output's shape (torch.empty_like, "
+            "x.new_empty)"
+            f"\n    - then say how it shards: autotp.register_rule(\"{op}\", "
+            "[\"S(0), S(0) -> S(0)\", ...]) (docs/custom-ops.md); without a rule it runs "
+            "replicated and the plan names it"
         )
     return (
         "\n  autotp traces the model once, for every batch and sequence size "
