@@ -93,7 +93,7 @@ def test_ranks_with_different_models_are_refused_and_rank_0s_plan_error_reaches_
     for rank, out in enumerate(run_processes(different_models, 2, timeout=180)):
         assert "the ranks traced different programs (2 kinds: ranks [0] / [1])" in \
             out["mismatch"], (rank, out)
-        assert "no layout rule for aten.linalg_det" in out["no_rule"], (rank, out)
+        assert re.search(r"no layout rule for aten\._?linalg_det", out["no_rule"]), (rank, out)
         assert "test_errors.py" in out["no_rule"], (rank, out)  # the model's own line
 
 
