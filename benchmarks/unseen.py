@@ -2,6 +2,7 @@
 
     python benchmarks/unseen.py                     # every model, tp 2 and 4
     python benchmarks/unseen.py esm2 whisper --tp 2 # some models
+    ... --set more    the second set's models (benchmarks/unseen_more.py); --set all: both
     ... --no-sim      plans only (no exactness check)
     ... --no-wide     skip the wide (hidden >= 1024, meta device) plans
     ... --verbose     every in-layer collective above the bound (node, module, source), and
@@ -9,13 +10,18 @@
     ... --explain     each replicated matrix of the first --tp forced sharded (autotp explain)
     ... --json [F]    rows as JSON (default benchmarks/unseen.json); the baseline, run with the
                       package as it stood before a change, is benchmarks/unseen_baseline.json
+                      (the second set's: unseen_more_baseline.json)
 
 The models are built from the installed packages of other codebases: ESM (fair-esm), Whisper
 (openai-whisper), torchtune, LitGPT, TransformerLens, vit-pytorch, PaLM (palm-rlhf-pytorch),
 Perceiver (perceiver-pytorch), x-clip, nGPT-pytorch, local-attention, BS-RoFormer (bs-roformer).
-None of them is used by the tests or the other benchmarks. pyproject.toml's `sweep` extra pins
-them; their declared dependencies don't resolve with this project's (torchvision, triton, an
-older huggingface-hub), so install the list with --no-deps (it names what they need):
+A second set, benchmarks/unseen_more.py (`--set more`), has torchscale (RetNet, an encoder,
+an encoder-decoder), conformer, st-moe-pytorch, soft-moe-pytorch, swin-transformer-pytorch,
+linformer, g-mlp-pytorch, FLASH-pytorch, gateloop-transformer, yet-another-retnet and
+tab-transformer-pytorch (FT-Transformer); the first set stays the default, comparable with its
+baseline. None of them is used by the tests or the other benchmarks. pyproject.toml's `sweep`
+extra pins them; their declared dependencies don't resolve with this project's (torchvision,
+triton, an older huggingface-hub), so install the list with --no-deps (it names what they need):
 
     pip install --no-deps $(python -c "import tomllib; print(' '.join(tomllib.load(open(
         'pyproject.toml', 'rb'))['project']['optional-dependencies']['sweep']))")
@@ -999,23 +1005,47 @@ def summary(rows: list[dict], wides: list[dict]) -> dict:
     }
 
 
-def main() -> int:
+def model_set(name: str) -> list[Model]:
+    """The models of a set: ``first`` (this file's), ``more`` (benchmarks/unseen_more.py's),
+    ``all``. unseen_more imports this module as ``unseen``: run as a script, this module is
+    ``__main__``, so it is named ``unseen`` too rather than run a second time."""
+    if name == "first":
+        return MODELS
+    sys.modules.setdefault("unseen", sys.modules[__name__])
+    more = sys.modules.get("unseen_more")
+    if more is None:  # benchmarks/ is off sys.path (above): by its file
+        spec = importlib.util.spec_from_file_location("unseen_more",
+                                                      os.path.join(_HERE, "unseen_more.py"))
+        more = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules["unseen_more"] = more
+        spec.loader.exec_module(more)  # type: ignore[union-attr]
+    return more.MODELS if name == "more" else MODELS + more.MODELS
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*")
+    ap.add_argument("--set", choices=("first", "more", "all"), default="first",
+                    help="the models of this file (first), of unseen_more.py (more), or both")
     ap.add_argument("--tp", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--no-wide", action="store_true")
     ap.add_argument("--verbose", "-v", action="count", default=0)
     ap.add_argument("--explain", action="store_true",
                     help="force the first replicated matrices sharded (tp of the first --tp)")
-    ap.add_argument("--json", nargs="?", const=os.path.join(_HERE, "unseen.json"),
-                    help="write the rows as JSON (default file: benchmarks/unseen.json)")
-    a = ap.parse_args()
-    by_name = {m.name: m for m in MODELS}
+    ap.add_argument("--json", nargs="?", const="",
+                    help="write the rows as JSON (default file: benchmarks/unseen.json, "
+                    "unseen_more.json with --set more, unseen_all.json with --set all)")
+    a = ap.parse_args(argv)
+    models = model_set(a.set)
+    if a.json == "":
+        a.json = os.path.join(_HERE, "unseen.json" if a.set == "first" else
+                              f"unseen_{a.set}.json")
+    by_name = {m.name: m for m in models}
     unknown = [n for n in a.models if n not in by_name]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {list(by_name)}")
-    chosen = [by_name[n] for n in a.models] if a.models else MODELS
+    chosen = [by_name[n] for n in a.models] if a.models else models
     print(f"autotp from {os.path.dirname(autotp.__file__)}; torch {torch.__version__}")
     rows, wides = [], []
     for m in chosen:
