@@ -36,7 +36,7 @@ from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from autotp.errors import TraceError
-from autotp.ops import PROJECTIONS, RESHAPES, node_arg, path_attr
+from autotp.ops import ATTENTION, PROJECTIONS, RESHAPES, node_arg, path_attr
 from autotp.rules.registry import Registry
 
 aten = torch.ops.aten
@@ -516,20 +516,46 @@ def _feature_mean(call: Callable[..., fx.Node], t: fx.Node) -> fx.Node:
     return call(aten.div.Scalar, total, t.meta["val"].shape[-1])
 
 
-def _projected(x: fx.Node) -> bool:
-    """``x`` is a product's output (or that plus a bias parameter the product alone reads)
-    at least half as wide as the product's input."""
+def _projected(x: fx.Node, depth: int = 8) -> bool:
+    """``x`` holds features a product computed: a product's output at least half as wide as
+    its input, or attention's heads merged, reached back through what maps each feature on
+    its own (a bias add of a parameter the product alone reads, an activation, a cast, a
+    gate of two such values, a reshape or transpose that keeps the feature order). A norm
+    there sits between two matrices (NormFormer's and sub-LN's FFN and attention-output
+    norms), not on the residual stream, which an add of two streams makes."""
+    if depth == 0:
+        return False
+    if x.target in ATTENTION:
+        return True
+    if x.target in PROJECTIONS and isinstance(x.args[0], fx.Node):
+        width, reads = x.meta["val"].shape[-1], x.args[0].meta["val"].shape[-1]
+        return isinstance(width, int) and isinstance(reads, int) and 2 * width >= reads
     if x.target == aten.add.Tensor:
         product, bias = x.args[:2]
-        if not (isinstance(product, fx.Node) and isinstance(bias, fx.Node)
-                and bias.op == "get_attr" and len(product.users) == 1):
-            return False
-        x = product
-    # the products whose output features a norm may normalize: column-parallel ones shard them
-    if x.target not in PROJECTIONS or not isinstance(x.args[0], fx.Node):
+        return isinstance(product, fx.Node) and isinstance(bias, fx.Node) and \
+            bias.op == "get_attr" and len(product.users) == 1 and \
+            _projected(product, depth - 1)
+    sources = [a for a in x.all_input_nodes
+               if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
+    if not sources or any(len(a.users) != 1 for a in sources):
         return False
-    width, reads = x.meta["val"].shape[-1], x.args[0].meta["val"].shape[-1]
-    return isinstance(width, int) and isinstance(reads, int) and 2 * width >= reads
+    if x.target == aten.mul.Tensor and len(sources) == 2:  # a gate: act(x W) * (x V)
+        return all(_projected(a, depth - 1) for a in sources)
+    if len(sources) == 1 and (_maps_each_feature(x.target) or x.target in _MERGES_HEADS):
+        return _projected(sources[0], depth - 1)
+    return False
+
+
+# views that keep features in order: attention's [B, H, T, D] -> [B, T, H * D]
+_MERGES_HEADS = frozenset({aten.transpose.int, aten.permute.default, aten.clone.default,
+                           aten.contiguous.default, *RESHAPES})
+
+
+def _maps_each_feature(op: Any) -> bool:
+    """An elementwise map of one tensor (an activation, a cast, dropout in eval)."""
+    tags = getattr(op, "tags", ())
+    return torch.Tag.pointwise in tags or op in (aten._to_copy.default, aten.dropout.default,
+                                                aten.gelu.default, aten.silu.default)
 
 
 def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:
