@@ -9,7 +9,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import Captured, layer_of, module_of, origin_of, size_expr, source_of
+from autotp.capture.blocks import layer_of
+from autotp.capture.trace import Captured, module_of, origin_of, size_expr, source_of
 from autotp.errors import PlanError
 from autotp.ops import repeated_heads
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
@@ -30,6 +31,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     by_name = {pn.node.name: pn for pn in pnodes}
     layers = {layer_of(pn.node) for pn in pnodes}
     plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
+    plan.layer_paths = list(captured.layers.paths)
     plan.cost = total
     plan.sequence_parallel = options.sequence_parallel
     plan.context_parallel = options.context_parallel

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import layer_of
+from autotp.capture.blocks import layer_of
 from autotp.errors import PlanError, where
 from autotp.layout import Shard, is_mixed, whole_numel
 from autotp.ops import MATMULS, RESHAPES

@@ -32,7 +32,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import torch_leaf
+from autotp.capture.blocks import torch_leaf
 
 _ENTRY = re.compile(r"^(?P<list>.+)\.(?P<index>\d+)$")
 

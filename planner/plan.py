@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from autotp.layout import Layout, parse_layout
+from autotp.planner.bound import megatron_verdict
 
 if TYPE_CHECKING:  # the export is a feature, a layer above the planner
     from autotp.features.export import TpPlanExport
@@ -103,6 +104,9 @@ class Plan:
     graph: dict[str, list[str]] = field(default_factory=dict)
     ops: dict[str, str] = field(default_factory=dict)
     node_layers: dict[str, Optional[int]] = field(default_factory=dict)
+    # layer -> its module path (``model.layers.3``; ``block@2`` for a block's third call):
+    # the repeated blocks' calls, numbered as the program runs them (capture.blocks)
+    layer_paths: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # the layout each output is returned in
     sequence_parallel: bool = False
     # the group is a context-parallel group (tp 1): the sequence is sharded over its ranks
@@ -177,6 +181,7 @@ class Plan:
             phases = "; ".join(f"{phase}: {_counted(table[key], phase)}"
                                for phase in ("forward", "backward"))
             lines.append(f"  {label}: {phases}")
+        lines += [f"  {line}" for line in megatron_verdict(self).lines()]
         if self.context is not None:
             counts = self.context.per_layer()
             per_layer = {k: v for k, v in counts.items() if k is not None}
@@ -268,6 +273,7 @@ class Plan:
         plan.graph = {k: list(v) for k, v in data.get("graph", {}).items()}
         plan.ops = dict(data.get("ops", {}))
         plan.node_layers = dict(data.get("node_layers", {}))
+        plan.layer_paths = list(data.get("layer_paths", []))
         plan.outputs = list(data.get("outputs", []))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.context_parallel = bool(data.get("context_parallel", False))

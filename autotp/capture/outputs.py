@@ -10,7 +10,7 @@ returns and registers each unknown container inside it, nested ones included:
     a dataclass            its init fields (``pytree.register_dataclass``); unflattened by
                            calling the class with them, as the model built it
     a plain object         its ``__dict__`` in order, where it holds a tensor: made again by
-                           ``cls.__new__`` and the same attributes (``__init__`` is not run)
+                           ``object.__new__`` and the same attributes (``__init__`` is not run)
 
 Namedtuples need nothing: pytree knows every one. A type pytree already knows is never
 registered again, and a registration stays for the process: the sharded module's program
@@ -85,7 +85,7 @@ def _plain_object(cls: type) -> bool:
         "__dict__" in dir(cls)
 
 
-def _register(cls: type) -> None:
+def _register(cls: type[Any]) -> None:
     name = f"{cls.__module__}.{cls.__qualname__}"
     if dataclasses.is_dataclass(cls):
         pytree.register_dataclass(cls, serialized_type_name=name)
@@ -96,7 +96,7 @@ def _register(cls: type) -> None:
         return list(fields.values()), tuple(fields)
 
     def unflatten(values: Iterable[Any], names: tuple[str, ...]) -> Any:
-        obj = cls.__new__(cls)
+        obj = object.__new__(cls)
         obj.__dict__.update(zip(names, values))
         return obj
 

@@ -8,7 +8,7 @@ registered with pytree while it is traced (``capture.outputs``). The normalizati
 that follow, each exact, are listed in
 ``autotp.capture.passes``; this module holds the export driver (examples, dynamic shapes,
 branches the trace cannot decide) and the graph facts the later stages read (a node's
-layer, source line, module, tensor inputs and op call).
+source line, module, tensor inputs and op call; its layer is ``capture.blocks``'s).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from autotp.ops import path_attr
 from autotp.capture.branches import (Taken, branches_taken, data_dependent,
                                      decided_size_comparisons, example_branches,
                                      size_comparison_as_bool, ways_forward)
+from autotp.capture.blocks import Layers, find_layers
 from autotp.capture.identities import drop_identities
 from autotp.capture.outputs import registered_outputs
 from autotp.capture.sums import products_summed_first
@@ -68,6 +69,8 @@ class Captured:
     unused: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     # list of layers -> (entries traced, entries): the rest are copies (capture.repeat)
     traced_layers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the repeated blocks' calls, each node labelled with its own (capture.blocks)
+    layers: Layers = field(default_factory=Layers)
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
@@ -321,6 +324,7 @@ def capture(
     gm.recompile()
     captured = Captured(gm=gm, example_kwargs=named, signature=signature,
                         traced_layers={s.path: (s.prefix, s.length) for s in stacks})
+    captured.layers = find_layers(gm.graph)
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
     used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -577,34 +581,6 @@ def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],
     else:
         output = None
     return OpCall(node.target, args, kwargs, inputs, output, tp, blocks)  # type: ignore[arg-type]
-
-
-# an entry of a module list: the first of the trailing indices, so that a list of lists
-# (x-transformers' ``layers.3`` = [norm, block, residual], whose block is ``layers.3.1``)
-# is labelled by its outer entry
-_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.\d+)*$")
-
-
-def layer_of(node: fx.Node) -> Optional[int]:
-    """The index of the repeated block (an entry of an nn.ModuleList) ``node`` belongs to.
-
-    Used for labels only (which layer a collective belongs to), never for layout decisions.
-    """
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, cls in stack.values():
-        match = _LAYER.match(str(path))
-        if match and not torch_leaf(cls):
-            return int(match.group("index"))
-    return None
-
-
-def torch_leaf(cls: Any) -> bool:
-    """One of torch.nn's own layers (``nn.Linear``, ``nn.SiLU``), not a container or a
-    whole block: an entry of ``nn.Sequential(nn.Linear, nn.SiLU, nn.Linear)`` (a timestep
-    MLP) is no layer; an ``nn.TransformerEncoderLayer`` of ``encoder.layers`` is one."""
-    name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-    return name.startswith("torch.nn.modules.") and not name.startswith(
-        ("torch.nn.modules.container.", "torch.nn.modules.transformer."))
 
 
 def source_of(node: fx.Node) -> Optional[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 import json
 from importlib import resources
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from autotp.features.render import (LEGEND, Shown, View, param_keys, build_view,
                                     collectives_phrase, group_title, layout_class, shape_text,
@@ -52,28 +52,30 @@ CSP = ("default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline
        "img-src data:")
 
 
-def _card(key: str, value: str, extra: str = "") -> str:
+def _card(key: str, value: str, extra: str = "", notes: Sequence[str] = ()) -> str:
+    items = "".join(f"<li>{esc(note)}</li>" for note in notes)
     return (f'<div class="card"><div class="k">{esc(key)}</div>'
-            f'<div class="v{extra}">{esc(value)}</div></div>')
+            f'<div class="v{extra}">{esc(value)}</div>'
+            + (f'<ul class="why">{items}</ul>' if items else "") + "</div>")
 
 
 def _html_summary(view: View, cost_model: CostModel) -> str:
     s = view.data["summary"]
     per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
     per_layer_text = ", ".join(f"{f} fwd + {b} bwd" for f, b in per_layer) or "none"
-    bound = s["megatron_bound"]
-    verdict = ("meets" if s["meets_bound"] else "EXCEEDS") + \
-        f" the Megatron bound ({bound['forward']} + {bound['backward']})"
+    verdict = s["bound"]  # planner/bound.py's, as the summary and the table print it
     share = s["param_bytes_per_rank"] / s["param_bytes"] if s["param_bytes"] else 1.0
+    dtypes = ", ".join(sorted({p.dtype for p in view.plan.params.values()})) or "no parameters"
     cards = [
         _card("collectives per layer", per_layer_text),
-        _card("vs Megatron", verdict, " ok" if s["meets_bound"] else " bad"),
+        _card("vs Megatron", verdict["text"], " ok" if verdict["met"] else " bad",
+              verdict["reasons"]),
         _card("total per step", f"{s['forward_collectives']} fwd "
               f"({human_bytes(s['forward_bytes'])}) + {s['backward_collectives']} bwd "
               f"({human_bytes(s['backward_bytes'])})"),
         _card("estimated communication", f"{s['time_ms']:.2f} ms per step"),
         _card("parameters per rank", f"{human_bytes(s['param_bytes_per_rank'])} of "
-              f"{human_bytes(s['param_bytes'])} ({share:.1%}, fp32)"),
+              f"{human_bytes(s['param_bytes'])} ({share:.1%}, {dtypes})"),
     ]
     if s["fallbacks"]:
         cards.append(_card("replicated fallbacks", str(len(s["fallbacks"])), " bad"))
@@ -128,7 +130,7 @@ def _param_rows(plan: Plan, names: list[str], layer: Optional[int]) -> str:
         rows.append(
             f'<tr class="param-row{" blocked" if blocked is not None else ""}" '
             f'data-name="{esc(name)}" title="{esc(name)}">'
-            f'<td class="mono">{esc(relative_name(name, layer))}</td>'
+            f'<td class="mono">{esc(relative_name(name, layer, plan.layer_paths))}</td>'
             f'<td class="num mono">{esc(shape_text(p.global_shape))}</td>'
             f"<td>{badge(p.layout)}</td>"
             f'<td class="num mono">{esc(shape_text(p.local_shape))}</td>'
@@ -233,14 +235,14 @@ def _experts_section(view: View, layers: Optional[list[int]]) -> str:
     scope: list[Optional[int]] = list(layers) if layers else [None]
     for layer in scope:
         for block in expert_blocks(plan, layer):
-            paths.setdefault(relative_name(block, layer), []).append(block)
+            paths.setdefault(relative_name(block, layer, plan.layer_paths), []).append(block)
     rows = []
     for block, keys in blocks.items():
-        folded = group_names(paths.get(relative_name(block, rep), [block]))
+        folded = group_names(paths.get(relative_name(block, rep, plan.layer_paths), [block]))
         weights = "".join(_expert_weight(plan, key, block) for key in keys)
         rows.append(
             f'<tr class="experts-row" data-block="{esc(folded)}" title="{esc(folded)}">'
-            f'<td class="mono block">{esc(relative_name(block, rep))}'
+            f'<td class="mono block">{esc(relative_name(block, rep, plan.layer_paths))}'
             f'<div class="muted">{esc(folded)}</div></td>'
             f'<td class="experts-held"><span class="edim">{esc(_block_held(plan, keys, block))}'
             f"</span></td><td>{weights}</td></tr>")
@@ -296,7 +298,7 @@ def _marker(shown: Shown, view: View, section_layer: Optional[int]) -> str:
 def _input_label(view: View, name: str, layer: Optional[int]) -> str:
     info = view.nodes.get(name)
     if info is not None and info.kind == "param" and info.param is not None:
-        return relative_name(info.param, layer)
+        return relative_name(info.param, layer, view.plan.layer_paths)
     return name
 
 

@@ -22,6 +22,8 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
                  "forward_bytes": int, "backward_bytes": int, "time_ms": float,
                  "groups": [{"layers": [int], "forward": int, "backward": int}],
                  "megatron_bound": {"forward": 2, "backward": 2}, "meets_bound": bool,
+                 "bound": {"met": bool, "text": "Megatron bound (2, 2): met",
+                           "reasons": [str]},  # planner/bound.py's verdict
                  "param_bytes_per_rank": int, "param_bytes": int, "fallbacks": [str]}}
 
 ``bytes`` is ``bytes_expr`` (in the batch ``B`` and sequence ``T``) at the given B and T.
@@ -38,29 +40,22 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+# the bound and its verdict are the planner's (planner/bound.py); named here too, as the
+# benchmarks read them
+from autotp.planner.bound import BOUND_BYTES as BOUND_BYTES
+from autotp.planner.bound import MEGATRON_BOUND as MEGATRON_BOUND
+from autotp.planner.bound import SEQUENCE_PARALLEL_BOUND as SEQUENCE_PARALLEL_BOUND
+from autotp.planner.bound import layer_ranges as layer_ranges
+from autotp.planner.bound import megatron_verdict
+from autotp.planner.bound import within_bound as within_bound
 from autotp.planner.cost import CostModel, parse_size_expr
 from autotp.planner.plan import JOINED, CollectiveRecord, Plan
 from autotp.planner.transitions import Collective
 
-# Megatron-LM's bound, per transformer layer and direction: two all-reduces (attention's
-# output projection, the MLP's down projection) of B x T x h each
-MEGATRON_BOUND = {"forward": 2, "backward": 2}
-# sequence parallelism splits each all-reduce into a reduce-scatter and an all-gather
-SEQUENCE_PARALLEL_BOUND = {"forward": 4, "backward": 4}
-# bytes may exceed Megatron's by this factor and still be at the bound (float rounding of
-# sizes, a norm's [.., 1] statistic joined in)
-BOUND_BYTES = 1.01
-
-
-def within_bound(count: int, bytes_ratio: Optional[float], bound: int) -> bool:
-    """One layer's (or block's) collectives in one direction are at Megatron's bound: at most
-    ``bound`` of them (Megatron's own count for the block, e.g. ``MEGATRON_BOUND``) carrying
-    at most ``BOUND_BYTES`` times Megatron's bytes (``bytes_ratio``; None: not known)."""
-    return count <= bound and bytes_ratio is not None and bytes_ratio <= BOUND_BYTES
 SCHEMA = "autotp.plan/1"
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd"}
 
@@ -92,10 +87,16 @@ def relative_source(source: Optional[str]) -> Optional[str]:
     return f"{path}:{line}"
 
 
-def relative_name(name: str, layer: Optional[int]) -> str:
-    """``model.layers.3.mlp.up_proj.weight`` -> ``mlp.up_proj.weight`` (display only)."""
+def relative_name(name: str, layer: Optional[int], paths: Sequence[str] = ()) -> str:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``mlp.up_proj.weight`` (display only):
+    relative to the layer's module path (``paths``: ``plan.layer_paths``), else to the
+    layer's index in the name."""
     if layer is None:
         return name
+    if layer < len(paths):
+        path = paths[layer].split("@")[0]
+        if name.startswith(path + "."):
+            return name[len(path) + 1:]
     parts = name.split(".")
     for k in range(len(parts) - 1, -1, -1):
         if parts[k] == str(layer):
@@ -116,7 +117,8 @@ def fold_layers(plan: Plan) -> list[Group]:
     for name, p in plan.params.items():
         if p.layer is not None:
             by_layer_params.setdefault(p.layer, []).append(
-                (relative_name(name, p.layer), p.layout, p.global_shape, p.local_shape))
+                (relative_name(name, p.layer, plan.layer_paths), p.layout, p.global_shape,
+                 p.local_shape))
     by_layer_coll: dict[int, list[CollectiveRecord]] = {}
     for c in plan.collectives:
         if c.layer is not None:
@@ -135,22 +137,6 @@ def fold_layers(plan: Plan) -> list[Group]:
     return list(groups.values())
 
 
-def layer_ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 3, 8] -> '0-3, 8'."""
-    out, start, prev = [], None, None
-    for x in sorted(layers):
-        if prev is None:
-            start = prev = x
-        elif x == prev + 1:
-            prev = x
-        else:
-            out.append(f"{start}-{prev}" if start != prev else f"{start}")
-            start = prev = x
-    if start is not None:
-        out.append(f"{start}-{prev}" if start != prev else f"{start}")
-    return ", ".join(out)
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -159,13 +145,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def origin_text(collective: dict[str, Any], layer: Optional[int]) -> str:
+def origin_text(collective: dict[str, Any], layer: Optional[int],
+                paths: Sequence[str] = ()) -> str:
     """A collective of ``to_dict`` in the user's terms: its module (relative to its layer, as
     parameter names are) and the file and line of the model's code; the graph value when
     neither is known (the gradient sync of parameters)."""
     module = collective["module"]
     source = collective["source"]
-    parts = [relative_name(module, layer) if module else "",
+    parts = [relative_name(module, layer, paths) if module else "",
              os.path.basename(source) if source else ""]
     text = "  ".join(p for p in parts if p) or collective["node"]
     names = grad_sync_params(text)
@@ -235,12 +222,10 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
                         "local_shape": list(p.local_shape), "layer": p.layer,
                         "aliases": list(p.names), "grad_sync": p.grad_sync}
     groups = []
-    meets = True
-    bound = SEQUENCE_PARALLEL_BOUND if plan.sequence_parallel else MEGATRON_BOUND
+    verdict = megatron_verdict(plan)
     for group in fold_layers(plan):
         fwd = sum(1 for c in group.collectives if c.phase == "forward")
         bwd = sum(1 for c in group.collectives if c.phase == "backward")
-        meets &= fwd <= bound["forward"] and bwd <= bound["backward"]
         groups.append({"layers": group.layers, "forward": fwd, "backward": bwd})
     out = {
         "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
@@ -255,7 +240,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             "backward_collectives": totals["backward"][0],
             "forward_bytes": totals["forward"][1], "backward_bytes": totals["backward"][1],
             "time_ms": round(time_s * 1e3, 3), "groups": groups,
-            "megatron_bound": dict(bound), "meets_bound": meets,
+            "megatron_bound": dict(verdict.bound), "meets_bound": verdict.met,
+            "bound": verdict.as_dict(),
             "param_bytes_per_rank": per_rank, "param_bytes": total,
             "fallbacks": list(plan.fallbacks),
         },
@@ -309,7 +295,8 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
             joined = c["node"].count(", ") + 1 if c["node"].startswith(JOINED) else 1
             out.append(f"{indent}{PHASE_SHORT[c['phase']]} {c['kind']:<14} "
                        f"{c['from']:>3}->{c['to']:<3} {human_bytes(c['bytes']):>10} "
-                       f"{c['time_us'] / 1e3:8.3f} ms  {origin_text(c, layer)}" +
+                       f"{c['time_us'] / 1e3:8.3f} ms  "
+                       f"{origin_text(c, layer, plan.layer_paths)}" +
                        (f"  ({joined} values joined)" if joined > 1 else ""))
         return out
 
@@ -341,14 +328,12 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
                                                "  ", layer)]
     s = data["summary"]
     per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
-    verdict = "met" if s["meets_bound"] else "EXCEEDED"
     lines.append(
         f"total: {s['forward_collectives']} forward collectives "
         f"({human_bytes(s['forward_bytes'])}), {s['backward_collectives']} backward "
         f"({human_bytes(s['backward_bytes'])}); estimated {s['time_ms']:.2f} ms per step")
-    b = s["megatron_bound"]
-    lines.append(f"per layer (forward, backward): {per_layer}; Megatron bound "
-                 f"({b['forward']}, {b['backward']}): {verdict}")
+    lines.append(f"per layer (forward, backward): {per_layer}; {s['bound']['text']}")
+    lines += [f"  {reason}" for reason in s["bound"]["reasons"]]
     if plan.experts:
         lines.append(f"experts: {plan.experts_summary()}")
     if plan.ep > 1:
