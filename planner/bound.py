@@ -7,7 +7,12 @@ model's repeated blocks) and every layer L meets all three of:
 
     collectives   per phase, count(L) <= 2 (Megatron's all-reduces: attention's output and
                   the MLP's down projection); 4 with sequence parallelism (each all-reduce an
-                  all-gather and a reduce-scatter). A joined collective counts once.
+                  all-gather and a reduce-scatter). A joined collective counts once. Counted
+                  are L's large collectives: at least an eighth of the bytes of L's largest
+                  (the planner's own measure, at the cost model's reference batch and
+                  sequence). A norm over sharded features all-reduces its statistics, one or
+                  two numbers a row (1/h of an activation): these are listed apart, as the
+                  small collectives, not counted against the bound.
     no matrix     no large matrix of L is held whole (layout R): a parameter of two or more
     whole         dims (3-D expert and per-head weights included) whose width is at least
                   half L's width, where
@@ -83,12 +88,13 @@ class LayerVerdict:
     (names relative to the layer), and its parameter bytes (see the module docstring)."""
 
     layer: int
-    counts: tuple[int, int]  # forward, backward
+    counts: tuple[int, int]  # forward, backward: the large collectives
     whole: tuple[str, ...]
     local_bytes: int
     large_bytes: int
     small_bytes: int
     tp: int
+    small: tuple[int, int] = (0, 0)  # forward, backward: the statistics' all-reduces
 
     @property
     def allowed_bytes(self) -> float:
@@ -147,22 +153,43 @@ class Verdict:
                 f"{'met' if self.met else 'not met'}")
 
     def lines(self) -> list[str]:
-        """The heading, then each reason indented (none when met)."""
+        """The heading, then each reason indented (none when met), then the small
+        collectives left out of the count."""
         return [self.heading()] + [f"  {reason}" for reason in self.reasons()
-                                   if not self.met]
+                                   if not self.met] + [f"  {note}" for note in self.notes()]
+
+    def notes(self) -> list[str]:
+        """``layers 0-5: 4 forward, 4 backward small collectives (...)`` where any."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for verdict in self.layers:
+            if any(verdict.small):
+                groups.setdefault(verdict.small, []).append(verdict.layer)
+        out = []
+        for (forward, backward), layers in groups.items():
+            head = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layer_ranges(layers)}"
+            out.append(f"{head}: also {forward} forward, {backward} backward small collectives "
+                       "(a norm's statistics over sharded features), not counted")
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return {"met": self.met, "text": self.heading(),
-                "reasons": [] if self.met else self.reasons()}
+                "reasons": [] if self.met else self.reasons(), "notes": self.notes()}
 
 
 def megatron_verdict(plan: "Plan") -> Verdict:
     """The one verdict on ``plan`` (see the module docstring)."""
     bound = SEQUENCE_PARALLEL_BOUND if plan.sequence_parallel else MEGATRON_BOUND
     counts: dict[int, list[int]] = {}
-    for c in plan.collectives:
+    small: dict[int, list[int]] = {}
+    sizes = _sizes(plan)
+    largest: dict[int, float] = {}
+    for c, size in zip(plan.collectives, sizes):
         if c.layer is not None:
-            counts.setdefault(c.layer, [0, 0])[PHASES.index(c.phase)] += 1
+            largest[c.layer] = max(largest.get(c.layer, 0.0), size)
+    for c, size in zip(plan.collectives, sizes):
+        if c.layer is not None:
+            kind = counts if size * 8 >= largest[c.layer] else small
+            kind.setdefault(c.layer, [0, 0])[PHASES.index(c.phase)] += 1
     params: dict[int, dict[str, "ParamPlan"]] = {}
     for name, p in plan.params.items():
         if p.layer is not None:
@@ -182,8 +209,23 @@ def megatron_verdict(plan: "Plan") -> Verdict:
             large_bytes=sum(_bytes(mine[name], mine[name].global_shape) for name in large),
             small_bytes=sum(_bytes(p, p.global_shape) for name, p in mine.items()
                             if name not in large),
-            tp=plan.tp))
+            tp=plan.tp, small=tuple(small.get(layer, [0, 0]))))  # type: ignore[arg-type]
     return Verdict(bound=dict(bound), layers=tuple(out))
+
+
+def _sizes(plan: "Plan") -> list[float]:
+    """Each collective's bytes at the cost model's reference batch and sequence."""
+    from autotp.planner.cost import CostModel, parse_size_expr
+
+    cost_model = CostModel()
+    out = []
+    for record in plan.collectives:
+        try:
+            expr = parse_size_expr(record.bytes_expr)
+            out.append(float(cost_model.evaluate(expr, {s: str(s) for s in expr.free_symbols})))
+        except Exception:  # noqa: BLE001 - a size the model cannot read: counted as large
+            out.append(float("inf"))
+    return out
 
 
 def _large(params: dict[str, "ParamPlan"]) -> list[str]:

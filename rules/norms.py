@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from autotp.layout import P, P_LSE, R, Layout, Shard
+from autotp.layout import P, P_LSE, R, R_STAR, Layout, Shard
 from autotp.rules.registry import OpCall, RuleSet, Strategy, TensorMeta, normalize_dim, \
     shardable_dims
 
@@ -144,6 +144,24 @@ def norm_rule(call: OpCall) -> Iterator[Strategy]:
         if d < x.ndim - normalized:
             yield Strategy((Shard(d, blocks),) + (R,) * n_affine, Shard(d, blocks),
                            name="keep shard")
+
+
+@rules.register(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_eval_rule(call: OpCall) -> Iterator[Strategy]:
+    """Batch norm in eval mode: ``(x - mean[c]) * rstd[c] * w[c] + b[c]``, channels along
+    dim 1, with the running statistics. Elementwise along every other dim (the per-channel
+    tensors read whole); along the channels, each rank its channels' weight, bias and
+    statistics. Its two other outputs are empty (no statistics are computed): alike on every
+    rank."""
+    x, params = call.inputs[0], call.inputs[1:]
+    empty = (R_STAR, R_STAR)
+    for d, blocks in shardable_dims(x, call):
+        if d != 1:
+            yield Strategy((Shard(d, blocks),) + (R,) * len(params), (Shard(d, blocks),) + empty,
+                           name="keep shard")
+        elif all(p.ndim == 1 and p.shardable(0, call.tp, blocks) for p in params):
+            yield Strategy((Shard(1, blocks),) + (Shard(0, blocks),) * len(params),
+                           (Shard(1, blocks),) + empty, name="channels")
 
 
 @rules.register(aten.scaled_dot_product_attention.default)

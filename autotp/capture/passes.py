@@ -474,7 +474,7 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
         if node.target not in (aten.rms_norm.default, aten.layer_norm.default):
             continue
         x, shape = node.args[:2]
-        if not (isinstance(x, fx.Node) and len(shape) == 1 and len(x.users) == 1
+        if not (isinstance(x, fx.Node) and len(shape) == 1 and len(_value_readers(x)) == 1
                 and _projected(x)):
             continue
         xv = x.meta["val"]
@@ -525,19 +525,25 @@ def _projected(x: fx.Node, depth: int = 8) -> bool:
     norms), not on the residual stream, which an add of two streams makes."""
     if depth == 0:
         return False
-    if x.target in ATTENTION:
+    if x.target in ATTENTION or _weighs_values(x):
         return True
+    if x.target is operator.getitem and isinstance(x.args[0], fx.Node) and \
+            x.args[0].target in _SPLITS and isinstance(x.args[0].args[0], fx.Node):
+        whole = x.args[0].args[0]  # a part of a fused projection (gMLP's gate half)
+        return len(_value_readers(whole)) == 1 and _projected(whole, depth - 1)
     if x.target in PROJECTIONS and isinstance(x.args[0], fx.Node):
         width, reads = x.meta["val"].shape[-1], x.args[0].meta["val"].shape[-1]
         return isinstance(width, int) and isinstance(reads, int) and 2 * width >= reads
     if x.target == aten.add.Tensor:
         product, bias = x.args[:2]
         return isinstance(product, fx.Node) and isinstance(bias, fx.Node) and \
-            bias.op == "get_attr" and len(product.users) == 1 and \
+            bias.op == "get_attr" and len(_value_readers(product)) == 1 and \
             _projected(product, depth - 1)
     sources = [a for a in x.all_input_nodes
                if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
-    if not sources or any(len(a.users) != 1 for a in sources):
+    if x.target in _CAST_LIKE:  # the second tensor gives its dtype only
+        sources = sources[:1]
+    if not sources or any(len(_value_readers(a)) != 1 for a in sources):
         return False
     if x.target == aten.mul.Tensor and len(sources) == 2:  # a gate: act(x W) * (x V)
         return all(_projected(a, depth - 1) for a in sources)
@@ -546,16 +552,40 @@ def _projected(x: fx.Node, depth: int = 8) -> bool:
     return False
 
 
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
+
+
+def _weighs_values(x: fx.Node) -> bool:
+    """Attention written out: a batched product of two computed values (``probs @ v``,
+    heads in the batch dims), neither a parameter."""
+    if x.target not in (aten.bmm.default, aten.matmul.default):
+        return False
+    operands = [a for a in x.args[:2] if isinstance(a, fx.Node)]
+    return len(operands) == 2 and all(a.op != "get_attr" and a.meta["val"].ndim >= 3
+                                      for a in operands)
+
+
 # views that keep features in order: attention's [B, H, T, D] -> [B, T, H * D]
 _MERGES_HEADS = frozenset({aten.transpose.int, aten.permute.default, aten.clone.default,
                            aten.contiguous.default, *RESHAPES})
 
 
+_CAST_LIKE = frozenset({aten.type_as.default, aten.to.other})
+_CASTS = frozenset({aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+                    aten.to.device, aten.dropout.default, *_CAST_LIKE})
+
+
 def _maps_each_feature(op: Any) -> bool:
     """An elementwise map of one tensor (an activation, a cast, dropout in eval)."""
-    tags = getattr(op, "tags", ())
-    return torch.Tag.pointwise in tags or op in (aten._to_copy.default, aten.dropout.default,
-                                                aten.gelu.default, aten.silu.default)
+    return torch.Tag.pointwise in getattr(op, "tags", ()) or op in _CASTS
+
+
+def _value_readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s values, not only its shape or dtype (``x.size(1)``,
+    ``y.type_as(x)``)."""
+    return [u for u in node.users
+            if u.target not in (aten.sym_size.int, aten.sym_numel.default)
+            and not (u.target in _CAST_LIKE and u.args[0] is not node)]
 
 
 def _emit(graph: fx.Graph, template: fx.Node, op: Any, *args: Any) -> fx.Node:

@@ -69,7 +69,7 @@ def _html_summary(view: View, cost_model: CostModel) -> str:
     cards = [
         _card("collectives per layer", per_layer_text),
         _card("vs Megatron", verdict["text"], " ok" if verdict["met"] else " bad",
-              verdict["reasons"]),
+              verdict["reasons"] + verdict["notes"]),
         _card("total per step", f"{s['forward_collectives']} fwd "
               f"({human_bytes(s['forward_bytes'])}) + {s['backward_collectives']} bwd "
               f"({human_bytes(s['backward_bytes'])})"),

@@ -23,7 +23,7 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
                  "groups": [{"layers": [int], "forward": int, "backward": int}],
                  "megatron_bound": {"forward": 2, "backward": 2}, "meets_bound": bool,
                  "bound": {"met": bool, "text": "Megatron bound (2, 2): met",
-                           "reasons": [str]},  # planner/bound.py's verdict
+                           "reasons": [str], "notes": [str]},  # planner/bound.py's verdict
                  "param_bytes_per_rank": int, "param_bytes": int, "fallbacks": [str]}}
 
 ``bytes`` is ``bytes_expr`` (in the batch ``B`` and sequence ``T``) at the given B and T.
@@ -333,7 +333,7 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
         f"({human_bytes(s['forward_bytes'])}), {s['backward_collectives']} backward "
         f"({human_bytes(s['backward_bytes'])}); estimated {s['time_ms']:.2f} ms per step")
     lines.append(f"per layer (forward, backward): {per_layer}; {s['bound']['text']}")
-    lines += [f"  {reason}" for reason in s["bound"]["reasons"]]
+    lines += [f"  {line}" for line in s["bound"]["reasons"] + s["bound"]["notes"]]
     if plan.experts:
         lines.append(f"experts: {plan.experts_summary()}")
     if plan.ep > 1:
