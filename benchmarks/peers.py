@@ -660,7 +660,13 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
     for blk in sorted(per):
         mf, mb = case.megatron(*blk)
         meg_f, meg_b = sum(mf) * B * h * item, sum(mb) * B * h * item
-        f, b = per[blk]["forward"], per[blk]["backward"]
+        # Megatron's bound counts activation-sized collectives; a norm's statistics over
+        # sharded features (one or two numbers a row) are listed apart: under an eighth of
+        # the block's largest collective (planner/bound.py's measure)
+        largest = max((x[1] for ph in per[blk].values() for x in ph), default=0)
+        small = {ph: [x for x in v if 8 * x[1] < largest] for ph, v in per[blk].items()}
+        f, b = ([x for x in per[blk][ph] if 8 * x[1] >= largest]
+                for ph in ("forward", "backward"))
         rf = sum(x[1] for x in f) / meg_f
         rb = sum(x[1] for x in b) / meg_b if meg_b else (0.0 if not b else float("inf"))
         above = not (within_bound(len(f), rf, len(mf)) and within_bound(len(b), rb, len(mb)))
@@ -668,6 +674,7 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
         blocks.append({"block": f"{blk[0]}.{blk[1]}", "fwd": len(f), "bwd": len(b),
                        "megatron": (len(mf), len(mb)), "bytes": (round(rf, 3), round(rb, 3)),
                        "above": above,
+                       "small": (len(small["forward"]), len(small["backward"])),
                        "detail": [(c.phase, k, n, c.node, c.module, _short(c.source), c.src, c.dst)
                                   for k, n, c in f + b]})
     row["blocks"] = blocks
