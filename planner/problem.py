@@ -214,6 +214,8 @@ def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
                 counts.add(proportions(sizes))  # Flux's cat([attention, mlp], -1): (1, 4)
         if node.op == "call_function" and node.target == aten.unbind.int:
             counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
+        if node.op == "call_function" and node.target == aten.glu.default:
+            counts.add(2)  # F.glu takes its input's halves: a gate|value projection's blocks
         counts.add(_selected_parts(node))
         if node.op == "call_function" and node.target in RESHAPES:
             counts.update(_merged_periods(node, sequences))

@@ -164,6 +164,20 @@ def batch_norm_eval_rule(call: OpCall) -> Iterator[Strategy]:
                            (Shard(1, blocks),) + empty, name="channels")
 
 
+@rules.register(aten._native_batch_norm_legit_functional.default)
+def batch_norm_training_rule(call: OpCall) -> Iterator[Strategy]:
+    """Batch norm in training: each channel's statistics over the batch and positions, the
+    running statistics updated per channel: exact with the channels sharded, every
+    per-channel tensor (weight, bias, running and saved statistics) with them."""
+    x, params = call.inputs[0], call.inputs[1:]
+    for blocks in call.blocks:
+        if x.shardable(1, call.tp, blocks) and \
+                all(p.ndim == 1 and p.shardable(0, call.tp, blocks) for p in params):
+            per_channel = Shard(0, blocks)
+            yield Strategy((Shard(1, blocks),) + (per_channel,) * len(params),
+                           (Shard(1, blocks),) + (per_channel,) * 4, name="channels")
+
+
 @rules.register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(call: OpCall) -> Iterator[Strategy]:
     q, k, v = call.inputs[:3]

@@ -102,6 +102,9 @@ SAMPLES: dict[Any, list[Sample]] = {
         s(randn(4, 12, 8), randn(12), randn(12), randn(12), positive(12), 0.1, 1e-5),
         s(randn(2, 6, 4, 8), None, None, randn(6), positive(6), 0.1, 1e-5),
     ],
+    aten._native_batch_norm_legit_functional.default: [
+        s(randn(4, 12, 8), randn(12), randn(12), randn(12), positive(12), True, 0.1, 1e-5),
+    ],
     aten.layer_norm.default: [
         s(randn(4, 6, 16), [16], randn(16), randn(16), 1e-5),
         s(randn(4, 8, 12), [8, 12], randn(8, 12), randn(8, 12), 1e-5),

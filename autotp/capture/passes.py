@@ -349,11 +349,14 @@ def copies_as_values(gm: fx.GraphModule) -> None:
 
 
 def split_biases(gm: fx.GraphModule) -> None:
-    """linear(x, W, b) -> linear(x, W) + b and addmm(b, x, W) -> mm(x, W) + b (exact)."""
+    """linear(x, W, b) -> linear(x, W) + b, addmm(b, x, W) -> mm(x, W) + b and
+    conv(x, W, b, ...) -> conv(x, W, None, ...) + b[:, None, ...] (exact): the product alone
+    may then be row-parallel, its partial sums all-reduced before the bias is added once."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        spatial = 0
         if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
             x, weight, bias = node.args[:3]
             product_target, product_args = aten.linear.default, (x, weight)
@@ -361,10 +364,22 @@ def split_biases(gm: fx.GraphModule) -> None:
               and len(node.args) == 3):
             bias, x, weight = node.args
             product_target, product_args = aten.mm.default, (x, weight)
+        elif node.target in _CONVS and not node.kwargs and len(node.args) > 2 and \
+                isinstance(node.args[2], fx.Node):
+            x, weight, bias = node.args[:3]
+            product_target = node.target
+            product_args = (x, weight, None, *node.args[3:])
+            spatial = node.meta["val"].ndim - 2
         else:
             continue
         with graph.inserting_before(node):
             product = graph.call_function(product_target, product_args)
+            if spatial:  # [C] -> [C, 1, ...]: broadcast over the positions
+                column = graph.call_function(aten.view.default,
+                                             (bias, [-1] + [1] * spatial))
+                column.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                column.meta["val"] = _fake_run(aten.view.default, (bias, [-1] + [1] * spatial))
+                bias = column
             added = graph.call_function(aten.add.Tensor, (product, bias))
         for new in (product, added):
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
@@ -552,6 +567,7 @@ def _projected(x: fx.Node, depth: int = 8) -> bool:
     return False
 
 
+_CONVS = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default})
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 
 
