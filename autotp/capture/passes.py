@@ -52,9 +52,11 @@ def inline_autocast(gm: fx.GraphModule) -> None:
         from torch._higher_order_ops.wrap import wrap_with_autocast  # optional: private API
     except ImportError:  # pragma: no cover - older torch
         return
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not wrap_with_autocast:
-            continue
+    # a region inside a region is spliced in with its parent's body, then in its turn
+    regions = [n for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is wrap_with_autocast]
+    while regions:
+        node = regions.pop(0)
         device_type, dtype, enabled, cache_enabled, body_node, *operands = node.args
         body = path_attr(gm, body_node.target)
         graph = gm.graph
@@ -75,6 +77,8 @@ def inline_autocast(gm: fx.GraphModule) -> None:
                     env[inner] = graph.get_attr(name)
                 else:
                     env[inner] = graph.node_copy(inner, env.__getitem__)
+                    if inner.op == "call_function" and inner.target is wrap_with_autocast:
+                        regions.append(env[inner])
             graph.call_function(torch.amp._exit_autocast, (state,))
         for user in list(node.users):
             if user.target is not operator.getitem:
@@ -87,6 +91,8 @@ def inline_autocast(gm: fx.GraphModule) -> None:
             if not any(n.op == "get_attr" and n.target == body_node.target
                        for n in graph.nodes):
                 delattr(gm, body_node.target)
+    assert not any(n.target is wrap_with_autocast for n in gm.graph.nodes), \
+        "an autocast region is left whole"
     gm.graph.lint()
     gm.recompile()
 
@@ -199,10 +205,15 @@ def unruled_decompositions(gm: fx.GraphModule) -> dict[Any, Callable[..., Any]]:
     clamp and a product, ``reshape_as`` as a view)."""
     registry = _default_registry()
     table: dict[Any, Callable[..., Any]] = {}
+    if any(node.target is torch.amp._enter_autocast for node in gm.graph.nodes):
+        # re-tracing would lose the autocast regions' markers (their casts are the
+        # program's numbers); their ops keep the fallback
+        return table
     for node in gm.graph.nodes:
         op = node.target
         if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or \
-                op in table or op._schema.is_mutable or op in registry:
+                op in table or op._schema.is_mutable or op in registry or \
+                not node.all_input_nodes:  # a factory: computed replicated as a constant
             continue
         decomposition = _decomposition(op)
         if decomposition is not None:
