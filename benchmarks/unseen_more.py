@@ -1,9 +1,8 @@
 """A second set of codebases for benchmarks/unseen.py: `python benchmarks/unseen.py --set more`
-(``--set all``: both sets), or this file as a script with the same options.
+(``--set all``: both sets).
 
     python benchmarks/unseen.py --set more                      # every model of this set
     python benchmarks/unseen.py --set more swin conformer --tp 2
-    python benchmarks/unseen_more.py swin --tp 2                # the same, --set more implied
 
 The models: torchscale (RetNet; an encoder with relative position buckets and sub-LayerNorms
 inside attention and FFN; a post-LN DeepNet encoder-decoder), conformer (the Conformer block:
