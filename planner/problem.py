@@ -37,7 +37,7 @@ from autotp.planner.invariant import layer_invariant
 from autotp.planner.saved import saved_values
 from autotp.rules.matmul import GROUPED_MM
 from autotp.rules.registry import Registry, Strategy, output_layouts
-from autotp.rules.views import view_groups
+from autotp.rules.view_algebra import view_groups, view_segmentations
 
 aten = torch.ops.aten
 
@@ -219,6 +219,7 @@ def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
         counts.add(_selected_parts(node))
         if node.op == "call_function" and node.target in RESHAPES:
             counts.update(_merged_periods(node, sequences))
+            counts.update(_view_segmentations(node, counts))
     counts.discard(None)
     counts.discard(0)
     return tuple(sorted(counts, key=lambda b: (
@@ -276,6 +277,18 @@ def _merged_periods(node: fx.Node, sequences: frozenset = frozenset()) -> set[Pe
             if last in sequences:  # batch x sequence rows, split by context parallelism
                 periods.add(Period(str(last)))
     return periods
+
+
+def _view_segmentations(node: fx.Node, counts: set) -> set:
+    """The periods a shard takes across a reshape, by the view algebra, from a plain shard
+    or a period found so far (fairseq's [T, B, h] -> [T, B*heads, d]: segments of heads)."""
+    src, dst = node.args[0], node.meta.get("val")
+    if not isinstance(src, fx.Node) or not isinstance(dst, torch.Tensor) or \
+            not isinstance(src.meta.get("val"), torch.Tensor):
+        return set()
+    known = {1} | {b for b in counts if isinstance(b, Period) and not b.symbolic}
+    return view_segmentations([size_expr(s) for s in src.meta["val"].shape],
+                              [size_expr(s) for s in dst.shape], known)
 
 
 def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:

@@ -1,21 +1,15 @@
-"""View ops: a shard moves through a reshape by a small dim algebra.
+"""View ops: reshapes, permutations, slices, concatenations, index reads and writes.
 
-``view_groups(from_shape, to_shape)`` splits any reshape into groups of input dims whose
-product equals that of a group of output dims: [B, T, 192] -> [B*T, 192] is
-((0, 1) -> (0,)), ((2,) -> (1,)); [B, T, 64] -> [B, T, 4, 16] ends with ((2,) -> (2, 3)).
-A shard of the *major* dim of a group survives as a shard of the major output dim when tp
-divides both: splitting C into (H, D) keeps the shard on H exactly when tp divides H.
-Blocked shards only pass through groups that map one dim to one dim.
-
-Every view is linear, so ``P`` passes through. The lowerings rewrite size arguments to
-their local values (C -> C/tp, H -> H/tp, split sizes likewise); ``-1`` stays ``-1``.
+Reshapes map a shard by the view algebra (``autotp.rules.view_algebra``: groups of input
+and output dims of equal product, a shard found by strides; re-exported here). Every view is
+linear, so ``P`` passes through. The lowerings rewrite size arguments to their local values
+(C -> C/tp, H -> H/tp, split sizes likewise); ``-1`` stays ``-1``.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import sympy
 import torch
@@ -28,7 +22,6 @@ from autotp.layout import (
     ROUTED,
     Period,
     Shard,
-    block_units,
     proportions,
     segment_sizes,
     smaller_whole,
@@ -42,200 +35,16 @@ from autotp.rules.registry import (
     normalize_dim,
     shardable_dims,
 )
+from autotp.rules.view_algebra import map_shard_through_view, view_groups
+
+__all__ = ["map_shard_through_view", "rules", "segment_of", "view_groups"]
 
 aten = torch.ops.aten
 rules = RuleSet()
 
-Group = tuple[tuple[int, ...], tuple[int, ...]]
-
 
 def _expr(size: Any) -> sympy.Expr:
     return sympy.sympify(size)
-
-
-def view_groups(from_shape: Sequence[Any], to_shape: Sequence[Any]) -> list[Group]:
-    """Decompose a reshape into (input dims, output dims) groups of equal product."""
-    src = [_expr(s) for s in from_shape]
-    dst = [_expr(s) for s in to_shape]
-    groups: list[Group] = []
-    i = j = 0
-    while i < len(src) or j < len(dst):
-        if i < len(src) and j < len(dst) and src[i] == 1 and dst[j] == 1:
-            groups.append(((i,), (j,)))
-            i, j = i + 1, j + 1
-            continue
-        if i < len(src) and src[i] == 1:
-            groups.append(((i,), ()))
-            i += 1
-            continue
-        if j < len(dst) and dst[j] == 1:
-            groups.append(((), (j,)))
-            j += 1
-            continue
-        if i >= len(src) or j >= len(dst):
-            raise ValueError(f"shapes {tuple(from_shape)} and {tuple(to_shape)} differ in size")
-        gi, gj = [i], [j]
-        pi, pj = src[i], dst[j]
-        i, j = i + 1, j + 1
-        while sympy.simplify(pi - pj) != 0:
-            _, denominator = sympy.fraction(sympy.cancel(pj / pi))
-            if denominator == 1:  # pj is a multiple of pi: the input group needs more dims
-                if i >= len(src):
-                    raise ValueError(f"cannot group {tuple(from_shape)} -> {tuple(to_shape)}")
-                gi.append(i)
-                pi = pi * src[i]
-                i += 1
-            else:
-                if j >= len(dst):
-                    raise ValueError(f"cannot group {tuple(from_shape)} -> {tuple(to_shape)}")
-                gj.append(j)
-                pj = pj * dst[j]
-                j += 1
-        groups.append((tuple(gi), tuple(gj)))
-    return groups
-
-
-def map_shard_through_view(
-    layout: Shard, src: TensorMeta, dst: TensorMeta, tp: int
-) -> Optional[Shard]:
-    """The output shard a reshape gives an input shard, or None if it cannot be kept."""
-    try:
-        groups = view_groups(src.shape, dst.shape)
-    except ValueError:  # symbolic sizes the algebra cannot line up (e.g. T // 2): replicate
-        return None
-    for in_dims, out_dims in groups:
-        if layout.dim not in in_dims:
-            continue
-        major_in = [d for d in in_dims if _expr(src.shape[d]) != 1]
-        major_out = [d for d in out_dims if _expr(dst.shape[d]) != 1]
-        if not major_in or not major_out:
-            return None
-        if major_in[0] != layout.dim:
-            sequences = _merged_sequences(layout, src, dst, major_in, major_out, tp)
-            if sequences is not None:
-                return sequences
-            merged = _merged_into_period(layout, src, dst, major_in, major_out, tp)
-            return merged or _strided_shard(layout, src, dst, major_in, major_out, tp)
-        out_dim = major_out[0]
-        identity = len(major_in) == 1 and len(major_out) == 1
-        if isinstance(layout.blocks, Period) and layout.blocks.symbolic:
-            # batch x sequence rows split back: the sequence dim holds the shard again
-            last = major_out[-1]
-            if identity:
-                return layout if dst.shardable(out_dim, tp, layout.blocks) else None
-            if len(major_in) == 1 and str(_expr(dst.shape[last])) == layout.blocks.length:
-                return Shard(last) if dst.shardable(last, tp) else None
-            return None
-        if isinstance(layout.blocks, Period) and not identity:
-            # a segment spans the static dims after it in the group: fold them in
-            trailing = _static_product(src, major_in[1:])
-            if trailing is None:
-                return None
-            return _period_split(Period(layout.blocks.length * trailing), dst, major_out, tp)
-        # k equal blocks split into (k, n, ...): the blocks become the leading dim and each
-        # block's slice is a slice of n (timm's qkv.reshape(B, N, 3, nh, hs): the heads;
-        # torch's attention's proj.unflatten(-1, (3, h)): the features, whose later view
-        # into heads keeps the shard only where it holds whole heads).
-        blocks = layout.blocks
-        if isinstance(blocks, int) and blocks > 1 and len(major_in) == 1 and \
-                len(major_out) >= 2 and dst.static(out_dim) == blocks:
-            inner = major_out[1]
-            return Shard(inner) if dst.shardable(inner, tp) else None
-        # a blocked dim split into (major, minor) keeps its blocks on the major dim when every
-        # segment is whole rows of it (Falcon's q|k|v viewed as heads + 2 heads)
-        aligned = len(major_in) == 1 and isinstance(dst.static(out_dim), int) and \
-            not isinstance(layout.blocks, Period) and \
-            dst.static(out_dim) % block_units(layout.blocks) == 0
-        if layout.blocks != 1 and not (identity or aligned):
-            return None
-        if not dst.shardable(out_dim, tp, layout.blocks):
-            return None
-        return Shard(out_dim, layout.blocks)
-    return None
-
-
-def _merged_sequences(layout: Shard, src: TensorMeta, dst: TensorMeta,
-                      major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
-    """A split sequence merged after the batch (``logits.view(-1, vocab)`` with the sequence
-    split by context parallelism): each batch index holds one sequence, split across the
-    ranks, the rows of each rank's shard in order (the local view of [B, T / cp] is
-    [B * T / cp]). A period of the sequence's symbolic length."""
-    if layout.blocks != 1 or src.shape[layout.dim] not in src.split or \
-            major_in[-1] != layout.dim or len(major_out) != 1:
-        return None
-    period = Period(str(_expr(src.shape[layout.dim])))
-    return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
-
-
-def _merged_into_period(layout: Shard, src: TensorMeta, dst: TensorMeta,
-                        major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
-    """A sharded dim merged after symbolic outer dims (Bloom's [B, H, T, D] -> [B*H, T, D]
-    with heads sharded): every outer index holds one segment of the sharded dim times the
-    static dims after it, sliced across the ranks."""
-    inner = _static_product(src, major_in[major_in.index(layout.dim):])
-    if layout.blocks != 1 or len(major_out) != 1 or inner is None:
-        return None
-    period = Period(inner)
-    return Shard(major_out[0], period) if dst.shardable(major_out[0], tp, period) else None
-
-
-def _whole(expr: sympy.Expr) -> bool:
-    """Whether a size ratio is a whole number for every value of its symbols."""
-    numerator, denominator = sympy.fraction(sympy.cancel(expr))
-    return denominator == 1 and bool(numerator.is_integer) and bool(numerator.is_positive)
-
-
-def _strided_shard(layout: Shard, src: TensorMeta, dst: TensorMeta,
-                   major_in: list[int], major_out: list[int], tp: int) -> Optional[Shard]:
-    """A shard of any dim of a group, found among the group's output dims by strides.
-
-    In the group's flat index the sharded dim spans ``extent`` (its size times the sizes
-    after it) and each rank one ``extent / tp`` of it. The output dim that holds the shard
-    is the innermost whose stride divides a rank's span and whose size is a whole number of
-    spans: each run of ``extent / stride`` of its indices is one segment, split across the
-    ranks (fairseq's ``[T, B, h] -> [T, B*heads, d]``: heads sharded inside the batch and
-    heads dim, a segment of ``heads`` per batch index; whole heads when tp divides heads).
-    A periodic shard is the same with one segment as the extent (torch's attention
-    ``[T, B*heads, d] -> [T*B, h]``: heads sharded again, in the features)."""
-    if isinstance(layout.blocks, Period) and layout.blocks.symbolic:
-        return None  # merged sequences split back only where the sequence dim reappears
-    if isinstance(layout.blocks, Period):  # one segment is what the ranks split
-        extent = sympy.Integer(layout.blocks.length)
-    elif layout.blocks == 1:
-        extent = _expr(src.shape[layout.dim])
-    else:
-        return None
-    for d in major_in[major_in.index(layout.dim) + 1:]:
-        extent = extent * _expr(src.shape[d])
-    stride = sympy.Integer(1)
-    for out_dim in reversed(major_out):
-        size = _expr(dst.shape[out_dim])
-        if _whole(extent / (tp * stride)) and _whole(size * stride / extent):
-            segment = sympy.cancel(extent / stride)
-            if sympy.simplify(segment - size) == 0:
-                return Shard(out_dim) if dst.shardable(out_dim, tp) else None
-            if not segment.is_Integer or int(segment) < 2:
-                return None
-            period = Period(int(segment))
-            return Shard(out_dim, period) if dst.shardable(out_dim, tp, period) else None
-        stride = stride * size
-    return None
-
-
-def _static_product(meta: TensorMeta, dims: Sequence[int]) -> Optional[int]:
-    """The product of these dims' sizes, or None if one is symbolic."""
-    sizes = [meta.static(d) for d in dims]
-    return None if None in sizes else math.prod(s for s in sizes if s is not None)
-
-
-def _period_split(period: Period, dst: TensorMeta, major_out: list[int],
-                  tp: int) -> Optional[Shard]:
-    """The inverse: [B*H, T, T] -> [B, H, T, T] gives heads sharded again, on the output dim
-    where the static dims from it on make one segment."""
-    for position, dim in enumerate(major_out):
-        if _static_product(dst, major_out[position:]) == period.length:
-            return Shard(dim) if dst.shardable(dim, tp) else None
-    return None
 
 
 @rules.register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -553,11 +362,15 @@ def cat_rule(call: OpCall) -> Iterator[Strategy]:
 
 @rules.register(aten.pad.default, aten.constant_pad_nd.default)
 def pad_rule(call: OpCall) -> Iterator[Strategy]:
-    """Padding the last len(pad)/2 dims keeps a shard of any other dim (and P for zero fill)."""
+    """``pad`` holds (before, after) amounts for the last dims, the last dim first: a dim
+    padded by nothing keeps its shard (gateloop's and FLASH's ``pad_at_dim`` name every dim
+    after the one they pad, with zeros); P stays P for zero fill."""
     src = call.inputs[0]
-    padded = len(call.arg("pad")) // 2
+    pad = list(call.arg("pad"))
+    touched = {src.ndim - 1 - k for k in range(len(pad) // 2)
+               if not (pad[2 * k] == 0 and pad[2 * k + 1] == 0)}
     for d, blocks in shardable_dims(src, call):
-        if d < src.ndim - padded:
+        if d not in touched:
             yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="keep shard")
     value = call.arg("value", 0)
     mode = call.arg("mode", "constant") if call.op == aten.pad.default else "constant"

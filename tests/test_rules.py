@@ -638,9 +638,9 @@ SHARD_THROUGH_VIEW = [
     ((2, 3, 8), (2, 3, 2, 4), Shard(2), 2, Shard(2)),
     ((S0, S1, 64), (S0, S1, 4, 16), Shard(2), 4, Shard(2)),
     ((S0, S1, 64), (S0, S1, 4, 16), Shard(2), 8, None),
-    # merging heads: only the major (head) dim carries a shard through
+    # merging heads: the head dim carries a plain shard through, the head size one per head
     ((2, 3, 4, 4), (2, 3, 16), Shard(2), 4, Shard(2)),
-    ((2, 3, 4, 4), (2, 3, 16), Shard(3), 2, None),
+    ((2, 3, 4, 4), (2, 3, 16), Shard(3), 2, Shard(2, 4)),  # each head's slice: 4 blocks
     # flattening: the major dim's shard survives if the merged size is static
     ((4, 3, 16), (12, 16), Shard(0), 4, Shard(0)),
     ((2, 3, 16), (6, 16), Shard(2), 2, Shard(1)),
@@ -658,7 +658,7 @@ SHARD_THROUGH_VIEW = [
     ((S0, 8, S1, 16), (S0 * 8, S1, 16), Shard(1), 4, Shard(0, Period(8))),
     ((S0, 8, 16), (S0 * 128,), Shard(1), 2, Shard(0, Period(128))),
     ((S0, 8, S1), (S0 * 8 * S1,), Shard(1), 2, None),  # a symbolic size inside the segment
-    ((2, 8, 16), (16, 16), Shard(1), 2, None),  # a static batch: no period
+    ((2, 8, 16), (16, 16), Shard(1), 2, Shard(0, 2)),  # a static batch: blocks, no period
     # ... and split back out of it, or kept where the merged dim stays whole
     ((S0 * 8, S1, S1), (S0, 8, S1, S1), Shard(0, Period(8)), 4, Shard(1)),
     ((S0 * 8, S1), (S0, 2, 4, S1), Shard(0, Period(8)), 2, Shard(1)),

@@ -7,7 +7,7 @@ lowerings the rewriter uses, so a wrong size localization fails here too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from autotp.capture.trace import make_call
 from autotp.layout import Layout, Partial, Replicate, Shard, shard_tensor, unshard_tensor
 from autotp.runtime.lowerings import LowerContext, lowering_for
-from autotp.rules.registry import Registry, Strategy
+from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta
 
 
 @dataclass
@@ -75,12 +75,18 @@ def check_op(
     atol: float = 1e-5,
     rtol: float = 1e-5,
     seed: int = 0,
+    sizes: Optional[dict[int, Any]] = None,
 ) -> list[StrategyCheck]:
-    """Check every strategy the registry offers for ``op(*args, **kwargs)`` at degree ``tp``."""
+    """Check every strategy the registry offers for ``op(*args, **kwargs)`` at degree ``tp``.
+    ``sizes``: global sizes the rules see as these expressions instead, as the planner sees a
+    dynamic batch or sequence (``{8: 4 * B}``: a batch of 2 with 4 heads folded in); the
+    tensors, and the size arguments the lowerings localize, keep the concrete ones."""
     registry = registry or Registry.default()
     kwargs = kwargs or {}
     graph, node, tensors = _build(op, args, kwargs)
     call = make_call(node, tp, blocks)
+    if sizes:
+        call = _with_sizes(call, sizes)
     # on copies, and every rank on its own pieces: an in-place op must not change the inputs
     # that the next strategy is checked with
     expected = op(*_clone(args), **_clone(kwargs))
@@ -102,6 +108,21 @@ def check_op(
         ok = diff <= atol + rtol * _scale(expected)
         results.append(StrategyCheck(strategy, diff, ok))
     return results
+
+
+def _with_sizes(call: OpCall, sizes: dict[int, Any]) -> OpCall:
+    def meta(value: Any) -> Any:
+        if isinstance(value, TensorMeta):
+            return replace(value, shape=tuple(sizes.get(s, s) if isinstance(s, int) else s
+                                              for s in value.shape))
+        return value
+
+    output = call.output
+    return replace(call, args=tuple(pytree.tree_map(meta, list(call.args))),
+                   kwargs={k: pytree.tree_map(meta, v) for k, v in call.kwargs.items()},
+                   inputs=tuple(meta(m) for m in call.inputs),
+                   output=tuple(meta(o) for o in output) if isinstance(output, tuple)
+                   else meta(output))
 
 
 def _clone(value: Any) -> Any:
