@@ -225,7 +225,8 @@ def parallelize(
                                  check_plan=check_plan, grad_sync=grad_sync,
                                  sequence_parallel=sequence_parallel,
                                  gather_outputs=gather_outputs, compile=compile,
-                                 checkpoint=checkpoint, init=init, device=device)
+                                 keep_gathered=keep_gathered, checkpoint=checkpoint,
+                                 init=init, device=device)
     if cp_group is not None:
         raise ConfigError("cp_group= without cp=: pass cp, the size of the group")
     mesh_group, group = group, process_group(group)
@@ -351,8 +352,8 @@ def _context_parallel(model: nn.Module, cp: int, cp_group: Any, tp: Optional[int
     return _built(model, captured, the_plan, comm, checkpoint=options["checkpoint"],
                   init=options["init"], device=options["device"], strict=options["strict"],
                   check_plan=check_plan, grad_sync=options["grad_sync"],
-                  compile=options["compile"], cp_comm=cp_comm if tp > 1 else None,
-                  retracer=retracer)
+                  compile=options["compile"], keep_gathered=options["keep_gathered"],
+                  cp_comm=cp_comm if tp > 1 else None, retracer=retracer)
 
 
 def _context_groups(tp: Optional[int], cp: int, group: Any, cp_group: Any
@@ -532,6 +533,7 @@ def simulate(
             for comm in ThreadHub(tp, timeout).comms():
                 ranks.append(build_rank(captured, the_plan, comm.rank, comm, registry=registry,
                                         grad_sync=grad_sync, compile=compile,
+                                        keep_gathered=keep_gathered,
                                         cp_comm=ThreadComm(cp_hubs[comm.rank], c),
                                         model_class=type(model)))
     ep_hubs = [ThreadHub(ep, timeout) for _ in range(tp)] if ep > 1 else []

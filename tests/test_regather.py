@@ -254,3 +254,12 @@ def test_a_shard_changed_in_place_after_the_save_is_refused() -> None:
         y.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_gathered_holds_under_context_parallelism(keep: bool) -> None:
+    """tp 2 with sequence parallelism inside cp 2: every rank keeps what it was asked to
+    (the gathered inputs, or their shards and a keeper that re-gathers them)."""
+    _, sim = _simulate("llama", 2, cp=2, keep_gathered=keep)
+    assert len(sim.ranks) == 4
+    assert all((rank._keeper is None) == keep for rank in sim.ranks)
