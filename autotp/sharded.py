@@ -84,6 +84,8 @@ class ShardedModule(nn.Module):
         self.source: Optional[ModelInfo] = None  # set by parallelize: what saving needs
         self.strict = True  # whether ops with no rule were refused (also for decoding)
         self._signature: Optional[inspect.Signature] = captured.signature
+        # a program of the example's sizes only: a call of other sizes gets its own
+        self._fixed_sizes = captured.fixed_sizes
         first = Traced(program, plan, _compiled(program, compile), bucket, keeper,
                        captured.example_kwargs, checked=not check_plan)
         if plan.sequence_parallel or plan.cp > 1:
@@ -233,7 +235,7 @@ class ShardedModule(nn.Module):
     # ---- calls -------------------------------------------------------------------------
 
     def _structure(self, named: dict[str, Any]) -> Structure:
-        return structure(significant(named, self._signature))
+        return structure(significant(named, self._signature), sizes=self._fixed_sizes)
 
     def _named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's inputs by name, as the model's signature binds them."""

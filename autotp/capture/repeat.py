@@ -442,7 +442,7 @@ def _stamp_attr(new: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module, stack
         tensor = path_attr(model, target)
         if not isinstance(tensor, torch.nn.Parameter) and tensor.device != like.device:
             tensor = tensor.to(like.device)  # buffers of a meta model trace on meta
-    _attach(gm, target, tensor, str(attr.target))
+    attach(gm, target, tensor, str(attr.target))
     node = new.get_attr(target)
     node.meta = dict(attr.meta)
     return node
@@ -481,7 +481,7 @@ def _moved(path: str, stack: Stack, template: int, index: int) -> str:
         f"L__self__{old}", f"L__self__{new}"))
 
 
-def _attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, like: str) -> None:
+def attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, like: str) -> None:
     """``tensor`` as the program's ``target``, held the way ``like`` is (parameter, buffer
     or plain attribute)."""
     def owner_of(path: str, create: bool) -> tuple[torch.nn.Module, str]:

@@ -49,6 +49,8 @@ from autotp.capture.identities import drop_identities
 from autotp.capture.outputs import registered_outputs
 from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
+from autotp.capture.shared_buffers import merge_shared_buffers, name_shared_buffers
+from autotp.capture.traceable import traceable_calls
 from autotp.errors import ConfigError, TraceError
 from autotp.rules.registry import OpCall, TensorMeta
 
@@ -69,6 +71,8 @@ class Captured:
     unused: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     # list of layers -> (entries traced, entries): the rest are copies (capture.repeat)
     traced_layers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # traced at the example's sizes only (no symbolic batch or sequence would trace)
+    fixed_sizes: bool = False
     # the repeated blocks' calls, each node labelled with its own (capture.blocks)
     layers: Layers = field(default_factory=Layers)
 
@@ -183,6 +187,17 @@ def _dynamic_shapes(kwargs: dict[str, Any], one_batch: bool = True) -> dict[str,
             or _has_tensor(value) else None for name, value in kwargs.items()}
 
 
+# the last attempt's spec: every size as the example has it (torch.export's dynamic_shapes=None)
+_FIXED: Any = object()
+
+
+def _sizes_may_be_why(exc: BaseException) -> bool:
+    """Whether a trace with symbolic sizes may have failed for want of plain ints (a size
+    hashed, as ``functools.lru_cache`` does): not a branch on a tensor's value, nor a
+    comparison of sizes, each of which has its own ways forward."""
+    return not data_dependent(exc) and not size_comparison_as_bool(exc)
+
+
 @contextlib.contextmanager
 def _named_forward(model: torch.nn.Module, names: list[str],
                    signature: Optional[inspect.Signature]) -> Iterator[None]:
@@ -238,34 +253,51 @@ def capture(
     named = pytree.tree_map(
         lambda v: v.detach().clone(memory_format=torch.contiguous_format)
         if isinstance(v, torch.Tensor) else v, named)
-    if dynamic_shapes is None:
-        named = _batch_of_two(named)
     meta = any(p.device.type == "meta" for p in model.parameters())
     if meta:  # a model without weights traces with inputs (and buffers) on meta too
         named = pytree.tree_map(
             lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
+    as_given = named  # the sizes a program of fixed sizes takes: the caller's
+    if dynamic_shapes is None:
+        named = _batch_of_two(named)
 
     # One batch symbol for all inputs; where the program treats them apart (an input of
-    # the batch's size that is not batched), each its own.
+    # the batch's size that is not batched), each its own; last, the example's sizes fixed
+    # (a forward that hashes a size: ``functools.lru_cache`` on the sequence length), the
+    # program then taking those sizes only (``Captured.fixed_sizes``).
     specs = [dynamic_shapes] if dynamic_shapes is not None else \
-        [_dynamic_shapes(named), _dynamic_shapes(named, one_batch=False)]
+        [_dynamic_shapes(named), _dynamic_shapes(named, one_batch=False), _FIXED]
+    fixed: Optional[BaseException] = None  # why the sizes are fixed: the symbolic failure
 
     def export(stacks: list[Stack]) -> fx.GraphModule:
+        nonlocal fixed
+        failures: list[BaseException] = []
         for attempt, spec in enumerate(specs, 1):
             try:
                 with _state_kept(model), \
                         _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
                         _named_forward(model, list(named), signature), \
-                        registered_outputs(model), truncated(model, stacks):
-                    ep = _export(model, named, spec, follow_example=not meta)
+                        registered_outputs(model), truncated(model, stacks), \
+                        traceable_calls(model):
+                    # each attempt on new tensor objects: a failed export leaves its dim
+                    # markings on the ones it was given, and the next would read them
+                    example = pytree.tree_map(
+                        lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                        as_given if spec is _FIXED else named)
+                    ep = _export(model, example, None if spec is _FIXED else spec,
+                                 follow_example=not meta)
+                fixed = failures[0] if spec is _FIXED else None
                 break
             except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
                 raise
             except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
-                if attempt < len(specs):
-                    _log.info("tracing %s with a batch per input: %s: %s",
-                              type(model).__name__, type(exc).__name__, exc)
+                failures.append(exc)
+                if attempt < len(specs) and (specs[attempt] is not _FIXED
+                                             or _sizes_may_be_why(exc)):
+                    _log.info("tracing %s %s: %s: %s", type(model).__name__,
+                              "with the example's sizes fixed" if specs[attempt] is _FIXED
+                              else "with a batch per input", type(exc).__name__, exc)
                     continue
                 raise TraceError(_trace_failure_message(model, exc)) from exc
         gm = _normalized(ep, model, stacks)
@@ -322,8 +354,16 @@ def capture(
         decompose_cross_entropy(gm)
         decompose_feature_norms(gm)
     gm.recompile()
-    captured = Captured(gm=gm, example_kwargs=named, signature=signature,
-                        traced_layers={s.path: (s.prefix, s.length) for s in stacks})
+    if fixed is not None:
+        warnings.warn(
+            f"autotp: {type(model).__name__} is traced at the example's sizes only "
+            f"({_sizes_text(as_given)}): with a symbolic batch and sequence, "
+            f"{_failure_text(fixed)}\n  a call of other sizes is traced and planned again, "
+            "once per size", stacklevel=3)
+    captured = Captured(gm=gm, example_kwargs=as_given if fixed is not None else named,
+                        signature=signature,
+                        traced_layers={s.path: (s.prefix, s.length) for s in stacks},
+                        fixed_sizes=fixed is not None)
     captured.layers = find_layers(gm.graph)
     captured.dim_names = _name_dims(gm)
     captured.aliases = _aliases(model, gm)
@@ -479,15 +519,28 @@ def _library_file(filename: str) -> bool:
     return any(path.startswith(root) for root in _library_roots())
 
 
-def _trace_failure_message(model: torch.nn.Module, exc: Exception) -> str:
+def _trace_failure_message(model: torch.nn.Module, exc: BaseException) -> str:
+    return f"torch.export could not trace {type(model).__name__}: {_failure_text(exc)}" + \
+        ways_forward(exc)
+
+
+def _failure_text(exc: BaseException) -> str:
+    """``TypeError: unhashable type: non-nested SymInt`` and, on the next line, the
+    innermost line of the user's code it was raised from."""
     frames = traceback.extract_tb(exc.__traceback__)
     user = [f for f in frames if not _library_file(f.filename)]
-    text = f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: "
+    text = f"{type(exc).__name__}: "
     text += str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if user:
         frame = user[-1]
         text += f"\n  at {frame.filename}:{frame.lineno}: {frame.line}"
-    return text + ways_forward(exc)
+    return text
+
+
+def _sizes_text(named: dict[str, Any]) -> str:
+    """``input_ids [1, 16], mask [1, 16]``: each tensor input's sizes."""
+    return ", ".join(f"{name} {list(value.shape)}" for name, value in named.items()
+                     if isinstance(value, torch.Tensor))
 
 
 def _name_dims(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
@@ -556,9 +609,12 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 def _decomposed(ep: Any, table: dict, model: torch.nn.Module,
                 stacks: list) -> tuple[Any, fx.GraphModule]:
-    """``ep`` run through ``table``'s decompositions and functionalized, and its graph."""
-    ep = ep.run_decompositions(table)
-    return ep, _normalized(ep, model, stacks)
+    """``ep`` run through ``table``'s decompositions and functionalized, and its graph (a
+    buffer shared by several modules one input while it is: ``capture.shared_buffers``)."""
+    ep = merge_shared_buffers(ep).run_decompositions(table)
+    gm = _normalized(ep, model, stacks)
+    name_shared_buffers(gm, model)
+    return ep, gm
 
 
 def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],

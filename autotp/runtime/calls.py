@@ -47,22 +47,25 @@ from autotp.weights.materialize import Weights
 Structure = tuple[Any, ...]
 
 
-def _leaf(value: Any) -> Any:
+def _leaf(value: Any, sizes: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
-        # batch and sequence (dims 0 and 1) are symbolic in every program; the rest is fixed
-        return ("tensor", str(value.dtype), value.dim(), tuple(value.shape[2:]))
+        # batch and sequence (dims 0 and 1) are symbolic in a program unless it was traced
+        # at its example's sizes (``Captured.fixed_sizes``); the rest is fixed
+        return ("tensor", str(value.dtype), value.dim(),
+                tuple(value.shape if sizes else value.shape[2:]))
     if value is None or isinstance(value, (bool, int, float, str)):
         return ("value", type(value).__name__, value)
     return ("object", type(value).__qualname__)
 
 
-def structure(named: dict[str, Any]) -> Structure:
+def structure(named: dict[str, Any], sizes: bool = False) -> Structure:
     """The key of the program that runs ``named`` (a call bound to the signature, or the
-    traced example): per input, its pytree structure and each leaf's kind."""
+    traced example): per input, its pytree structure and each leaf's kind (``sizes``: with
+    every size of a tensor, for a model whose programs are of fixed sizes)."""
     out = []
     for name in sorted(named):
         leaves, spec = pytree.tree_flatten(named[name])
-        out.append((name, str(spec), tuple(_leaf(v) for v in leaves)))
+        out.append((name, str(spec), tuple(_leaf(v, sizes) for v in leaves)))
     return tuple(out)
 
 
