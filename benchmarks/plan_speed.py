@@ -71,7 +71,7 @@ def run(shape: str, tp: int) -> dict:
                            cost_model, options)
     times["rules"] = time.perf_counter() - start
     start = time.perf_counter()
-    decisions, total = solve(pnodes, tp, cost_model, options)
+    decisions, total, _ = solve(pnodes, tp, cost_model, options)
     plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, shape)
     times["plan"] = time.perf_counter() - start
     start = time.perf_counter()
