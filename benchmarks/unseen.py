@@ -85,6 +85,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import autotp  # noqa: E402
 from autotp.features.report import within_bound  # noqa: E402
+from autotp.planner.bound import megatron_verdict  # noqa: E402
 from autotp.features.verify import perturb  # noqa: E402
 
 T = 16  # tokens of the text models
@@ -876,7 +877,9 @@ def measure_model(m: Model, tp: int, simulate: bool, verbose: int) -> dict:
         # encoder MLP with the decoder's first self-attention, is over in one block only)
         more = [b for b in row["blocks"] if b["fwd"] > b["megatron"][0] or
                 b["bwd"] > b["megatron"][1]]
-        row["at_bound"] = clean and not more and row["totals"]["within"]
+        # and blocks found at all: a plan whose layers went unseen proves nothing
+        row["at_bound"] = clean and not more and row["totals"]["within"] and bool(row["blocks"])
+        row["plan_verdict"] = megatron_verdict(plan).as_dict()  # the plan's own, alongside
         meg = sorted({tuple(b["megatron"]) for b in row["blocks"]})
         row["megatron_counts"] = [list(x) for x in meg]
         row["collectives"] = counts_text(row["blocks"])

@@ -220,3 +220,35 @@ def test_a_three_dimensional_weight_held_whole_is_off_the_bound() -> None:
     # 4096 + 1024 + 64 floats per rank, of 8192 + 64: above 1.25 / 4 of 8192 + 64
     assert whole.layers[0].local_bytes == (4096 + 1024 + 64) * 4
     assert not whole.layers[0].share_ok()
+
+
+class _ParallelForm(nn.Module):
+    """A block run by a method of its own (RetNet's ``forward_parallel``): export records
+    no module of it, so its layer is read off the parameters its ops read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _CallsAMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ParallelForm() for _ in range(3))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward_parallel(x)
+        return self.head(x)
+
+
+def test_blocks_run_by_another_method_are_found_by_their_parameters() -> None:
+    plan = autotp.plan(_CallsAMethod(), 2, example_args=(torch.randn(2, 4, 32),))
+    assert plan.layer_paths == ["layers.0", "layers.1", "layers.2"]
+    assert {p.layer for name, p in plan.params.items() if name.startswith("layers.1.")} == {1}
+    assert plan.params["head.weight"].layer is None
+    assert megatron_verdict(plan).met, plan.summary()

@@ -79,6 +79,8 @@ def find_layers(graph: fx.Graph) -> Layers:
     for node in nodes:
         if unit[node] is None:
             unit[node] = _outermost(stacks[node], repeated)
+    if not any(unit.values()):
+        unit = _by_parameters(nodes, under, set(shapes))
     order: dict[tuple[str, int], int] = {}
     for node in nodes:
         found = unit[node]
@@ -87,6 +89,34 @@ def find_layers(graph: fx.Graph) -> Layers:
         node.meta[LAYER] = None if found is None else order[found]
     calls = Counter(path for path, _ in order)
     return Layers(tuple(f"{path}@{call}" if calls[path] > 1 else path for path, call in order))
+
+
+def _by_parameters(nodes: list[fx.Node], under: dict[str, dict[str, tuple[int, ...]]],
+                   params: set[str]) -> dict[fx.Node, Optional[tuple[str, int]]]:
+    """The layers of a program whose module stack shows none (blocks run by a method other
+    than ``forward``, as ``layer.forward_parallel(x)``): a node reading the parameters of a
+    list entry holding a matrix runs in that entry, and a node reading no parameter in the
+    layer of the latest of its inputs in one; a node reading any other parameter (an
+    embedding, a final norm, a head) is outside, and so are the nodes that follow only it."""
+    unit: dict[fx.Node, Optional[tuple[str, int]]] = {}
+    position = {node: k for k, node in enumerate(nodes)}
+    for node in nodes:
+        if node.op == "get_attr":
+            parts = str(node.target).split(".")[:-1]
+            index = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+            block = None if index is None else ".".join(parts[:index + 1])
+            unit[node] = (block, 0) if block is not None and \
+                _matrices(under.get(block, {})) else None
+            continue
+        inputs = node.all_input_nodes
+        read = [unit.get(a) for a in inputs if a.op == "get_attr" and str(a.target) in params]
+        if read:
+            unit[node] = read[0] if all(r is not None and r == read[0] for r in read) else None
+            continue
+        carried = [a for a in inputs if unit.get(a) is not None]
+        unit[node] = unit[max(carried, key=position.__getitem__)] if carried and \
+            node.op == "call_function" else None
+    return unit
 
 
 def _outermost(stack: list[tuple[str, str, Any]],
