@@ -178,6 +178,23 @@ def batch_norm_training_rule(call: OpCall) -> Iterator[Strategy]:
                            (Shard(1, blocks),) + (per_channel,) * 4, name="channels")
 
 
+@rules.register(aten.native_group_norm.default)
+def group_norm_rule(call: OpCall) -> Iterator[Strategy]:
+    """``native_group_norm(x, w, b, N, C, HxW, group, eps) -> (y, mean, rstd)``: each
+    group's statistics over its C / group channels and the positions. Channels (dim 1)
+    sharded in whole groups (RetNet's norm of each head's output, heads sharded) are exact,
+    each rank its groups' weight, bias and statistics ([N, group]: dim 1); the lowering
+    makes C and group local."""
+    x = call.inputs[0]
+    groups = call.arg("group")
+    if not isinstance(groups, int):
+        return
+    whole_groups = TensorMeta((groups,), x.dtype)
+    if x.shardable(1, call.tp) and whole_groups.shardable(0, call.tp):
+        affine = (Shard(0),) * (len(call.inputs) - 1)
+        yield Strategy((Shard(1),) + affine, (Shard(1), Shard(1), Shard(1)), name="groups")
+
+
 @rules.register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(call: OpCall) -> Iterator[Strategy]:
     q, k, v = call.inputs[:3]

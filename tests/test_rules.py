@@ -102,6 +102,10 @@ SAMPLES: dict[Any, list[Sample]] = {
         s(randn(4, 12, 8), randn(12), randn(12), randn(12), positive(12), 0.1, 1e-5),
         s(randn(2, 6, 4, 8), None, None, randn(6), positive(6), 0.1, 1e-5),
     ],
+    aten.native_group_norm.default: [
+        s(randn(2, 8, 6), randn(8), randn(8), 2, 8, 6, 4, 1e-5),
+        s(randn(2, 16, 3, 4), None, None, 2, 16, 12, 8, 1e-5),
+    ],
     aten._native_batch_norm_legit_functional.default: [
         s(randn(4, 12, 8), randn(12), randn(12), randn(12), positive(12), True, 0.1, 1e-5),
     ],

@@ -167,6 +167,18 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
         node.kwargs = {**node.kwargs, "groups": local}
 
 
+@lowering(aten.native_group_norm.default)
+def local_group_norm_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
+    """C and group count one rank's channels and groups: C -> C/tp, group -> group/tp."""
+    layout = strategy.inputs[0]
+    if not isinstance(layout, Shard) or layout.dim != 1:
+        return
+    args = list(node.args)
+    args[4] = ctx.local_size_arg(args[4], node)  # C
+    args[6] = ctx.local_size_arg(args[6], node)  # group
+    node.args = tuple(args)
+
+
 # ---- sizes (rules/misc.py) ------------------------------------------------------------------
 
 @lowering(aten.sym_size.int)
