@@ -11,8 +11,9 @@ model's repeated blocks) and every layer L meets all three of:
                   are L's large collectives: at least an eighth of the bytes of L's largest
                   (the planner's own measure, at the cost model's reference batch and
                   sequence). A norm over sharded features all-reduces its statistics, one or
-                  two numbers a row (1/h of an activation): these are listed apart, as the
-                  small collectives, not counted against the bound.
+                  two numbers a row (1/h of an activation), and one head's probabilities
+                  returned beside the output are reduced alone: these are listed apart, as
+                  the small collectives, not counted against the bound.
     no matrix     no large matrix of L is held whole (layout R): a parameter of two or more
     whole         dims (3-D expert and per-head weights included) whose width is at least
                   half L's width, where
@@ -168,7 +169,8 @@ class Verdict:
         for (forward, backward), layers in groups.items():
             head = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layer_ranges(layers)}"
             out.append(f"{head}: also {forward} forward, {backward} backward small collectives "
-                       "(a norm's statistics over sharded features), not counted")
+                       "(under an eighth of the layer's largest: a norm's statistics, a "
+                       "returned slice), not counted")
         return out
 
     def as_dict(self) -> dict[str, Any]:

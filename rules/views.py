@@ -291,7 +291,15 @@ def slice_rule(call: OpCall) -> Iterator[Strategy]:
 
 @rules.register(aten.select.int)
 def select_rule(call: OpCall) -> Iterator[Strategy]:
+    """Besides the view's strategies: ``x[:, i]`` of ``x`` sharded along that very dim is
+    held by one rank, the others holding zeros in its place: a partial sum
+    (``(S(d)) -> P``), reduced only where the value must be whole (attention probabilities
+    of one head returned beside the output, not the whole attention gathered for them)."""
     yield from _select_strategies(call, call.arg("dim"))
+    src, index = call.inputs[0], call.arg("index")
+    dim = normalize_dim(call.arg("dim"), src.ndim)
+    if isinstance(index, int) and src.floating and src.shardable(dim, call.tp):
+        yield Strategy((Shard(dim),), P, name="owner's slice")
 
 
 def _select_strategies(call: OpCall, dim: int) -> Iterator[Strategy]:

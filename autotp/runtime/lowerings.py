@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 
 from autotp.errors import PlanError, where
-from autotp.layout import P, ROUTED, Shard, block_weights, is_mixed, local_segment_sizes, \
+from autotp.layout import P, ROUTED, Partial, Shard, block_weights, is_mixed, local_segment_sizes, \
     whole_segments
-from autotp.ops import arg_node, arg_seq
+from autotp.ops import arg_node, arg_seq, node_arg
 from autotp.rules.matmul import CONV, GROUPED_MM
 from autotp.rules.registry import Strategy, normalize_dim
 from autotp.rules.views import segment_of
@@ -165,6 +165,28 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
         node.args = (*node.args[:6], local, *node.args[7:])
     else:
         node.kwargs = {**node.kwargs, "groups": local}
+
+
+@lowering(aten.select.int)
+def owner_select_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
+    """``x[:, i]`` along the sharded dim (rules/views.py's owner's slice): the rank holding
+    index i selects it at its local index, every other rank gives zeros of its shape."""
+    layout = strategy.inputs[0]
+    src = node.args[0]
+    dim = node_arg(node, "dim")
+    val = src.meta["val"] if isinstance(src, fx.Node) else None
+    if not isinstance(layout, Shard) or val is None or \
+            layout.dim != dim % val.ndim or not isinstance(strategy.output, Partial):
+        return
+    index = node_arg(node, "index")
+    size = int(val.shape[layout.dim])
+    index %= size
+    local = size // ctx.tp
+    owner = index // local
+    node.args = (src, dim, index - owner * local if ctx.rank == owner else 0)
+    node.kwargs = {}
+    if ctx.rank != owner:
+        ctx.apply_after(node, aten.zeros_like.default)
 
 
 @lowering(aten.native_group_norm.default)
