@@ -45,6 +45,7 @@ from autotp.planner.checks import (
     note_replicated_products,
     replicated_products,
 )
+from autotp.planner.column_row import column_row_layouts
 from autotp.planner.frontier import FrontierSolver, leaf_memory_cost
 from autotp.planner.problem import (
     Entry,
@@ -112,6 +113,9 @@ def plan_graph(
         progress_step(f"a search of {options.max_states} states"
                       + (", ranked by what they owe" if options.lookahead else ""))
         decisions, total, exhaustive = solve(pnodes, tp, cost_model, options)
+        if not exhaustive and tp > 1 and not options.context_parallel:
+            decisions, total = _no_worse_than_column_row(pnodes, decisions, total, tp,
+                                                         cost_model, options)
         plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options,
                         model_name)
         return plan, exhaustive and not any(pn.premium_dropped for pn in pnodes)
@@ -237,6 +241,28 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
     return alt
 
 
+def _no_worse_than_column_row(pnodes: list[PNode], decisions: dict[str, Any], total: float,
+                              tp: int, cost_model: CostModel, options: PlanOptions
+                              ) -> tuple[dict[str, Any], float]:
+    """The beam's decisions, or the column/row plan's where those cost less.
+
+    The beam keeps a bounded number of states; plans of equal cost early in a layer
+    (rotary embeddings, the blocks of a fused projection) can crowd out the one that pays a
+    little early for the column/row pattern later (a residual stream left split along the
+    hidden dim instead: several collectives a layer where Megatron has two). Where the
+    beam's plan holds some matrix outside its role (``planner/column_row.py``), the problem
+    is solved once more with every matrix that has a role held to it, and the cheaper of the
+    two is kept: no plan costs more than the column/row plan of its problem."""
+    allowed = column_row_layouts(pnodes)
+    if all(decisions.get(name) in layouts for name, layouts in allowed.items()):
+        return decisions, total  # the beam's plan is the column/row plan already
+    progress_step("a search with the matrices as column/row")
+    held, held_total, _ = solve(pnodes, tp, cost_model, options, allowed=allowed)
+    if held_total < total * (1 - 1e-9):
+        return held, held_total
+    return decisions, total
+
+
 def _fewer(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     """Shortfalls ``a`` are fewer than ``b``: none more, and not the same."""
     return a != b and all(x <= y for x, y in zip(a, b))
@@ -290,10 +316,12 @@ def _split_cost(strategy: Strategy) -> bool:
 
 
 def solve(
-    pnodes: list[PNode], tp: int, cost_model: CostModel, options: PlanOptions
+    pnodes: list[PNode], tp: int, cost_model: CostModel, options: PlanOptions,
+    allowed: Optional[dict[str, list[Any]]] = None,
 ) -> tuple[dict[str, Any], float, bool]:
     """Returns per node: the strategy index (ops) or stored layout (leaves), the cost, and
-    whether the search was exhaustive (the beam cut no state)."""
+    whether the search was exhaustive (the beam cut no state). ``allowed``: leaf -> the
+    stored layouts it may take (others' candidates as the problem gives them)."""
     by_name = {pn.node.name: pn for pn in pnodes}
     last_use: dict[str, int] = {}
     for i, pn in enumerate(pnodes):
@@ -308,6 +336,10 @@ def solve(
     candidates = leaf_candidates(pnodes, by_name)
     if options.context_parallel:  # every rank holds the parameters whole
         candidates = {name: [R] for name in candidates}
+    for name, layouts in (allowed or {}).items():
+        kept = [c for c in candidates.get(name, ()) if c in layouts]
+        if kept:
+            candidates[name] = kept
     for name, layout in options.force:
         leaf = by_name[name] if name in candidates else None
         if leaf is not None and (leaf.is_param or leaf.is_state or layout == R):
