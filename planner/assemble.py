@@ -27,8 +27,6 @@ from autotp.rules.registry import format_output, output_layouts
 
 def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
              tp: int, cost_model: CostModel, options: PlanOptions, model_name: str) -> Plan:
-    dims = captured.dim_names
-    by_name = {pn.node.name: pn for pn in pnodes}
     layers = {layer_of(pn.node) for pn in pnodes}
     plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
     plan.layer_paths = list(captured.layers.paths)
@@ -36,10 +34,35 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     plan.sequence_parallel = options.sequence_parallel
     plan.context_parallel = options.context_parallel
     plan.ep = options.expert_parallel
-    plan.dims = {str(k): v for k, v in dims.items()}
+    plan.dims = {str(k): v for k, v in captured.dim_names.items()}
+    values, origin = _layouts(plan, pnodes, decisions, options)
+    params = dict(captured.gm.named_parameters(remove_duplicate=False))
+    grad_sync, gathered = _redistributions(plan, pnodes, decisions, values, origin, captured,
+                                           options)
+    _joined_collectives(plan, captured, gathered)
+    synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
+    plan.expert_params = expert_params(pnodes, plan.choices)
+    _parameters(plan, pnodes, values, params, captured, grad_sync, synced_bytes)
+    plan.experts = expert_stacks(pnodes, values)
+    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
+        for target in set(plan.experts) & set(plan.expert_params):
+            plan.experts[target][1] = "whole"
+    if grad_sync:
+        plan.collectives.append(CollectiveRecord(
+            kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
+            bytes_expr=str(sum(synced_bytes.values())),
+            node="grad sync: " + ", ".join(sorted(grad_sync)),
+            source=None, src="R*", dst="R"))
+    join_siblings(plan, captured.gm.graph)
+    return plan
+
+
+def _layouts(plan: Plan, pnodes: list[PNode], decisions: dict[str, Any], options: PlanOptions
+             ) -> tuple[dict[str, Any], dict[str, fx.Node]]:
+    """Every value's layout and every op's choice (into ``plan``); returns the layouts and,
+    for each partial sum, the op that made it: a value that is still P after linear ops (a
+    cast, a scale, a residual add) is reduced where it is read, but it is the product's sum."""
     values: dict[str, Any] = {}
-    # the op that made each partial sum: a value that is still P after linear ops (a cast,
-    # a scale, a residual add) is reduced where it is read, but it is the product's sum
     origin: dict[str, fx.Node] = {}
     local_heads = {name: (hq, hk) for name, hq, hk in options.local_heads}
     order = {pn.node: i for i, pn in enumerate(pnodes)}
@@ -69,8 +92,9 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 plan.fallbacks.append(f"{pn.node.target} at {name}: replicated{how} "
                                       f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
-                op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy), tp,
-                                                                 plan.attention, local_heads),
+                op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy),
+                                                                 plan.tp, plan.attention,
+                                                                 local_heads),
                 inputs=tuple(str(x) for x in strategy.inputs),
                 output=format_output(out), layer=layer_of(pn.node),
                 source=source_of(pn.node), candidates=len(pn.strategies))
@@ -86,11 +110,20 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             plan.graph[name] = list(pn.inputs)
             plan.ops[name] = (str(pn.node.target) if pn.kind in ("op", "leaf") else pn.kind)
             plan.node_layers[name] = layer_of(pn.node)
+    return values, origin
 
-    params = dict(captured.gm.named_parameters(remove_duplicate=False))
+
+def _redistributions(plan: Plan, pnodes: list[PNode], decisions: dict[str, Any],
+                     values: dict[str, Any], origin: dict[str, fx.Node], captured: Captured,
+                     options: PlanOptions) -> tuple[set[str], list[tuple[str, Any, str]]]:
+    """Every consumer's redistributions into ``plan`` (edges, collectives, last resorts);
+    returns the replicated parameters whose gradients are summed after backward, and the
+    layer-invariant values gathered all at once (name, step, bytes)."""
+    dims = captured.dim_names
+    by_name = {pn.node.name: pn for pn in pnodes}
     grad_sync: set[str] = set()
     seen: set[tuple[str, str]] = set()
-    gathered: list[tuple[str, Any, str]] = []  # layer-invariant values gathered all at once
+    gathered: list[tuple[str, Any, str]] = []
     for pn in pnodes:
         if pn.kind not in ("op", "output"):
             continue
@@ -150,7 +183,7 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
             seen.add((name, str(want)))
             nbytes = _bytes_expr(src.node, dims)
             if isinstance(have, Partial) and have.reduce == "logsumexp":  # one value per rank
-                nbytes = str(parse_size_expr(nbytes) * tp)
+                nbytes = str(parse_size_expr(nbytes) * plan.tp)
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
@@ -160,7 +193,13 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                         kind=kind.value, phase=phase, layer=layer, bytes_expr=nbytes,
                         node=name, source=source_of(at), src=str(have), dst=str(want),
                         module=module_of(at)))
-    # the joined collectives (autotp.runtime.batching): per phase, one of each kind per stage
+    return grad_sync, gathered
+
+
+def _joined_collectives(plan: Plan, captured: Captured,
+                        gathered: list[tuple[str, Any, str]]) -> None:
+    """The joined collectives of layer-invariant values (autotp.runtime.batching): per
+    phase, one of each kind per stage."""
     stage_of = stages(captured.gm.graph, {(e.value, e.consumer) for e in plan.edges
                                           if e.batched})
     for stage in sorted({stage_of[name] for name, _, _ in gathered}):
@@ -177,8 +216,12 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                     bytes_expr=readable(sum(parse_size_expr(b) for _, b in joined), {}),
                     node="batched: " + ", ".join(name for name, _ in joined),
                     source=None, src=src_text, dst="R"))
-    synced_bytes = {t: params[t].numel() * params[t].element_size() for t in grad_sync}
-    plan.expert_params = expert_params(pnodes, plan.choices)
+
+
+def _parameters(plan: Plan, pnodes: list[PNode], values: dict[str, Any],
+                params: dict[str, torch.nn.Parameter], captured: Captured, grad_sync: set[str],
+                synced_bytes: dict[str, int]) -> None:
+    """Every parameter's ``ParamPlan``; mixed layouts add to ``grad_sync``."""
     for pn in pnodes:
         if pn.kind == "leaf" and pn.is_param:
             target = pn.node.target
@@ -190,15 +233,15 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 grad_sync.add(target)
                 synced_bytes[target] = whole_numel(global_shape, layout) * \
                     params[target].element_size()
-            degree = tp
+            degree = plan.tp
             if plan.ep > 1 and target in plan.expert_params:
                 # split along the experts tp * ep ways; at tp 1 the plan's own layout of the
                 # weight is whole on the one tp rank (every layout is), so it is set here
-                if tp > 1 and layout != Shard(0):
+                if plan.tp > 1 and layout != Shard(0):
                     raise PlanError(f"{target}: experts read whole by their grouped products "
                                     f"but stored as {layout}; ep needs them split along the "
                                     "experts")
-                layout, degree = Shard(0), tp * plan.ep
+                layout, degree = Shard(0), plan.tp * plan.ep
             plan.params[target] = ParamPlan(
                 layout=str(layout), global_shape=global_shape,
                 local_shape=local_shape(global_shape, layout, degree),
@@ -206,18 +249,6 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
                 grad_sync=target in grad_sync,
                 layer=_first_use_layer(pn.node),
                 dtype=str(params[target].dtype).removeprefix("torch."))
-    plan.experts = expert_stacks(pnodes, values)
-    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
-        for target in set(plan.experts) & set(plan.expert_params):
-            plan.experts[target][1] = "whole"
-    if grad_sync:
-        plan.collectives.append(CollectiveRecord(
-            kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
-            bytes_expr=str(sum(synced_bytes.values())),
-            node="grad sync: " + ", ".join(sorted(grad_sync)),
-            source=None, src="R*", dst="R"))
-    join_siblings(plan, captured.gm.graph)
-    return plan
 
 
 def expert_stacks(pnodes: list[PNode], values: dict[str, Any]) -> dict[str, list]:

@@ -7,7 +7,6 @@ stored in. Nothing here chooses: ``solve`` does.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -18,26 +17,15 @@ import torch.fx as fx
 
 from autotp.capture.trace import (Captured, make_call, origin_of, sequence_symbols, size_expr,
                                   tensor_inputs)
-from autotp.ops import MATMULS, RESHAPES, arg_node, node_arg
+from autotp.ops import arg_node
 from autotp.errors import NoRuleError, PlanError, where
-from autotp.layout import (
-    R,
-    R_STAR,
-    Blocks,
-    Layout,
-    Partial,
-    Period,
-    Replicate,
-    Shard,
-    proportions,
-    smaller_whole,
-)
+from autotp.layout import R, R_STAR, Layout, Partial, Replicate, Shard
 from autotp.planner.cost import CostModel
 from autotp.planner.invariant import layer_invariant
 from autotp.planner.saved import saved_values
+from autotp.planner.segmentations import block_counts  # noqa: F401 (re-exported)
 from autotp.rules.matmul import GROUPED_MM
 from autotp.rules.registry import Registry, Strategy, output_layouts
-from autotp.rules.view_algebra import view_groups, view_segmentations
 
 aten = torch.ops.aten
 
@@ -146,151 +134,6 @@ def joins_ahead(src: PNode, reader: PNode, have: Any, want: Any, options: PlanOp
 Entry = tuple[Any, frozenset]  # (layout or tuple of layouts, layouts materialized from it)
 
 
-# a product, or a product with its bias added: the values a slice of one dim may tile
-_PRODUCTS = MATMULS | {aten.add.Tensor}
-
-
-def _sliced_segments(node: fx.Node) -> list[int]:
-    """The sizes of slices of ``node`` along one dim that tile it (``qkv[..., :q]``,
-    ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``), or [] when its slices do not."""
-    val = node.meta.get("val")
-    viewed = node.target in RESHAPES and isinstance(node.args[0], fx.Node) and \
-        node.args[0].target in _PRODUCTS  # Falcon's qkv.view(B, T, heads + 2, head_dim)
-    if not isinstance(val, torch.Tensor) or not (node.target in _PRODUCTS or viewed):
-        return []  # only a product's output is a fused projection (not a KV cache's reads)
-    by_dim: dict[int, set] = {}
-    for user in node.users:
-        if user.target != aten.slice.Tensor or user.args[0] is not node:
-            continue
-        dim = node_arg(user, "dim", 0) % val.ndim
-        size = val.shape[dim]
-        start, end = node_arg(user, "start") or 0, node_arg(user, "end")
-        if node_arg(user, "step", 1) != 1 or not isinstance(size, int):
-            continue
-        end = size if end is None or (isinstance(end, int) and end >= size) else end
-        if isinstance(start, int) and isinstance(end, int):
-            by_dim.setdefault(dim, set()).add((start % size if start < 0 else start,
-                                               end % size if end < 0 else end))
-    for dim, ranges in by_dim.items():
-        ordered = sorted(ranges)
-        if len(ordered) > 1 and ordered[0][0] == 0 and ordered[-1][1] == val.shape[dim] and \
-                all(a[1] == b[0] for a, b in zip(ordered, ordered[1:])):
-            return [end - start for start, end in ordered]
-    return []
-
-
-def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
-                 ) -> tuple[Blocks, ...]:
-    """Segmentations worth considering for blocked shards: those of the graph's splits (a
-    fused q|k|v or gate|up projection split into its parts): their count when the parts
-    are equal, their proportions when not (q|k|v with fewer k/v heads), and those with the
-    smaller parts held whole (multi-query attention's single k/v head), and the proportions
-    of concatenated pieces; and the ``sequences`` (context parallelism's size symbols) a
-    reshape merges after the batch."""
-    counts: set = {1}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (
-                aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-            val = node.meta.get("val")
-            if not isinstance(val, (list, tuple)) or len(val) < 2:
-                continue
-            dim = node_arg(node, "dim", 0)
-            sizes = [v.shape[dim] for v in val if isinstance(v, torch.Tensor)]
-            if len(sizes) == len(val) and all(isinstance(size, int) for size in sizes):
-                counts.add(proportions(sizes))
-                counts.add(smaller_whole(proportions(sizes)))
-            else:
-                counts.add(len(val))
-        tiling = _sliced_segments(node)
-        if tiling:
-            counts.add(proportions(tiling))
-            counts.add(smaller_whole(proportions(tiling)))
-        if node.op == "call_function" and node.target == aten.cat.default:
-            pieces = [a.meta.get("val") for a in node.args[0] if isinstance(a, fx.Node)]
-            dim = node_arg(node, "dim", 0)
-            sizes = [p.shape[dim] for p in pieces if isinstance(p, torch.Tensor)]
-            if all(isinstance(size, int) and size > 0 for size in sizes) and \
-                    len(set(sizes)) > 1:
-                counts.add(proportions(sizes))  # Flux's cat([attention, mlp], -1): (1, 4)
-        if node.op == "call_function" and node.target == aten.unbind.int:
-            counts.add(len(node.meta.get("val") or ()))  # timm's qkv...unbind(0): 3 parts
-        if node.op == "call_function" and node.target == aten.glu.default:
-            counts.add(2)  # F.glu takes its input's halves: a gate|value projection's blocks
-        counts.add(_selected_parts(node))
-        if node.op == "call_function" and node.target in RESHAPES:
-            counts.update(_merged_periods(node, sequences))
-            counts.update(_view_segmentations(node, counts))
-    counts.discard(None)
-    counts.discard(0)
-    return tuple(sorted(counts, key=lambda b: (
-        isinstance(b, Period), isinstance(b, tuple),
-        (isinstance(b.length, str), b.length) if isinstance(b, Period) else b)))
-
-
-def _selected_parts(node: fx.Node) -> Optional[int]:
-    """k when ``node`` is taken apart along a static dim of size k by a ``select`` of each
-    index, as ``unbind`` does (torch's attention: ``proj[0], proj[1], proj[2]`` of a fused
-    projection unflattened into (3, h)); None otherwise."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return None
-    taken: dict[int, set] = {}
-    for user in node.users:
-        if user.target == aten.select.int and user.args[0] is node:
-            dim = node_arg(user, "dim", 0) % val.ndim
-            index = node_arg(user, "index")
-            size = val.shape[dim]
-            if isinstance(size, int) and isinstance(index, int):
-                taken.setdefault(dim, set()).add(index % size)
-    for dim, indices in taken.items():
-        if val.shape[dim] >= 2 and indices == set(range(val.shape[dim])):
-            return val.shape[dim]
-    return None
-
-
-def _merged_periods(node: fx.Node, sequences: frozenset = frozenset()) -> set[Period]:
-    """The periods of static dims a reshape merges after a symbolic one, or splits back out
-    of it (Bloom's [B, H, T, D] <-> [B*H, T, D]): heads sharded inside the batch; and of one
-    of the ``sequences`` merged after the batch ([B, T, V] -> [B*T, V])."""
-    src, dst = node.args[0], node.meta.get("val")
-    if not isinstance(src, fx.Node) or not isinstance(dst, torch.Tensor) or \
-            not isinstance(src.meta.get("val"), torch.Tensor):
-        return set()
-    shapes = ([size_expr(s) for s in src.meta["val"].shape],
-              [size_expr(s) for s in dst.shape])
-    try:
-        groups = view_groups(*shapes)
-    except ValueError:
-        return set()
-    periods = set()
-    for dims in groups:
-        for many, one in ((0, 1), (1, 0)):
-            majors = [d for d in dims[many] if shapes[many][d] != 1]
-            single = [d for d in dims[one] if shapes[one][d] != 1]
-            if len(single) != 1 or len(majors) < 2 or isinstance(shapes[one][single[0]], int):
-                continue
-            for k in range(1, len(majors)):
-                inner = [shapes[many][d] for d in majors[k:]]
-                if all(isinstance(size, int) for size in inner) and math.prod(inner) > 1:
-                    periods.add(Period(int(math.prod(inner))))
-            last = shapes[many][majors[-1]]
-            if last in sequences:  # batch x sequence rows, split by context parallelism
-                periods.add(Period(str(last)))
-    return periods
-
-
-def _view_segmentations(node: fx.Node, counts: set) -> set:
-    """The periods a shard takes across a reshape, by the view algebra, from a plain shard
-    or a period found so far (fairseq's [T, B, h] -> [T, B*heads, d]: segments of heads)."""
-    src, dst = node.args[0], node.meta.get("val")
-    if not isinstance(src, fx.Node) or not isinstance(dst, torch.Tensor) or \
-            not isinstance(src.meta.get("val"), torch.Tensor):
-        return set()
-    known = {1} | {b for b in counts if isinstance(b, Period) and not b.symbolic}
-    return view_segmentations([size_expr(s) for s in src.meta["val"].shape],
-                              [size_expr(s) for s in dst.shape], known)
-
-
 def _flops(node: fx.Node, cost_model: CostModel, dims: dict) -> float:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -322,21 +165,52 @@ def build_problem(
     cost_model: CostModel,
     options: PlanOptions,
 ) -> list[PNode]:
+    builder = _Builder(captured, tp, blocks, registry, cost_model, options)
     gm = captured.gm
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    dims = captured.dim_names
     pnodes: list[PNode] = []
-    grad: dict[str, bool] = {}
-    strategy_memo: dict[Any, list[Strategy]] = {}
-    call_memo: dict[Any, Any] = {}  # _shared_key -> _call_key, sparing make_call
-    size_memo: dict[Any, float] = {}
-    split = sequence_symbols(dims) if options.sequence_parallel or options.context_parallel \
-        else frozenset()
-    routed_rows = _expert_rows(gm)
-    constants: set[str] = set()  # values that read no input, parameter or state
     for node in gm.graph.nodes:
+        pn = builder.node(node, pnodes)
+        builder.grad[node.name] = pn.requires_grad
+        if _is_constant(pn, builder.constants):
+            builder.constants.add(node.name)
+        builder.measure(pn)
+        pnodes.append(pn)
+    grad = builder.grad
+    kept = saved_values(gm.graph, lambda n: grad.get(n.name, False))
+    invariant = layer_invariant(gm.graph) if options.batch_gathers else frozenset()
+    for pn in pnodes:
+        pn.saved = pn.node.name in kept
+        pn.invariant = pn.node.name in invariant
+    if options.context_parallel:
+        _shard_the_sequence(pnodes, builder.split)
+    elif not options.sequence_parallel:
+        _replicate_input_constants(pnodes, grad)
+    return pnodes
+
+
+class _Builder:
+    """One problem's construction: a ``PNode`` per graph node, with the memos that let
+    repeated layers share their strategies and sizes."""
+
+    def __init__(self, captured: Captured, tp: int, blocks: tuple[int, ...],
+                 registry: Registry, cost_model: CostModel, options: PlanOptions):
+        self.tp, self.blocks, self.registry = tp, blocks, registry
+        self.cost_model, self.options = cost_model, options
+        self.params = dict(captured.gm.named_parameters(remove_duplicate=False))
+        self.dims = captured.dim_names
+        self.grad: dict[str, bool] = {}
+        self.strategy_memo: dict[Any, list[Strategy]] = {}
+        self.call_memo: dict[Any, Any] = {}  # _shared_key -> _call_key, sparing make_call
+        self.size_memo: dict[Any, float] = {}
+        self.split = sequence_symbols(self.dims) \
+            if options.sequence_parallel or options.context_parallel else frozenset()
+        self.routed_rows = _expert_rows(captured.gm)
+        self.constants: set[str] = set()  # values that read no input, parameter or state
+
+    def node(self, node: fx.Node, pnodes: list[PNode]) -> PNode:
         val = node.meta.get("val")
         pn = PNode(node=node, kind="skip")
+        options = self.options
         if node.op == "placeholder":
             if isinstance(val, torch.Tensor) and node.target in options.state_inputs:
                 pn.kind = "leaf"
@@ -348,8 +222,8 @@ def build_problem(
         elif node.op == "get_attr":
             if isinstance(val, torch.Tensor):
                 pn.kind = "leaf"
-                pn.is_param = node.target in params
-                pn.requires_grad = pn.is_param and params[node.target].requires_grad
+                pn.is_param = node.target in self.params
+                pn.requires_grad = pn.is_param and self.params[str(node.target)].requires_grad
                 pn.ndim = val.dim()
         elif node.op == "output":
             pn.kind = "output"
@@ -363,71 +237,83 @@ def build_problem(
                     isinstance(node.args[0].meta.get("val"), (tuple, list)):
                 pn.kind = "getitem" if isinstance(val, torch.Tensor) else "skip"
                 pn.inputs = [node.args[0].name]
-            elif node.target in registry:
-                pn.kind = "op"
-                pn.inputs = [n.name for n in ins]
-                pn.mutated = mutated_inputs(node)
-                shared = _shared_key(node)
-                memo_key = call_memo.get(shared) if shared is not None else None
-                if memo_key is None:
-                    call = make_call(node, tp, blocks, split)
-                    rows = _routed_rows(node, routed_rows)
-                    call = replace(call, routed=rows, experts=routed_rows.get(rows),
-                                   ep=options.expert_parallel,
-                                   context=options.context_parallel)
-                    memo_key = _call_key(call)
-                    if memo_key not in strategy_memo:  # repeated layers repeat their calls
-                        strategy_memo[memo_key] = registry.strategies(call)
-                    if shared is not None:
-                        call_memo[shared] = memo_key
-                pn.strategies = strategy_memo[memo_key]
-                if options.expert_parallel > 1 and is_grouped(node):
-                    pn.strategies = _experts_whole(node, pn.strategies, tp, options)
-                forced = dict(options.force).get(node.name)
-                if forced is not None:
-                    pn.strategies = [pn.strategies[forced]]
-                elif not options.partial_statistics:
-                    kept = [s for s in pn.strategies if not s.premium]
-                    pn.premium_dropped = len(kept) < len(pn.strategies)
-                    pn.strategies = kept
-
-            elif _deterministic(node) and all(n.name in constants for n in ins):
+            elif node.target in self.registry:
+                self._ruled(pn, ins)
+            elif _deterministic(node) and all(n.name in self.constants for n in ins):
                 # a constant (a mask built by a Python loop, a factory with no rule): the
                 # same values on every rank, whatever it computes, so replicated is exact
                 pn.kind = "op"
                 pn.constant = True
                 pn.inputs = [n.name for n in ins]
-                out = make_call(node, tp, blocks).output
+                out = make_call(node, self.tp, self.blocks).output
                 pn.strategies = [Strategy((R,) * len(ins), _map_out(out, R) if
                                           isinstance(out, tuple) else R, name="constant")]
             elif ins or isinstance(val, (torch.Tensor, tuple, list)):
-                if options.strict and not is_custom_op(node.target):
-                    raise NoRuleError(
-                        f"autotp has no layout rule for {node.target}{where(node)}\n  pass "
-                        "strict=False to compute it replicated (recorded in the plan), or "
-                        f"teach autotp how it shards: autotp.register_rule("
-                        f"{_op_name(node.target)!r}, [...]) (docs/custom-ops.md)"
-                    )
-                pn.kind = "op"
-                pn.fallback = True
-                pn.inputs = [n.name for n in ins]
-                call = make_call(node, tp, blocks)
-                out = (tuple(None if o is None else R for o in call.output)
-                       if isinstance(call.output, tuple) else
-                       (R if call.output is not None else None))
-                pn.strategies = [Strategy((R,) * len(ins), out, name="fallback"),
-                                 Strategy((R_STAR,) * len(ins),
-                                          _map_out(out, R_STAR), name="fallback")]
-            pn.requires_grad = any(grad.get(n, False) for n in pn.inputs) and _floating(val)
-        grad[node.name] = pn.requires_grad
-        if _is_constant(pn, constants):
-            constants.add(node.name)
-        if ("bytes", id(val)) not in size_memo:
-            size_memo[("bytes", id(val))] = _nbytes(val, cost_model, dims)
-        pn.nbytes = size_memo[("bytes", id(val))]
-        if split and isinstance(val, torch.Tensor):
+                self._fallback(pn, ins)
+            pn.requires_grad = any(self.grad.get(n, False) for n in pn.inputs) and \
+                _floating(val)
+        return pn
+
+    def _ruled(self, pn: PNode, ins: list[fx.Node]) -> None:
+        """An op with a rule: its strategies (memoized across repeated layers)."""
+        node, options = pn.node, self.options
+        pn.kind = "op"
+        pn.inputs = [n.name for n in ins]
+        pn.mutated = mutated_inputs(node)
+        shared = _shared_key(node)
+        memo_key = self.call_memo.get(shared) if shared is not None else None
+        if memo_key is None:
+            call = make_call(node, self.tp, self.blocks, self.split)
+            rows = _routed_rows(node, self.routed_rows)
+            call = replace(call, routed=rows, experts=self.routed_rows.get(rows),
+                           ep=options.expert_parallel, context=options.context_parallel)
+            memo_key = _call_key(call)
+            if memo_key not in self.strategy_memo:  # repeated layers repeat their calls
+                self.strategy_memo[memo_key] = self.registry.strategies(call)
+            if shared is not None:
+                self.call_memo[shared] = memo_key
+        pn.strategies = self.strategy_memo[memo_key]
+        if options.expert_parallel > 1 and is_grouped(node):
+            pn.strategies = _experts_whole(node, pn.strategies, self.tp, options)
+        forced = dict(options.force).get(node.name)
+        if forced is not None:
+            pn.strategies = [pn.strategies[forced]]
+        elif not options.partial_statistics:
+            kept = [s for s in pn.strategies if not s.premium]
+            pn.premium_dropped = len(kept) < len(pn.strategies)
+            pn.strategies = kept
+
+    def _fallback(self, pn: PNode, ins: list[fx.Node]) -> None:
+        """An op with no rule: replicated (refused under ``strict``, unless it is a custom
+        op, which runs replicated and is named in the plan)."""
+        node = pn.node
+        if self.options.strict and not is_custom_op(node.target):
+            raise NoRuleError(
+                f"autotp has no layout rule for {node.target}{where(node)}\n  pass "
+                "strict=False to compute it replicated (recorded in the plan), or "
+                f"teach autotp how it shards: autotp.register_rule("
+                f"{_op_name(node.target)!r}, [...]) (docs/custom-ops.md)"
+            )
+        pn.kind = "op"
+        pn.fallback = True
+        pn.inputs = [n.name for n in ins]
+        call = make_call(node, self.tp, self.blocks)
+        out = (tuple(None if o is None else R for o in call.output)
+               if isinstance(call.output, tuple) else
+               (R if call.output is not None else None))
+        pn.strategies = [Strategy((R,) * len(ins), out, name="fallback"),
+                         Strategy((R_STAR,) * len(ins), _map_out(out, R_STAR),
+                                  name="fallback")]
+
+    def measure(self, pn: PNode) -> None:
+        """The node's bytes, flops, sequence dims and expert groups (memoized)."""
+        node, val, memo = pn.node, pn.node.meta.get("val"), self.size_memo
+        if ("bytes", id(val)) not in memo:
+            memo[("bytes", id(val))] = _nbytes(val, self.cost_model, self.dims)
+        pn.nbytes = memo[("bytes", id(val))]
+        if self.split and isinstance(val, torch.Tensor):
             pn.seq_dims = frozenset(d for d, size in enumerate(val.shape)
-                                    if size_expr(size) in split)
+                                    if size_expr(size) in self.split)
         if pn.kind == "op" and is_grouped(node) and len(node.args) > 1 and \
                 isinstance(node.args[1], fx.Node):
             weight = node.args[1].meta.get("val")
@@ -436,22 +322,11 @@ def build_problem(
         if pn.kind == "op":
             shared = _shared_key(node)
             if shared is None:
-                pn.flops = _flops(node, cost_model, dims)
+                pn.flops = _flops(node, self.cost_model, self.dims)
             else:
-                if ("flops", shared) not in size_memo:
-                    size_memo[("flops", shared)] = _flops(node, cost_model, dims)
-                pn.flops = size_memo[("flops", shared)]
-        pnodes.append(pn)
-    kept = saved_values(gm.graph, lambda n: grad.get(n.name, False))
-    invariant = layer_invariant(gm.graph) if options.batch_gathers else frozenset()
-    for pn in pnodes:
-        pn.saved = pn.node.name in kept
-        pn.invariant = pn.node.name in invariant
-    if options.context_parallel:
-        _shard_the_sequence(pnodes, split)
-    elif not options.sequence_parallel:
-        _replicate_input_constants(pnodes, grad)
-    return pnodes
+                if ("flops", shared) not in memo:
+                    memo[("flops", shared)] = _flops(node, self.cost_model, self.dims)
+                pn.flops = memo[("flops", shared)]
 
 
 def _shard_the_sequence(pnodes: list[PNode], split: frozenset) -> None:

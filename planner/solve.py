@@ -46,13 +46,13 @@ from autotp.planner.checks import (
     replicated_products,
 )
 from autotp.planner.column_row import column_row_layouts
+from autotp.planner.segmentations import block_counts
 from autotp.planner.frontier import FrontierSolver, leaf_memory_cost
 from autotp.planner.problem import (
     Entry,
     PlanOptions,
     PNode,
     joins_ahead,
-    block_counts,
     build_problem,
     drop_grad_partial,
     is_grouped,

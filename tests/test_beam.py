@@ -14,7 +14,8 @@ from autotp.capture.trace import capture
 from autotp.layout import Shard
 from autotp.planner.column_row import column_row_layouts
 from autotp.planner.cost import CostModel
-from autotp.planner.problem import PlanOptions, block_counts, build_problem
+from autotp.planner.problem import PlanOptions, build_problem
+from autotp.planner.segmentations import block_counts
 from autotp.planner.solve import _no_worse_than_column_row, plan_graph, solve
 from autotp.rules.registry import Registry
 from tests import models

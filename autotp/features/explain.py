@@ -21,7 +21,8 @@ from autotp.errors import ConfigError, PlanError
 from autotp.features.report import to_dict, why_replicated_lines
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.planner.problem import block_counts, build_problem, leaf_candidates
+from autotp.planner.problem import build_problem, leaf_candidates
+from autotp.planner.segmentations import block_counts
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.progress import stage, step
 from autotp.rules.registry import Registry
