@@ -68,24 +68,38 @@ def test_layout_balances_causal_work_and_round_trips() -> None:
 def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     """At cp 4, balanced: each rank computes 2 x 2 chunk pairs per step of the ring when
     nothing is hidden; under the causal mask half of the 64 pairs are skipped, alike on every
-    rank (the ring shifts 3 times forward either way)."""
-    counted: list[int] = []
+    rank (the ring shifts 3 times forward either way); backward calls the kernels forward
+    called, each once."""
     import autotp.runtime.context as context
 
-    real = context._scores
+    pairs: list[int] = []
+    kernels = {"forward": 0, "backward": 0}
+    real, forward, backward = context._step_calls, context.kernel_forward, \
+        context.kernel_backward
 
-    def counting(*args: Any) -> torch.Tensor:
-        counted.append(1)
-        return real(*args)
+    def planned(*args: Any) -> Any:
+        calls = real(*args)
+        pairs.append(sum(c.pairs for c in calls))
+        return calls
+
+    def counting(phase: str, kernel: Any) -> Any:
+        def call(*args: Any) -> Any:
+            kernels[phase] += 1
+            return kernel(*args)
+        return call
 
     case = cc.CASES["causal"]
-    context._scores = counting  # type: ignore[assignment]
+    context._step_calls = planned  # type: ignore[assignment]
+    context.kernel_forward = counting("forward", forward)  # type: ignore[assignment]
+    context.kernel_backward = counting("backward", backward)  # type: ignore[assignment]
     try:
         logs = _on_ranks(4, lambda comm: (cc.run(comm, case, "ring"), comm.log)[1])
     finally:
-        context._scores = real  # type: ignore[assignment]
-    # forward and backward, 4 ranks: (64 pairs - 28 hidden) x 2
-    assert len(counted) == 2 * (4 * 4 * 4 - 28), len(counted)
+        context._step_calls = real  # type: ignore[assignment]
+        context.kernel_forward, context.kernel_backward = forward, backward  # type: ignore
+    # 4 ranks: 64 pairs - 28 hidden
+    assert sum(pairs) == 4 * 4 * 4 - 28, sum(pairs)
+    assert kernels["forward"] == kernels["backward"] > 0, kernels
     assert all(log.count("forward", kind="shift", any_layer=True) == 3 for log in logs)
     # backward: the blocks 3 times, their gradient accumulators 4 (the last one home)
     assert all(log.count("backward", kind="shift", any_layer=True) == 7 for log in logs)
@@ -93,32 +107,46 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
 
 @pytest.mark.parametrize("name", ["causal", "window", "padding", "explicit-bool",
                                   "explicit-additive"])
-def test_tiles_of_query_rows_match_whole_chunks(name: str, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("kernel", ["fused", "matmul"])
+def test_tiles_of_query_rows_match_whole_chunks(name: str, kernel: str,
+                                                monkeypatch: Any) -> None:
     """A long sequence's pair of chunks goes in tiles of query rows (``TILE_BYTES`` of
-    float32 scores each): with tiles of one query row at cp 2, the output and gradients
-    are the unsharded attention's, as with whole chunks."""
+    float32 scores, or mask, each) where a call holds them: every pair on the products'
+    path (``Kernel.MATMUL``), the pairs with a mask on the fused kernels. With tiles of one
+    query row at cp 2, the output and gradients are the unsharded attention's, as with
+    whole chunks."""
     import autotp.runtime.context as context
+    from autotp.runtime.ring_kernels import Kernel
 
     case = cc.CASES[name]
     rows = 2 * case.heads * (case.length // 4) * 4  # b x heads x key chunk x float32
     monkeypatch.setattr(context, "TILE_BYTES", rows)
+    if kernel == "matmul":
+        monkeypatch.setattr(context, "choose", lambda *args: Kernel.MATMUL)
     counted: list[int] = []
-    real = context._scores
+    real = context._step_calls
 
-    def counting(*args: Any) -> torch.Tensor:
-        counted.append(args[0].shape[2])
-        return real(*args)
+    def counting(*args: Any) -> Any:
+        calls = real(*args)
+        counted.extend(c.rows.stop - c.rows.start for c in calls
+                       if kernel == "matmul" or c.cell is context._Cell.MASKED)
+        return calls
 
-    monkeypatch.setattr(context, "_scores", counting)
+    monkeypatch.setattr(context, "_step_calls", counting)
     for rank, diffs in enumerate(_on_ranks(2, lambda comm: cc.run(comm, case, "ring"))):
         assert max(diffs.values()) <= RTOL, (rank, diffs)
-    assert counted and set(counted) == {1}, set(counted)
+    if kernel == "matmul" or name != "causal":  # causal alone needs no mask on the kernels
+        assert counted and set(counted) == {1}, set(counted)
+    else:
+        assert not counted, counted
 
 
 def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:
-    """bfloat16 q, k, v under autocast at cp 2: the ring's output and gradients are no
-    further from the float64 attention than scaled_dot_product_attention's own in bfloat16
-    (the ring scores and merges in float32 whatever autocast says)."""
+    """bfloat16 q, k, v under autocast at cp 2: the ring's output and gradients are close to
+    the float64 attention as scaled_dot_product_attention's own in bfloat16: the output
+    within 1.5 x its error (the blocks merge in float32), each gradient within 2.5 x (a
+    query's dq, a key's dk and dv sum up to cp kernel calls' bfloat16 results, each as
+    close as SDPA's own, at cp 2)."""
     case = cc.Case(length=64)
     q, k, v, grad, _ = cc.inputs(case)
     layout = SequenceLayout(2, balanced=True)
@@ -145,7 +173,8 @@ def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:
     sdpa = attend(torch.bfloat16, sharded=False)
     for name, want, a, b in zip(["out", "q", "k", "v"], exact, ring, sdpa):
         ring_err, sdpa_err = (max_difference(want, x, relative=True) for x in (a, b))
-        assert ring_err <= 1.5 * sdpa_err, (name, ring_err, sdpa_err)
+        bound = 1.5 if name == "out" else 2.5
+        assert ring_err <= bound * sdpa_err, (name, ring_err, sdpa_err)
 
 
 def test_strategy_by_bytes_sent() -> None:
@@ -466,7 +495,7 @@ def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str], tmp_path:
 def test_command_line_plans_with_cp() -> None:
     """``autotp plan --tp 1 --cp 2``: the plan's table names the degree and the ring; with
     --tp 2 the tp plan's table, the ring and the collectives over cp (the gradients' sum);
-    --cp with --sequence-parallel is refused."""
+    --cp with --sequence-parallel at --tp 1 is refused, as the library refuses it."""
     import contextlib
     import io
 
@@ -482,12 +511,12 @@ def test_command_line_plans_with_cp() -> None:
         out.truncate(0)
         assert main(["plan", *model, "--tp", "2", "--cp", "2"]) == 0, err.getvalue()
         inside = out.getvalue()
-        assert main(["plan", *model, "--tp", "2", "--cp", "2", "--sequence-parallel"]) != 0
+        assert main(["plan", *model, "--tp", "1", "--cp", "2", "--sequence-parallel"]) != 0
     assert "cp=2 (context parallel, tp=1)" in text and "2 call(s) by ring attention" in text
     assert "tp=2 x cp=2 (context parallel inside tp)" in inside
     assert "2 call(s) by ring attention" in inside and "Megatron bound (2, 2): met" in inside
     assert "over cp=2" in inside and "grad sync: lm_head.weight" in inside
-    assert "--cp 2 runs with no --sequence-parallel" in err.getvalue()
+    assert "--cp 2 with --sequence-parallel at --tp 1" in err.getvalue()
 
 
 
@@ -577,17 +606,18 @@ def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) ->
     assert all(c.strategy.endswith("[ring]") for c in sim.plan.choices.values()
                if "scaled_dot_product" in c.op)
     counted: dict[int, int] = {}
-    real = context._scores
+    real = context._step_calls
 
-    def counting(*args: Any) -> torch.Tensor:
+    def counting(*args: Any) -> Any:
+        calls = real(*args)
         ident = threading.get_ident()
-        counted[ident] = counted.get(ident, 0) + 1
-        return real(*args)
+        counted[ident] = counted.get(ident, 0) + sum(c.pairs for c in calls)
+        return calls
 
-    context._scores = counting  # type: ignore[assignment]
+    context._step_calls = counting  # type: ignore[assignment]
     try:
         sim.run(lambda m: m(**inputs))
     finally:
-        context._scores = real  # type: ignore[assignment]
+        context._step_calls = real  # type: ignore[assignment]
     layers = 2
     assert sorted(counted.values()) == [pairs * layers] * cp, counted

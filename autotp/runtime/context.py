@@ -17,8 +17,9 @@ Two ways to attend across the shards:
 - ``ring_attention``: each rank keeps its queries; the key/value blocks pass around the ring
   (cp - 1 shifts) and the partial results are merged by their log-sum-exp (the online
   softmax). Any head count. Backward passes the blocks around again, each block's gradient
-  accumulator one step behind it, home after cp shifts. Every shift is begun before the
-  step's products and awaited after them, so the transfer overlaps the compute. A pair of
+  accumulator (in the inputs' dtype) one step behind it, home after cp shifts. Every shift
+  is begun before the step's kernels and awaited after them, so the transfer overlaps the
+  compute. A pair of
   chunks that the mask hides entirely (the future under a causal mask, what lies beyond a
   sliding window) is skipped.
 
@@ -34,26 +35,43 @@ keys the ring meets, so that no [s/cp, S] tensor is held. Either way the pairs o
 it hides are skipped, and the pairs it keeps whole need no mask. A query that no key is
 left for gets zeros and passes no gradient.
 
-The ring computes in float32 (or the inputs' dtype where wider), autocast or not, and saves
-its output and log-sum-exp for backward, which recomputes each pair's scores.
+Each step of the ring is a few calls (``_step_calls``) of the device's fused attention
+kernel in the inputs' dtype (``runtime/ring_kernels.py``: on the CPU the flash kernel, which
+reads grouped key/value heads as they are; on CUDA flash or memory-efficient, given the
+heads expanded once per step; float32 products where no kernel takes the call). Pairs of
+chunks kept whole go without a mask, several in one call; a chunk against itself under a
+plain causal mask with the kernel's ``is_causal``; the rest with their block of the mask,
+built on the device from positions and the model's mask. The calls merge by their
+log-sum-exp in float32; the ring saves its output (inputs' dtype) and log-sum-exp, and
+backward calls each kernel's backward with them, which gives each call's share of dq, dk
+and dv. Autocast changes nothing: the kernels run in the inputs' dtype.
+
+What the ring does is decided from positions, host integers, and, for a model's mask, one
+read of what it keeps of each pair of chunks (``_live_pairs``; once for all the layers of a
+step where the mask is a program of the same factors): the ring reads no other tensor value
+on the host.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autotp.errors import ConfigError
-from autotp.planner.masks import MaskRegion, unsqueezed_dim
 from autotp.planner.cost import attention_strategy  # noqa: F401 (re-exported)
+from autotp.runtime.block_mask import HIDDEN, PARTIAL, WHOLE, BlockMask, MaskProgram
 from autotp.runtime.comm import Communicator
+from autotp.runtime.ring_kernels import Call as KernelCall, Kernel, Merged, Summed, bias_of, \
+    choose, mask_dtype, takes_groups
+from autotp.runtime.ring_kernels import backward as kernel_backward
+from autotp.runtime.ring_kernels import forward as kernel_forward
 
 aten = torch.ops.aten
 
@@ -103,189 +121,144 @@ class SequenceLayout:
         return torch.argsort(self._rank_order(length, device))
 
 
-# ---- the mask of one pair of chunks -----------------------------------------------------------
+# ---- what a mask keeps of a pair of chunks ---------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Mask:
+    """The mask by positions: ``causal``, and with it ``window``. Runs of positions are given
+    by their first and last (host integers), so that what a pair of chunks needs is decided
+    without reading a tensor."""
     causal: bool
     window: Optional[int]
 
-    def of(self, qpos: torch.Tensor, kpos: torch.Tensor) -> Optional[torch.Tensor]:
-        """[sq, sk] True where a query may see a key; None where it may see every key."""
+    def of(self, q_lo: int, rows: int, k_lo: int, keys: int,
+           device: Optional[torch.device]) -> Optional[torch.Tensor]:
+        """[rows, keys] True where a query (at q_lo, q_lo + 1, ...) may see a key (at k_lo,
+        ...), built on ``device``; None where each may see every key."""
         if not self.causal:
             return None
-        allowed = kpos[None, :] <= qpos[:, None]
+        qpos = torch.arange(q_lo, q_lo + rows, device=device)[:, None]
+        kpos = torch.arange(k_lo, k_lo + keys, device=device)[None, :]
+        allowed = kpos <= qpos
         if self.window is not None:
-            allowed &= qpos[:, None] - kpos[None, :] < self.window
+            allowed &= qpos - kpos < self.window
         return allowed
 
-    def hides(self, qpos: torch.Tensor, kpos: torch.Tensor) -> bool:
-        """Whether no query of the chunk sees any key of the other (by their ranges alone)."""
+    def hides(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> bool:
+        """Whether no query at q_lo..q_hi sees any key at k_lo..k_hi."""
         if not self.causal:
             return False
-        q_lo, q_hi, k_lo, k_hi = int(qpos[0]), int(qpos[-1]), int(kpos[0]), int(kpos[-1])
-        if k_lo > q_hi:  # every key in every query's future
+        return k_lo > q_hi or (self.window is not None and q_lo - k_hi >= self.window)
+
+    def keeps(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> bool:
+        """Whether every query at q_lo..q_hi sees every key at k_lo..k_hi."""
+        if not self.causal:
             return True
-        return self.window is not None and q_lo - k_hi >= self.window
+        return k_hi <= q_lo and (self.window is None or q_hi - k_lo < self.window)
+
+    def diagonal(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> bool:
+        """Whether the queries and keys have the same positions and each query sees the keys
+        up to its own: exactly the kernels' ``is_causal``."""
+        return self.causal and (q_lo, q_hi) == (k_lo, k_hi) and \
+            (self.window is None or q_hi - k_lo < self.window)
 
 
-def _broadcast_to_rank(x: torch.Tensor, ndim: int) -> torch.Tensor:
-    """``expand`` in a mask's program: the same elements, size-1 dims left to broadcast."""
-    return x.reshape((1,) * (ndim - x.dim()) + tuple(x.shape)) if x.dim() < ndim else x
+TILE_BYTES = 1 << 28  # the float32 scores (or mask) of one tile of queries against a key chunk
 
 
-class MaskProgram(nn.Module):
-    """An attention mask's elementwise ops (``planner.masks.MaskRegion``) as a program of
-    their factors: ``bind`` it to the factors' values, and each block of the mask is the
-    program run on those rows and columns of them."""
-
-    def __init__(self, region: MaskRegion):
-        super().__init__()
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {f: graph.placeholder(f"factor_{i}")
-                                       for i, f in enumerate(region.factors)}
-        for node in region.nodes:
-            source = cast(fx.Node, node.args[0]) if node.args else node
-            if node.target == aten.expand.default:
-                env[node] = graph.call_function(_broadcast_to_rank,
-                                                (env[source], node.meta["val"].dim()))
-            elif node.target in (aten.slice.Tensor, aten.alias.default):  # whole: the same
-                env[node] = env[source]
-            elif node.target == aten.unsqueeze.default:
-                env[node] = graph.call_function(aten.unsqueeze.default,
-                                                (env[source], unsqueezed_dim(node)))
-            else:
-                env[node] = graph.node_copy(node, lambda a: env[a])
-        graph.output(env[region.nodes[-1]])
-        self.program = fx.GraphModule(nn.Module(), graph)
-        self.memo: Optional[tuple[list[Any], Any, list[list[int]]]] = None
-
-    def bind(self, factors: tuple, queries: int, length: int) -> "BlockMask":
-        return BlockMask(self, tuple(factors), queries, length)
+class _Cell(enum.Enum):
+    """What a call needs for a pair of chunks, or a tile of one."""
+    HIDDEN = "hidden"  # nothing kept: skipped
+    WHOLE = "whole"  # every query sees every key: no mask
+    CAUSAL = "causal"  # the same positions, exactly causal: the kernels' is_causal
+    MASKED = "masked"  # some kept: the pair's mask, built for it
 
 
 @dataclass(frozen=True)
-class BlockMask:
-    """A mask program bound to its factors: ``queries`` this rank's rows, ``length`` every
-    key; ``keys``: a key padding mask ([b, S], True: a real token) to apply as well."""
-    program: MaskProgram
-    factors: tuple
-    queries: int
-    length: int
-    keys: Optional[torch.Tensor] = None
-
-    def block(self, rows: slice, columns: torch.Tensor) -> torch.Tensor:
-        """[b|1, h|1, rows|1, columns] of the mask: rows of this rank's queries, columns the
-        global positions of some keys."""
-        args = []
-        for f in self.factors:
-            if isinstance(f, torch.Tensor) and f.dim() >= 1:
-                if f.shape[-1] != 1:
-                    if f.shape[-1] != self.length:
-                        raise ConfigError(f"a mask operand of shape {list(f.shape)} has "
-                                          f"neither 1 nor all {self.length} keys last")
-                    f = f.index_select(-1, columns.to(f.device))
-                if f.dim() >= 2 and f.shape[-2] != 1:
-                    if f.shape[-2] != self.queries:
-                        raise ConfigError(f"a mask operand of shape {list(f.shape)} has "
-                                          f"neither 1 nor this rank's {self.queries} queries "
-                                          "second to last")
-                    f = f[..., rows, :]
-            args.append(f)
-        out = self.program.program(*args)
-        out = _broadcast_to_rank(out, 4)
-        if self.keys is not None:
-            keys = self.keys.to(out.device, torch.bool)[:, None, None, :].index_select(
-                3, columns.to(out.device))
-            out = out & keys if out.dtype == torch.bool else out.masked_fill(~keys,
-                                                                            float("-inf"))
-        return out
-
-    def grid(self, chunks: int, layout: "SequenceLayout") -> list[list[int]]:
-        """``_live_pairs``'s grid, from the program run on each pair of chunks (once for all
-        the attentions reading the same factors: a model's layers share one mask)."""
-        memo = self.program.memo
-        key = (chunks, layout, self.queries, self.length)
-        if memo is not None and memo[1] == key and _same(memo[0], [*self.factors, self.keys]):
-            return memo[2]
-        size, width = self.queries // chunks, self.length // layout.chunks
-        batch = max((f.shape[0] for f in self.factors
-                     if isinstance(f, torch.Tensor) and f.dim() >= 3), default=1)
-        tile = max(1, min(size, TILE_BYTES // (8 * batch * width)))  # int64 operands at most
-        marks = []
-        for qi in range(chunks):
-            for kc in range(layout.chunks):
-                columns = torch.arange(kc * width, (kc + 1) * width)
-                tiles = [_mark(self.block(slice(qi * size + start,
-                                                qi * size + min(size, start + tile)), columns))
-                         for start in range(0, size, tile)]
-                # kept somewhere if any tile keeps some; whole if every tile is whole
-                marks.append(torch.stack(tiles).clamp(max=1).amax() +
-                             (torch.stack(tiles) == WHOLE).all().long())
-        flat = torch.stack(marks).tolist()
-        grid = [flat[i * layout.chunks:(i + 1) * layout.chunks] for i in range(chunks)]
-        self.program.memo = ([x.clone() if isinstance(x, torch.Tensor) else x
-                              for x in (*self.factors, self.keys)], key, grid)
-        return grid
+class _Call:
+    """One kernel call of a ring step: ``rows`` of this rank's queries against ``keys``, rows
+    of the key block. A ``MASKED`` call's rows and keys are each one run of global positions
+    from ``q_lo`` and ``k_lo``; ``explicit``: the model's mask applies to it. ``pairs``: the
+    pairs of chunks it begins (a rank's work, counted)."""
+    rows: slice
+    keys: slice
+    cell: _Cell
+    q_lo: int = 0
+    k_lo: int = 0
+    explicit: bool = False
+    pairs: int = 1
 
 
-def _same(kept: list[Any], now: list[Any]) -> bool:
-    if len(kept) != len(now):
-        return False
-    for a, b in zip(kept, now):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or \
-                    not torch.equal(a, b):
-                return False
-        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
-            return False
-    return True
+def _cell(mask: _Mask, q_lo: int, k_lo: int, rows: int, keys: int, mark: int) -> _Cell:
+    """``mark``: what the model's mask keeps of the pair (HIDDEN, PARTIAL or WHOLE)."""
+    q_hi, k_hi = q_lo + rows - 1, k_lo + keys - 1
+    if mark == HIDDEN or mask.hides(q_lo, q_hi, k_lo, k_hi):
+        return _Cell.HIDDEN
+    if mark == WHOLE and mask.keeps(q_lo, q_hi, k_lo, k_hi):
+        return _Cell.WHOLE
+    if mark == WHOLE and mask.diagonal(q_lo, q_hi, k_lo, k_hi):
+        return _Cell.CAUSAL
+    return _Cell.MASKED
 
 
-HIDDEN, PARTIAL, WHOLE = 0, 1, 2  # what a mask keeps of a pair of chunks: none, some, all
-
-
-def _mark(mask: torch.Tensor) -> torch.Tensor:
-    """HIDDEN, PARTIAL or WHOLE for one block of a mask (boolean, or additive: 0 kept as it
-    is, -inf hidden)."""
-    kept = mask if mask.dtype == torch.bool else mask > float("-inf")
-    plain = kept if mask.dtype == torch.bool else mask == 0
-    return kept.any().long() + (kept & plain).all().long()
-
-
-def _pieces(positions: torch.Tensor, chunks: int) -> list[tuple[slice, torch.Tensor]]:
-    """A rank's tokens as its chunks: (slice of the local sequence, their global positions)."""
-    size = positions.numel() // chunks
-    return [(slice(i * size, (i + 1) * size), positions[i * size:(i + 1) * size])
-            for i in range(chunks)]
-
-
-TILE_BYTES = 1 << 28  # the float32 scores of one tile of queries against a key chunk
-
-
-def _pairs(mask: _Mask, qpos: torch.Tensor, kpos: torch.Tensor, chunks: int,
-           live: Optional[list[list[int]]] = None, kchunks: tuple[int, ...] = (),
-           per_row: int = 0) -> Iterator[tuple[slice, slice, Optional[torch.Tensor], bool]]:
-    """This rank's query chunks against one block's key chunks, but the pairs the mask
-    hides: by positions (``mask``), or where an explicit mask keeps nothing (``live``:
-    query chunk x global key chunk, ``kchunks``: the block's chunks). The last of each:
-    whether the explicit mask keeps part of the pair (it must be applied). ``per_row``: the
-    bytes of one query row's float32 scores against one key chunk (all heads): each query
-    chunk goes in tiles of rows whose scores take at most ``TILE_BYTES``, so that a long
-    sequence's pair of chunks is never one [s/2cp, s/2cp] block per head."""
-    for qi, (qs, qp) in enumerate(_pieces(qpos, chunks)):
-        for kj, (ks, kp) in enumerate(_pieces(kpos, chunks)):
-            mark = WHOLE if live is None else live[qi][kchunks[kj]]
-            if mask.hides(qp, kp) or mark == HIDDEN:
+def _step_calls(mask: _Mask, layout: SequenceLayout, rank: int, source: int, length: int,
+                live: Optional[list[list[int]]], per_row: int, fused: bool) -> list[_Call]:
+    """The calls of one ring step: this rank's query chunks against the chunks of the block
+    from ``source``, but the pairs nothing is kept of. With ``fused`` kernels (which hold no
+    scores) consecutive query chunks whole against the same run of key chunks are one call,
+    and each exactly causal pair (a chunk against itself) one causal call: on the CPU kernel
+    three calls of a balanced rank's own block take less time than one causal call of it
+    (measured: ``benchmarks/ring_kernels.py``). On ``Kernel.MATMUL`` each pair is a call.
+    A masked pair (on MATMUL, every pair) goes in tiles of query rows whose float32 scores
+    (or mask) take at most ``TILE_BYTES`` (``per_row``: one row's against one chunk, all
+    heads), so that a long sequence's pair of chunks is never one [s/2cp, s/2cp] block per
+    head."""
+    size = length // layout.chunks
+    qcs, kcs = layout.chunks_of(rank), layout.chunks_of(source)
+    marks = [[WHOLE if live is None else live[qi][kc] for kc in kcs] for qi in range(len(qcs))]
+    cells = [[_cell(mask, qc * size, kc * size, size, size, marks[qi][kj])
+              for kj, kc in enumerate(kcs)] for qi, qc in enumerate(qcs)]
+    calls = _whole_runs(cells, size) if fused else []
+    for qi, qc in enumerate(qcs):
+        for kj, kc in enumerate(kcs):
+            cell = cells[qi][kj]
+            if cell is _Cell.HIDDEN or (fused and cell is _Cell.WHOLE):
                 continue
-            rows = qs.stop - qs.start
-            tile = max(1, min(rows, TILE_BYTES // per_row)) if per_row else rows
-            for start in range(0, rows, tile):
-                tqs = slice(qs.start + start, min(qs.stop, qs.start + start + tile))
-                tqp = qp[start:start + tile]
-                if tile == rows or not mask.hides(tqp, kp):
-                    yield tqs, ks, mask.of(tqp, kp), mark == PARTIAL
+            if fused and cell is _Cell.CAUSAL:
+                calls.append(_Call(slice(qi * size, (qi + 1) * size),
+                                   slice(kj * size, (kj + 1) * size), cell))
+                continue
+            tile = max(1, min(size, TILE_BYTES // per_row))
+            first = True
+            for start in range(0, size, tile):
+                rows = min(tile, size - start)
+                part = _cell(mask, qc * size + start, kc * size, rows, size, marks[qi][kj])
+                if part is not _Cell.HIDDEN:
+                    calls.append(_Call(slice(qi * size + start, qi * size + start + rows),
+                                       slice(kj * size, (kj + 1) * size), part,
+                                       qc * size + start, kc * size,
+                                       marks[qi][kj] == PARTIAL, int(first)))
+                    first = False
+    return calls
+
+
+def _whole_runs(cells: list[list[_Cell]], size: int) -> list[_Call]:
+    """The whole pairs as calls: consecutive query chunks whole against the same run of
+    consecutive key chunks, one call (the chunks lie in order in the shard and the block)."""
+    runs: list[tuple[int, int, int, int]] = []  # query chunks i0..i1 against key chunks j0..j1
+    for i, row in enumerate(cells):
+        whole = [j for j, cell in enumerate(row) if cell is _Cell.WHOLE]
+        spans = [(whole[0], whole[-1])] if whole and whole[-1] - whole[0] + 1 == len(whole) \
+            else [(j, j) for j in whole]
+        for span in spans:
+            if len(spans) == 1 and runs and runs[-1][1] == i - 1 and runs[-1][2:] == span:
+                runs[-1] = (runs[-1][0], i, *span)
+            else:
+                runs.append((i, i, *span))
+    return [_Call(slice(i0 * size, (i1 + 1) * size), slice(j0 * size, (j1 + 1) * size),
+                  _Cell.WHOLE, pairs=(i1 - i0 + 1) * (j1 - j0 + 1))
+            for i0, i1, j0, j1 in runs]
 
 
 def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout",
@@ -297,7 +270,7 @@ def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout",
     if extra is None:
         return None
     if isinstance(extra, BlockMask):
-        return extra.grid(chunks, layout)
+        return extra.grid(chunks, layout, TILE_BYTES)
     kept = extra if extra.dtype == torch.bool else extra > float("-inf")
     plain = kept if extra.dtype == torch.bool else extra == 0
     whole = (kept & plain).all(dim=1).all(dim=0)  # [sq|1, S]
@@ -309,19 +282,6 @@ def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout",
         whole.reshape(shape).all(dim=3).all(dim=1).long()
     live = marks.tolist()
     return live * chunks if per_query == 1 else live
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: Optional[torch.Tensor],
-            extra: Optional[torch.Tensor]) -> torch.Tensor:
-    """q [b, h, sq, d] against k [b, h, sk, d] (at least float32), -inf where masked;
-    ``extra``: a boolean mask (True: kept) or an additive one, [b|1, h|1, sq|1, sk]."""
-    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed.to(s.device), float("-inf"))
-    if extra is not None:
-        s = s.masked_fill(~extra, float("-inf")) if extra.dtype == torch.bool \
-            else s + extra.to(s.dtype)
-    return s
 
 
 def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Any,
@@ -341,21 +301,12 @@ def _extra_mask(key_mask: Optional[torch.Tensor], attn_mask: Any,
     return mask if keys is None else mask.masked_fill(~keys, float("-inf"))
 
 
-def _block(extra: Any, rows: slice, columns: torch.Tensor, partial: bool = True
-           ) -> Optional[torch.Tensor]:
-    """The part of the mask for some of this rank's queries and one block's keys (None
-    where it keeps the whole pair)."""
-    if extra is None or not partial:
-        return None
+def _block(extra: Any, rows: slice, columns: slice) -> torch.Tensor:
+    """The model's mask for some of this rank's queries and a run of keys' positions."""
     if isinstance(extra, BlockMask):
         return extra.block(rows, columns)
     part = extra if extra.shape[2] == 1 else extra[:, :, rows]
-    return part.index_select(3, columns.to(extra.device))
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """What the ring accumulates in: float32, or the inputs' dtype where wider."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return part[..., columns]
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -393,12 +344,45 @@ def _send_around(comm: Communicator, tensors: list[torch.Tensor], phase: str,
     return finish
 
 
+class _Expanded:
+    """A key/value block with its heads repeated to the query heads, for the kernels that do
+    not read grouped heads: made at most once per ring step, when a call first needs it."""
+
+    def __init__(self, block: list[torch.Tensor], groups: int):
+        self.block, self.groups = block, groups
+        self.made: Optional[list[torch.Tensor]] = None
+
+    def __call__(self) -> list[torch.Tensor]:
+        if self.made is None:
+            self.made = [_expand(t, self.groups) for t in self.block]
+        return self.made
+
+
+def _kernel_inputs(call: _Call, q: torch.Tensor, block: list[torch.Tensor],
+                   expanded: _Expanded, mask: _Mask, extra: Any
+                   ) -> tuple[Kernel, torch.Tensor, torch.Tensor, KernelCall, bool]:
+    """The call's kernel, its keys and values, what it is asked besides, and whether it reads
+    the key/value heads grouped (its dk and dv have the block's heads)."""
+    masked = call.cell is _Cell.MASKED
+    kernel = choose(q, block[0], block[1], masked)
+    grouped = takes_groups(kernel) or expanded.groups == 1
+    k, v = block if grouped else expanded()
+    spec = KernelCall(causal=call.cell is _Cell.CAUSAL)
+    if masked:
+        rows, keys = call.rows.stop - call.rows.start, call.keys.stop - call.keys.start
+        allowed = mask.of(call.q_lo, rows, call.k_lo, keys, q.device)
+        part = _block(extra, call.rows, slice(call.k_lo, call.k_lo + keys)) \
+            if call.explicit else None
+        spec = bias_of(allowed, part, mask_dtype(kernel, q))
+    return kernel, k[:, :, call.keys], v[:, :, call.keys], spec, grouped
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 comm: Communicator, layout: SequenceLayout, mask: _Mask,
                 extra: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # scores and merge in float32
+        with torch.autocast(q.device.type, enabled=False):  # the kernels: the inputs' dtype
             return _RingAttention._forward(ctx, q, k, v, comm, layout, mask, extra, scale,
                                            label)
 
@@ -406,47 +390,33 @@ class _RingAttention(torch.autograd.Function):
     def _forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  comm: Communicator, layout: SequenceLayout, mask: _Mask,
                  extra: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
-        b, hq, sq, d = q.shape
-        groups = hq // k.shape[1]
+        b, hq, sq, _ = q.shape
         length = sq * layout.cp
-        qpos = layout.positions(comm.rank, length)  # on the host: no device sync per pair
-        chunks = len(layout.chunks_of(0))
-        wide = torch.promote_types(q.dtype, torch.float32)
-        top = q.new_full((b, hq, sq), float("-inf"), dtype=wide)  # running max
-        total = q.new_zeros((b, hq, sq), dtype=wide)  # running sum of exp
-        acc = q.new_zeros((b, hq, sq, v.shape[-1]), dtype=wide)
-        live = ctx.live = _live_pairs(extra, chunks, layout, length)
+        live = _live_pairs(extra, len(layout.chunks_of(0)), layout, length)
+        fused = choose(q, k, v, False) is not Kernel.MATMUL
         per_row = 4 * b * hq * (length // layout.chunks)
+        plan = [_step_calls(mask, layout, comm.rank, (comm.rank - step) % layout.cp, length,
+                            live, per_row, fused) for step in range(layout.cp)]
+        merged = Merged(q, v.shape[-1])
+        aux: list[Any] = []
         block = [k, v]
-        for step in range(layout.cp):
+        for step, calls in enumerate(plan):
             # the next block travels while this one is computed
             coming = _send_around(comm, block, "forward", label) \
                 if step < layout.cp - 1 else None
-            source = (comm.rank - step) % layout.cp
-            kpos = layout.positions(source, length)
-            kb, vb = _expand(block[0], groups), _expand(block[1], groups)
-            for qs, ks, allowed, partial in _pairs(mask, qpos, kpos, chunks, live,
-                                                   layout.chunks_of(source), per_row):
-                keys = _block(extra, qs, kpos[ks], partial)
-                s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
-                new_top = torch.maximum(top[:, :, qs], s.amax(-1))
-                safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
-                p = torch.exp(s - safe[..., None])
-                kept = torch.exp(top[:, :, qs] - safe)
-                total[:, :, qs] = total[:, :, qs] * kept + p.sum(-1)
-                acc[:, :, qs] = acc[:, :, qs] * kept[..., None] + \
-                    torch.matmul(p, _wide(vb[:, :, ks]))
-                top[:, :, qs] = new_top
+            expanded = _Expanded(block, hq // k.shape[1])
+            for call in calls:
+                kernel, kb, vb, spec, _ = _kernel_inputs(call, q, block, expanded, mask, extra)
+                out, lse, kept = kernel_forward(kernel, q[:, :, call.rows], kb, vb, spec, scale)
+                merged.add(call.rows, out, lse)
+                aux.append(kept)
             if coming is not None:
                 block = coming()
-        empty = total == 0  # a query no key is left for
-        out = torch.where(empty[..., None], torch.zeros_like(acc),
-                          acc / torch.where(empty, torch.ones_like(total), total)[..., None])
-        lse = torch.where(empty, torch.full_like(top, float("inf")), top + torch.log(total))
+        out, lse = merged.result(q.dtype, maybe_empty=extra is not None)
         program = extra if isinstance(extra, BlockMask) else None
         ctx.save_for_backward(q, k, v, out, lse, None if program is not None else extra)
-        ctx.setup = (comm, layout, mask, scale, label, program)
-        return out.to(q.dtype)
+        ctx.setup = (comm, layout, mask, scale, label, program, plan, aux)
+        return out
 
     @staticmethod
     @once_differentiable
@@ -457,50 +427,43 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse, extra = ctx.saved_tensors
-        comm, layout, mask, scale, label, program = ctx.setup
+        comm, layout, mask, scale, label, program, plan, aux = ctx.setup
         extra = program if program is not None else extra
-        b, hq, sq, d = q.shape
-        groups = hq // k.shape[1]
-        length = sq * layout.cp
-        qpos = layout.positions(comm.rank, length)
-        chunks = len(layout.chunks_of(0))
-        live = ctx.live
-        per_row = 4 * b * hq * (length // layout.chunks)
-        do = _wide(grad)
-        delta = (do * out).sum(-1)  # [b, hq, sq]
-        dq = torch.zeros(q.shape, dtype=do.dtype, device=q.device)
+        groups = q.shape[1] // k.shape[1]
+        grad = grad.to(q.dtype)
+        dq = Summed(q)
+        kept = iter(aux)
         # Each block's gradient accumulator travels one step behind it: rank r adds its share
         # to the accumulator rank r - 1 sent after the step before, and sends it on; after
-        # the last step it arrives home. Both shifts overlap the next step's products.
+        # the last step it arrives home. Both shifts overlap the next step's kernels. Each
+        # rank's share is summed in float32; the accumulator travels in the inputs' dtype.
         block = [k, v]
         passing: Optional[Callable[[], list[torch.Tensor]]] = None  # the accumulator coming
-        for step in range(layout.cp):
+        for step, calls in enumerate(plan):
             coming = _send_around(comm, block, "backward", label) \
                 if step < layout.cp - 1 else None
-            source = (comm.rank - step) % layout.cp
-            kpos = layout.positions(source, length)
-            kb, vb = _wide(_expand(block[0], groups)), _wide(_expand(block[1], groups))
-            dk = torch.zeros_like(kb)
-            dv = torch.zeros_like(vb)
-            for qs, ks, allowed, partial in _pairs(mask, qpos, kpos, chunks, live,
-                                                   layout.chunks_of(source), per_row):
-                keys = _block(extra, qs, kpos[ks], partial)
-                s = _scores(q[:, :, qs], kb[:, :, ks], scale, allowed, keys)
-                p = torch.exp(s - lse[:, :, qs, None])  # 0 where masked (and for empty rows)
-                dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
-                dp = torch.matmul(do[:, :, qs], vb[:, :, ks].transpose(-1, -2))
-                ds = p * (dp - delta[:, :, qs, None])
-                dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
-                dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), _wide(q[:, :, qs])) * scale
-            grads = [_fold(dk, groups), _fold(dv, groups)]
+            expanded = _Expanded(block, groups)
+            sums = [Summed(t) for t in block]
+            for call in calls:
+                kernel, kb, vb, spec, grouped = _kernel_inputs(call, q, block, expanded, mask,
+                                                               extra)
+                rows = call.rows
+                dq_, dk_, dv_ = kernel_backward(kernel, grad[:, :, rows], q[:, :, rows], kb,
+                                                vb, out[:, :, rows], lse[:, :, rows], spec,
+                                                scale, next(kept))
+                dq.add(rows, dq_)
+                for acc, part in zip(sums, (dk_, dv_)):
+                    acc.add(call.keys, part if grouped else _fold(part, groups))
+            dkv = [acc.result() for acc in sums]
             if passing is not None:
-                grads = [a + b for a, b in zip(passing(), grads)]
-            passing = _send_around(comm, grads, "backward", label)
+                dkv = [a + b for a, b in zip(dkv, passing())]
+            passing = _send_around(comm, [g.to(t.dtype) for g, t in zip(dkv, (k, v))],
+                                   "backward", label)
             if coming is not None:
                 block = coming()
         assert passing is not None
-        grads = passing()  # home after cp shifts
-        return (dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype),
+        dk, dv = passing()  # home after cp shifts
+        return (dq.result().to(q.dtype), dk, dv,
                 None, None, None, None, None, None)
 
 
@@ -610,8 +573,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale,
                                              enable_gqa=gqa)
     else:  # a window or padding: the mask as a tensor
-        positions = torch.arange(length, device=q.device)
-        allowed = _Mask(causal, window).of(positions, positions)
+        allowed = _Mask(causal, window).of(0, length, 0, length, q.device)
         if key_mask is not None:
             keys = key_mask.to(q.device, torch.bool)[:, None, None, :]
             allowed = keys if allowed is None else allowed & keys

@@ -1,0 +1,149 @@
+"""Ring attention at cp 2 against the unsharded attention, CPU time, errors and host syncs.
+
+    python -m benchmarks.ring_kernels [--seq 1024] [--heads 8] [--kv-heads 2] [--dim 64]
+                                      [--repeats 7] [--dtypes float32 bfloat16]
+
+One causal GQA attention (batch 1), forward and backward:
+
+- ``sdpa``: the unsharded ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
+  enable_gqa=True)`` on the whole sequence;
+- ``ring``: ``autotp.runtime.context.ring_attention`` at cp 2 on the balanced layout (rank r
+  holds chunks r and 3 - r of 4), the two ranks simulated as threads of this process
+  (``ThreadComm``), each rank's CPU time (``time.thread_time``) summed over the ranks.
+
+Every run uses one intra-op thread, so that a thread's CPU time is all the work it asks
+for; the figure is the median of ``--repeats`` runs after one warmup. ``ring / sdpa`` is the
+ratio of the two in the same run. ``err out`` and ``err grad`` are the largest absolute
+differences of the ring's output and q, k, v gradients (gathered into the global order) from
+the unsharded SDPA's in the same dtype; ``sdpa err`` is SDPA's own largest difference in
+that dtype from the float64 attention, for scale. ``syncs/rank`` counts, per rank and
+training step, the ops that read a tensor's value on the host (``aten.equal``,
+``aten._local_scalar_dense``, ``aten.is_nonzero``) while the ring runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotp.runtime.comm import ThreadComm, ThreadHub
+from autotp.runtime.context import SequenceLayout, ring_attention
+
+aten = torch.ops.aten
+SYNCS = (aten.equal.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.count += func in SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def inputs(args: argparse.Namespace, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shape_q = (1, args.heads, args.seq, args.dim)
+    shape_kv = (1, args.kv_heads, args.seq, args.dim)
+    return [torch.randn(s, generator=gen).to(dtype) for s in (shape_q, shape_kv, shape_kv,
+                                                               shape_q)]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         grad: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    start = time.thread_time()
+    out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=True)
+    out.backward(grad)
+    return time.thread_time() - start, [out.detach(), *(x.grad for x in xs)]
+
+
+def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+         count: bool = False) -> tuple[float, list[torch.Tensor], list[int]]:
+    """(CPU seconds summed over the 2 ranks, out and grads in the global order, host syncs
+    per rank)."""
+    layout = SequenceLayout(2, balanced=True)
+    hub = ThreadHub(2, timeout=600)
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        torch.set_num_threads(1)
+        comm = ThreadComm(hub, r)
+        xs = [layout.shard(t, 2, r).clone().requires_grad_() for t in (q, k, v)]
+        g = layout.shard(grad, 2, r)
+        mode = HostSyncs()
+        start = time.thread_time()
+        if count:
+            with mode:
+                out = ring_attention(*xs, comm, layout, causal=True)
+                out.backward(g)
+        else:
+            out = ring_attention(*xs, comm, layout, causal=True)
+            out.backward(g)
+        results[r] = (time.thread_time() - start, [out.detach(), *(x.grad for x in xs)],
+                      mode.count)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    parts = [results[r][1] for r in range(2)]
+    whole = [layout.unshard([p[i] for p in parts], 2) for i in range(4)]
+    return sum(r[0] for r in results), whole, [r[2] for r in results]
+
+
+def timed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+          repeats: int) -> tuple[float, float, float]:
+    """Medians of SDPA's and the ring's CPU seconds and of their ratio, the two run in turn
+    (so that a change in the machine's load falls on both), after one warmup of each."""
+    sdpa(q, k, v, grad)
+    ring(q, k, v, grad)
+    runs = [(sdpa(q, k, v, grad)[0], ring(q, k, v, grad)[0]) for _ in range(repeats)]
+    return (statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs),
+            statistics.median(b / a for a, b in runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"S={args.seq}, {args.heads} query / {args.kv_heads} key-value heads, head dim "
+          f"{args.dim}, batch 1, causal, forward + backward, cp 2 (threads), 1 intra-op "
+          f"thread, median of {args.repeats}")
+    print(f"{'dtype':>9} {'sdpa ms':>8} {'ring ms':>8} {'ring/sdpa':>9} {'err out':>9} "
+          f"{'err grad':>9} {'sdpa err':>9} {'syncs/rank':>10}")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        q, k, v, grad = inputs(args, dtype)
+        base, mine, ratio = timed(q, k, v, grad, args.repeats)
+        _, want = sdpa(q, k, v, grad)
+        _, got, syncs = ring(q, k, v, grad, count=True)
+        _, exact = sdpa(*(t.double() for t in (q, k, v, grad)))
+        errs = [float((a.double() - b.double()).abs().max()) for a, b in zip(got, want)]
+        own = max(float((a.double() - b).abs().max()) for a, b in zip(want, exact))
+        print(f"{name:>9} {base * 1e3:8.1f} {mine * 1e3:8.1f} {ratio:9.2f} "
+              f"{errs[0]:9.2e} {max(errs[1:]):9.2e} {own:9.2e} "
+              f"{'/'.join(map(str, syncs)):>10}")
+
+
+if __name__ == "__main__":
+    main()
