@@ -85,27 +85,28 @@ def _inputs(name: str, length: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad, keys
 
 
-def _unsharded(name: str, length: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def _unsharded(name: str, length: int, dtype: torch.dtype,
+               device: str = "cpu") -> list[torch.Tensor]:
     """scaled_dot_product_attention on the whole sequence in ``dtype``: out, dq, dk, dv."""
     heads, kv_heads, causal, window, padding, _ = CASES[name]
     q, k, v, grad, keys = _inputs(name, length)
-    xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    xs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
     pos = torch.arange(length)
     allowed = pos[None, :] <= pos[:, None] if causal else torch.ones(length, length,
                                                                      dtype=torch.bool)
     if window is not None:
         allowed &= pos[:, None] - pos[None, :] < window
-    mask = allowed[None, None] & keys[:, None, None, :]
+    mask = (allowed[None, None] & keys[:, None, None, :]).to(device)
     empty = ~mask.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(*xs, attn_mask=mask | empty,
                                          enable_gqa=heads != kv_heads)
     out = out.masked_fill(empty, 0.0)
-    out.backward(grad.to(dtype))
+    out.backward(grad.to(device, dtype))
     return [out.detach(), *(x.grad for x in xs)]
 
 
 def _ring(name: str, length: int, dtype: torch.dtype, cp: int,
-          counted: list[dict[Any, int]]) -> list[torch.Tensor]:
+          counted: list[dict[Any, int]], device: str = "cpu") -> list[torch.Tensor]:
     """The ring at ``cp`` on the balanced layout (contiguous where not causal), in ``dtype``;
     out, dq, dk, dv in the global order; each rank's aten ops into ``counted``."""
     _, _, causal, window, padding, _ = CASES[name]
@@ -113,12 +114,13 @@ def _ring(name: str, length: int, dtype: torch.dtype, cp: int,
     layout = SequenceLayout(cp, balanced=causal)
 
     def rank(comm: ThreadComm) -> list[torch.Tensor]:
-        xs = [layout.shard(t, 2, comm.rank).to(dtype).requires_grad_() for t in (q, k, v)]
+        xs = [layout.shard(t, 2, comm.rank).to(device, dtype).requires_grad_()
+              for t in (q, k, v)]
         mode = _Ops()
         with mode:
             out = ring_attention(*xs, comm, layout, causal=causal, window=window,
-                                 key_mask=keys if padding else None)
-            out.backward(layout.shard(grad, 2, comm.rank).to(dtype))
+                                 key_mask=keys.to(device) if padding else None)
+            out.backward(layout.shard(grad, 2, comm.rank).to(device, dtype))
         counted.append(mode.counts)
         return [out.detach(), *(x.grad for x in xs)]
 
@@ -177,3 +179,31 @@ def test_kernel_choice_by_device_dtype_and_head_dims() -> None:
             assert choose(q.to(dtype), kv.to(dtype), kv.to(dtype), masked) is Kernel.CPU_FLASH
     assert choose(q, kv, torch.randn(1, 2, 8, 24), False) is Kernel.MATMUL
     assert choose(q, kv, kv.double(), False) is Kernel.MATMUL  # mixed dtypes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal-gqa", "window", "padding", "left-padding"])
+def test_cuda_ring_on_flash_and_memory_efficient_kernels(name: str,
+                                                         dtype: torch.dtype) -> None:
+    """On a CUDA device at cp 2 (simulated ranks on one device), S 128: bfloat16 calls
+    without a mask by the flash kernel, masked ones (and float32 ones) by the
+    memory-efficient kernel, each backward by its own; against the float64 attention within
+    2.5 x SDPA's own distance in that dtype (plus one bfloat16 step, or 1e-4 in float32)."""
+    exact = [t.cuda() for t in _unsharded(name, 128, torch.float64)]
+    sdpa = _unsharded(name, 128, dtype, "cuda")
+    counted: list[dict[Any, int]] = []
+    ring = _ring(name, 128, dtype, 2, counted, "cuda")
+    slack = 2 ** -8 if dtype == torch.bfloat16 else 1e-4
+    for what, want, a, b in zip(["out", "q", "k", "v"], exact, ring, sdpa, strict=True):
+        ring_err, sdpa_err = (max_difference(want, x.double(), relative=True) for x in (a, b))
+        assert ring_err <= 2.5 * sdpa_err + slack, (name, what, ring_err, sdpa_err)
+    flash = (aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_flash_attention_backward.default)
+    efficient = (aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_efficient_attention_backward.default)
+    for ops in counted:
+        assert ops.get(flash[0], 0) == ops.get(flash[1], 0), ops
+        assert ops.get(efficient[0], 0) == ops.get(efficient[1], 0), ops
+        assert (ops.get(flash[0], 0) > 0) == (dtype == torch.bfloat16), (name, ops)
+        assert (ops.get(efficient[0], 0) > 0) == (dtype == torch.float32 or name != "causal-gqa")

@@ -49,6 +49,7 @@ class Kernel(enum.Enum):
 _ORDER = {"cpu": (Kernel.CPU_FLASH,),
           "cuda": (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT)}
 _HALF = (torch.float16, torch.bfloat16)
+_CUDA = (Kernel.CUDA_FLASH, Kernel.CUDA_EFFICIENT)
 
 
 def _cuda_switch(kernel: Kernel) -> bool:
@@ -142,6 +143,8 @@ def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     backward needs besides) for one call."""
     sq = q.shape[2]
     aux: Any = None
+    if kernel in _CUDA:  # rows of a shard are strided views; the CUDA kernels want them dense
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kernel is Kernel.CPU_FLASH:
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, call.causal, attn_mask=call.bias, scale=scale)
@@ -152,7 +155,7 @@ def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         bias = _aligned(call.bias, q, k)
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, 0.0, call.causal, scale=scale)
-        aux = (bias, seed, offset, tuple(lse.shape))
+        aux = (seed, offset, tuple(lse.shape))  # the bias is built again for backward
     else:
         out, lse = _matmul_forward(q, k, v, call, scale)
     lse = lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :sq].to(wide(q.dtype))
@@ -285,6 +288,8 @@ def backward(kernel: Kernel, grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, call: Call, scale: float,
              aux: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One call's share of (dq, dk, dv), given the merged ``out`` and ``lse`` of its rows."""
+    if kernel in _CUDA:
+        grad, q, k, v, out = (t.contiguous() for t in (grad, q, k, v, out))
     if kernel is Kernel.CPU_FLASH:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse.contiguous(), 0.0, call.causal, attn_mask=call.bias,
@@ -295,10 +300,10 @@ def backward(kernel: Kernel, grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
             call.causal, seed, offset, scale=scale)
     elif kernel is Kernel.CUDA_EFFICIENT:
-        bias, seed, offset, shape = aux
+        seed, offset, shape = aux
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, bias, out, _as_kernel_lse(lse, shape), seed, offset, 0.0,
-            [True, True, True, False], call.causal, scale=scale)
+            grad, q, k, v, _aligned(call.bias, q, k), out, _as_kernel_lse(lse, shape), seed,
+            offset, 0.0, [True, True, True, False], call.causal, scale=scale)
     else:
         dq, dk, dv = _matmul_backward(grad, q, k, v, out, lse, call, scale)
     return dq, dk, dv
