@@ -30,18 +30,16 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Optional
 
 import networkx as nx
-import sympy
 import torch
 import torch.fx as fx
 
-from autotp.capture.trace import Captured, size_expr, tensor_inputs
+from autotp.capture.trace import Captured, tensor_inputs
 from autotp.errors import ConfigError
 from autotp.ops import ATTENTION, DROPOUTS, NORMS, PRODUCTS, VIEWS, node_arg
-from autotp.layout import Layout, Replicate, Routed, Shard, local_shape, parse_layout
+from autotp.layout import Layout, Routed, Shard
 from autotp.planner.assemble import attention_kind
 from autotp.planner.masks import MaskRegion, attention_mask, mask_region, ordered
 from autotp.planner.cost import parse_size_expr
@@ -49,11 +47,13 @@ from autotp.planner.plan import Plan
 from autotp.planner.problem import is_grouped
 from autotp.planner.job.expert_load import routing_imbalance
 from autotp.planner.saved import saves_input, saves_output
+from autotp.planner.job.sizes import (Sizes, element_bytes, layout_of, local_numel,
+                                      local_shape_at, model_dtype, out_numel)
 
 aten = torch.ops.aten
 
 # ops whose backward keeps only some inputs: (op, the tensor-input positions kept)
-_KEEPS_ONLY = {
+_KEEPS_ONLY: dict[Any, tuple[int, ...]] = {
     aten.masked_fill.Scalar: (1,), aten.masked_fill.Tensor: (1,), aten.where.self: (0,),
     aten.embedding.default: (1,), aten.index_select.default: (1,), aten.gather.default: (1,),
 }
@@ -140,90 +140,6 @@ class Profile:
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
 
-class _Sizes:
-    """Shapes of the captured graph at a batch and sequence length."""
-
-    def __init__(self, captured: Captured, batch: int, seq: int):
-        self.subs = tuple(sorted((str(sym), batch if name.startswith("B") else seq)
-                                 for sym, name in captured.dim_names.items()))
-        self.seq_syms = frozenset(str(sym) for sym, name in captured.dim_names.items()
-                                  if name.startswith("T"))
-
-        self.shapes: dict[int, tuple[int, ...]] = {}  # by the value's id (it outlives us)
-
-    def shape(self, val: torch.Tensor) -> tuple[int, ...]:
-        key = id(val)
-        out = self.shapes.get(key)
-        if out is None:
-            out = self.shapes[key] = tuple(_value(size_expr(s), self.subs) for s in val.shape)
-        return out
-
-    def quadratic(self, val: Any) -> bool:
-        """Two or more dims (or one dim's square) grow with the sequence."""
-        if not isinstance(val, torch.Tensor):
-            return False
-        return _quadratic(tuple(str(size_expr(s)) for s in val.shape), self.seq_syms)
-
-
-@lru_cache(maxsize=1 << 14)
-def _quadratic(shape: tuple[str, ...], seq_syms: frozenset) -> bool:
-    degree = 0
-    for text in shape:
-        expr = parse_size_expr(text)
-        if isinstance(expr, int) or expr.is_number:
-            continue
-        degree += sum(sympy.degree(expr, sym) for sym in expr.free_symbols
-                      if str(sym) in seq_syms)
-    return degree >= 2
-
-
-@lru_cache(maxsize=1 << 16)
-def _value_text(text: str, subs: tuple[tuple[str, int], ...]) -> int:
-    expr = parse_size_expr(text)
-    values = dict(subs)
-    return int(expr.subs({s: values.get(str(s), 1) for s in expr.free_symbols}))
-
-
-def _value(expr: Any, subs: tuple[tuple[str, int], ...]) -> int:
-    return expr if isinstance(expr, int) else _value_text(str(expr), subs)
-
-
-def _local_numel(shape: tuple[int, ...], layout: Layout, tp: int) -> float:
-    if isinstance(layout, Shard):
-        try:
-            return float(math.prod(local_shape(shape, layout, tp)))
-        except ValueError:
-            return math.prod(shape) / tp
-    return float(math.prod(shape))
-
-
-def _element_bytes(val: torch.Tensor, dtype_bytes: int,
-                   model_dtype: Optional[torch.dtype] = None) -> int:
-    """Bytes per element in training: the model's own float dtype at ``dtype_bytes``, any
-    other dtype (a float32 upcast in a bfloat16 model, a mask, an index) at its own."""
-    if val.dtype.is_floating_point:
-        return dtype_bytes if model_dtype in (None, val.dtype) else val.element_size()
-    if val.dtype.is_complex:
-        real = val.dtype.to_real()
-        return 2 * (dtype_bytes if model_dtype in (None, real) else real.itemsize)
-    return val.element_size()
-
-
-def model_dtype(gm: fx.GraphModule) -> Optional[torch.dtype]:
-    """The float dtype holding most of the parameters' elements."""
-    counts: dict[torch.dtype, int] = {}
-    for p in gm.parameters():
-        if p.dtype.is_floating_point:
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.__getitem__) if counts else None
-
-
-def _layout(text: Optional[str]) -> Layout:
-    if not text or text.startswith("(") or text == "-":
-        return Replicate()
-    return parse_layout(text)
-
-
 def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
                   dtype_bytes: int = 2, mask_bytes: int = 1, cp: int = 1) -> Profile:
     """``mask_bytes``: what a dropout keeps per element (CUDA's kernel a bool mask; the CPU
@@ -236,181 +152,225 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     shifts forward; backward, the blocks with their gradients); the work of the attention
     core, a mask's rows and an eager attention's scores are ``seq / cp x seq``, cp times
     their size at the shard; an eager attention gathers its keys and values over cp."""
-    gm = captured.gm
-    tp = plan.tp
     if seq % cp:
         raise ConfigError(f"cp={cp} does not divide the sequence {seq}")
-    sizes = _Sizes(captured, micro_batch, seq // cp)
-    layers = sorted({x for x in plan.node_layers.values() if x is not None})
-    prof = Profile(tp=tp, sequence_parallel=plan.sequence_parallel, micro_batch=micro_batch,
-                   seq=seq // cp, dtype_bytes=dtype_bytes, layers=layers, cp=cp)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    reads = {(e.value, e.consumer): e for e in plan.edges}
-    own = model_dtype(gm)
+    builder = _ProfileBuilder(captured, plan, micro_batch, seq, dtype_bytes, mask_bytes, cp)
+    gm, prof = captured.gm, builder.prof
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in plan.values:
+            continue
+        builder.op(node)
+    prof.saved = list(builder.kept.values())
+    prof.comms = _comms(plan, builder.nodes, builder.sizes, dtype_bytes, builder.side,
+                        builder.own) + prof.comms
+    if plan.ep > 1:
+        prof.comms += _exchanges(gm, plan, builder.sizes, dtype_bytes, builder.own)
+    prof.params = _params(gm, plan, builder.side)
+    prof.layer_inputs = _layer_inputs(plan, builder.nodes, builder.local_bytes,
+                                      builder.read_layout, builder.factors_of)
+    return prof
 
-    def local_bytes(node: fx.Node, layout: Layout) -> float:
+
+class _ProfileBuilder:
+    """One profile's construction, op by op: its work, its collectives and what its backward
+    keeps."""
+
+    def __init__(self, captured: Captured, plan: Plan, micro_batch: int, seq: int,
+                 dtype_bytes: int, mask_bytes: int, cp: int):
+        gm = captured.gm
+        self.plan, self.tp, self.cp = plan, plan.tp, cp
+        self.dtype_bytes, self.mask_bytes = dtype_bytes, mask_bytes
+        self.sizes = Sizes(captured, micro_batch, seq // cp)
+        layers = sorted({x for x in plan.node_layers.values() if x is not None})
+        self.prof = prof = Profile(tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                                   micro_batch=micro_batch, seq=seq // cp,
+                                   dtype_bytes=dtype_bytes, layers=layers, cp=cp)
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.reads = {(e.value, e.consumer): e for e in plan.edges}
+        self.own = model_dtype(gm)
+        prof.ep = plan.ep
+        prof.experts, prof.top_k = _routing(gm, plan)
+        if prof.experts:
+            # with ep, a rank's experts take rows from the tokens of all ep ranks
+            prof.expert_imbalance = routing_imbalance(micro_batch * seq * plan.ep,
+                                                      prof.experts, prof.top_k,
+                                                      plan.tp * plan.ep)
+        self.grads = _requires_grad(gm, plan)
+        self.kept: dict[str, Saved] = {}
+        self.side = _sides(gm, plan)
+        self.inputs = _inputs_of(gm)
+        # masks the ring builds block by block from their factors (runtime/context.
+        # BlockMask): mask -> the factors held instead of its [s/cp, s] rows
+        regions = _mask_regions(gm, cp, plan.tp)
+        self.factors_of = {mask: [f for f in region.factors
+                                  if isinstance(f.meta.get("val"), torch.Tensor)]
+                           for mask, region in regions.items()}
+        prof.causal_masks = _causal_masks(gm)
+
+    def local_bytes(self, node: fx.Node, layout: Layout) -> float:
         """On this rank; routed rows as many as the busiest rank holds."""
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return 0.0
-        return _local_numel(sizes.shape(val), layout, tp) * \
-            _element_bytes(val, dtype_bytes, own) * \
-            (prof.expert_imbalance if _routed(layout) else 1.0)
+        return local_numel(self.sizes.shape(val), layout, self.tp) * \
+            element_bytes(val, self.dtype_bytes, self.own) * \
+            (self.prof.expert_imbalance if _routed(layout) else 1.0)
 
-    def read_layout(value: fx.Node, consumer: fx.Node, position: int) -> Layout:
-        edge = reads.get((value.name, consumer.name))
+    def read_layout(self, value: fx.Node, consumer: fx.Node, position: int) -> Layout:
+        edge = self.reads.get((value.name, consumer.name))
         if edge is not None:
-            return _layout(edge.dst)
-        choice = plan.choices.get(consumer.name)
+            return layout_of(edge.dst)
+        choice = self.plan.choices.get(consumer.name)
         if choice is not None and position < len(choice.inputs):
-            return _layout(choice.inputs[position])
-        return _layout(plan.values.get(value.name))
+            return layout_of(choice.inputs[position])
+        return layout_of(self.plan.values.get(value.name))
 
-    def root(node: fx.Node) -> fx.Node:
-        while node.op == "call_function" and node.target in VIEWS and node.args and \
-                isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-        return node
+    def keep(self, key: str, node: fx.Node, nbytes: float, quadratic: bool) -> None:
+        if key not in self.kept and nbytes > 0:
+            self.kept[key] = Saved(key, self.plan.node_layers.get(node.name),
+                                   nbytes * (self.cp if quadratic else 1), quadratic,
+                                   self.side[node.name])
 
-    prof.ep = plan.ep
-    prof.experts, prof.top_k = _routing(gm, plan)
-    if prof.experts:
-        # with ep, a rank's experts take rows from the tokens of all ep ranks
-        prof.expert_imbalance = routing_imbalance(micro_batch * seq * plan.ep, prof.experts,
-                                                  prof.top_k, tp * plan.ep)
-    grads = _requires_grad(gm, plan)
-    kept: dict[str, Saved] = {}
-    side = _sides(gm, plan)
-
-    def keep(key: str, node: fx.Node, nbytes: float, quadratic: bool) -> None:
-        if key not in kept and nbytes > 0:
-            kept[key] = Saved(key, plan.node_layers.get(node.name),
-                              nbytes * (cp if quadratic else 1), quadratic, side[node.name])
-
-    inputs = _inputs_of(gm)
-    # masks the ring builds block by block from their factors (runtime/context.BlockMask):
-    # mask -> the factors held instead of its [s/cp, s] rows
-    regions = _mask_regions(gm, cp, tp)
-    factors_of = {mask: [f for f in region.factors
-                         if isinstance(f.meta.get("val"), torch.Tensor)]
-                  for mask, region in regions.items()}
-    prof.causal_masks = _causal_masks(gm)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.name not in plan.values:
-            continue
-        layer = plan.node_layers.get(node.name)
+    def op(self, node: fx.Node) -> None:
+        """The op's work and collectives, then what its backward keeps."""
+        plan, sizes = self.plan, self.sizes
         val = node.meta.get("val")
-        out_layout = _layout(plan.values.get(node.name))
-        ins = inputs[node]
-        in_layouts = [read_layout(a, node, i) for i, a in enumerate(ins)]
+        out_layout = layout_of(plan.values.get(node.name))
+        ins = self.inputs[node]
+        in_layouts = [self.read_layout(a, node, i) for i, a in enumerate(ins)]
         # the attention core: ops writing a (.., s, s) tensor, and the products reading one
         quadratic = sizes.quadratic(val) or (node.target in PRODUCTS and any(
             sizes.quadratic(a.meta.get("val")) for a in ins))
-        if node.target in VIEWS:
-            pass
+        if node.target not in VIEWS:
+            self._work(node, ins, in_layouts, out_layout, quadratic)
+        if self.grads.get(node.name, False):
+            self._backward_keeps(node, ins, in_layouts, out_layout, quadratic)
+
+    def _work(self, node: fx.Node, ins: list[fx.Node], in_layouts: list[Layout],
+              out_layout: Layout, quadratic: bool) -> None:
+        plan, prof, tp, cp = self.plan, self.prof, self.tp, self.cp
+        val = node.meta.get("val")
+        layer = plan.node_layers.get(node.name)
+        side = self.side[node.name]
+        # every kernel reads its operands and writes its result at least once: all a
+        # memory-bound kernel costs, and the floor under a product (its roofline)
+        moved = sum(self.local_bytes(a, lay) for a, lay in zip(ins, in_layouts))
+        if isinstance(val, torch.Tensor):
+            moved += self.local_bytes(node, out_layout)
+        # rows routed to this rank's experts: the busiest rank's, which every rank awaits
+        busiest = prof.expert_imbalance if any(
+            _routed(x) for x in (*in_layouts, out_layout)) else 1.0
+        flops = 0.0
+        if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
+            flops = busiest * _flops(node, ins, in_layouts, self.sizes, tp)
+        if node.name in prof.causal_masks:
+            # a causal mask tensor: the kernel's causal path (runtime/causal.py), or the
+            # ring's skipped chunk pairs, do the causal half (no padding at run time)
+            flops /= 2
+        if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
+            flops *= cp
+            moved += self._across_cp(node, ins, in_layouts, out_layout, layer, side)
+        elif cp > 1 and quadratic:  # scores, masks: seq / cp rows of seq columns
+            flops, moved = flops * cp, moved * cp
+            if node.target in PRODUCTS:  # an eager attention's keys or values, gathered
+                self._gathered_keys(node, ins, in_layouts, layer, side)
+        if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
+            prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
+                               else "gemm", flops, moved, quadratic, side))
         else:
-            # every kernel reads its operands and writes its result at least once: all a
-            # memory-bound kernel costs, and the floor under a product (its roofline)
-            moved = sum(local_bytes(a, lay) for a, lay in zip(ins, in_layouts))
-            if isinstance(val, torch.Tensor):
-                moved += local_bytes(node, out_layout)
-            # rows routed to this rank's experts: the busiest rank's, which every rank awaits
-            busiest = prof.expert_imbalance if any(
-                _routed(x) for x in (*in_layouts, out_layout)) else 1.0
-            flops = 0.0
-            if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
-                flops = busiest * _flops(node, ins, in_layouts, sizes, tp)
-            if node.name in prof.causal_masks:
-                # a causal mask tensor: the kernel's causal path (runtime/causal.py), or the
-                # ring's skipped chunk pairs, do the causal half (no padding at run time)
-                flops /= 2
-            if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
-                flops *= cp
-                sources = [_kv_source(a, sizes) for a in ins[1:3]]
-                kv = [local_bytes(a, _layout(plan.values.get(a.name))) if a is not b
-                      else local_bytes(a, read_layout(a, node, i))
-                      for i, (a, b) in enumerate(zip(sources, ins[1:3]), 1)]
-                if attention_kind(node, cp, tp)[0] == "ulysses":
-                    # all-to-alls from sequence to head shards and back, forward and backward
-                    sent = local_bytes(ins[0], in_layouts[0]) + sum(kv) + \
-                        local_bytes(node, out_layout)
-                    prof.comms += [Comm("all_to_all", phase, layer, sent, side[node.name],
-                                        group="cp") for phase in ("forward", "backward")]
-                else:
-                    moved += (cp - 1) * sum(kv)
-                    prof.comms += _ring(layer, side[node.name], sum(kv), cp, dtype_bytes)
-            elif cp > 1 and quadratic:  # scores, masks: seq / cp rows of seq columns
-                flops, moved = flops * cp, moved * cp
-                if node.target in PRODUCTS:  # an eager attention's keys or values, gathered
-                    operand = 1 if sizes.quadratic(val) else next(
-                        (i for i, a in enumerate(ins) if not sizes.quadratic(
-                            a.meta.get("val"))), None)
-                    if operand is not None and operand < len(ins):
-                        gathered = cp * local_bytes(ins[operand], in_layouts[operand])
-                        prof.comms += [Comm("all_gather", "forward", layer, gathered,
-                                            side[node.name], group="cp"),
-                                       Comm("reduce_scatter", "backward", layer, gathered,
-                                            side[node.name], group="cp")]
-            if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
-                prof.ops.append(Op(node.name, layer, "attention" if node.target in ATTENTION
-                                   else "gemm", flops, moved, quadratic, side[node.name]))
-            else:
-                prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic,
-                                   side[node.name]))
-        if not grads.get(node.name, False):
-            continue
+            prof.ops.append(Op(node.name, layer, "memory", 0.0, moved, quadratic, side))
+
+    def _across_cp(self, node: fx.Node, ins: list[fx.Node], in_layouts: list[Layout],
+                   out_layout: Layout, layer: Optional[int], side: str) -> float:
+        """A fused attention at cp > 1: its all-to-alls (Ulysses) or ring shifts into the
+        profile's collectives; returns the bytes the ring moves beside the kernel."""
+        cp, plan = self.cp, self.plan
+        sources = [_kv_source(a, self.sizes) for a in ins[1:3]]
+        kv = [self.local_bytes(a, layout_of(plan.values.get(a.name))) if a is not b
+              else self.local_bytes(a, self.read_layout(a, node, i))
+              for i, (a, b) in enumerate(zip(sources, ins[1:3]), 1)]
+        if attention_kind(node, cp, self.tp)[0] == "ulysses":
+            # all-to-alls from sequence to head shards and back, forward and backward
+            sent = self.local_bytes(ins[0], in_layouts[0]) + sum(kv) + \
+                self.local_bytes(node, out_layout)
+            self.prof.comms += [Comm("all_to_all", phase, layer, sent, side, group="cp")
+                                for phase in ("forward", "backward")]
+            return 0.0
+        self.prof.comms += _ring(layer, side, sum(kv), cp, self.dtype_bytes)
+        return (cp - 1) * sum(kv)
+
+    def _gathered_keys(self, node: fx.Node, ins: list[fx.Node], in_layouts: list[Layout],
+                       layer: Optional[int], side: str) -> None:
+        """An eager attention's product at cp > 1: its keys or values gathered over cp."""
+        sizes = self.sizes
+        operand = 1 if sizes.quadratic(node.meta.get("val")) else next(
+            (i for i, a in enumerate(ins) if not sizes.quadratic(a.meta.get("val"))), None)
+        if operand is not None and operand < len(ins):
+            gathered = self.cp * self.local_bytes(ins[operand], in_layouts[operand])
+            self.prof.comms += [Comm("all_gather", "forward", layer, gathered, side,
+                                     group="cp"),
+                                Comm("reduce_scatter", "backward", layer, gathered, side,
+                                     group="cp")]
+
+    def _backward_keeps(self, node: fx.Node, ins: list[fx.Node], in_layouts: list[Layout],
+                        out_layout: Layout, quadratic: bool) -> None:
+        """The gradient pair its backward holds, and the storages it keeps."""
+        plan, grads, keep = self.plan, self.grads, self.keep
+        val = node.meta.get("val")
+        layer = plan.node_layers.get(node.name)
         if node.target not in VIEWS and isinstance(val, torch.Tensor):
-            pair = local_bytes(node, out_layout) + sum(
-                local_bytes(a, lay) for a, lay in zip(ins, in_layouts)
+            pair = self.local_bytes(node, out_layout) + sum(
+                self.local_bytes(a, lay) for a, lay in zip(ins, in_layouts)
                 if grads.get(a.name, False) and a.op != "get_attr")
-            at = layer if layer is not None else side[node.name]
-            prof.backward_working[at] = max(prof.backward_working.get(at, 0.0), pair)
-        # what this op's backward keeps
+            at = layer if layer is not None else self.side[node.name]
+            self.prof.backward_working[at] = max(self.prof.backward_working.get(at, 0.0), pair)
         only = _KEEPS_ONLY.get(node.target)
         for i, (arg, lay) in enumerate(zip(ins, in_layouts)):
             if node.target in DROPOUTS or arg.op == "get_attr" or (only and i not in only):
                 continue
-            if node.target in ATTENTION and arg.name in factors_of:
-                for factor in factors_of[arg.name]:
-                    keep(factor.name, factor, local_bytes(
-                        factor, _layout(plan.values.get(factor.name))), False)
+            if node.target in ATTENTION and arg.name in self.factors_of:
+                for factor in self.factors_of[arg.name]:
+                    keep(factor.name, factor, self.local_bytes(
+                        factor, layout_of(plan.values.get(factor.name))), False)
                 continue
             if only is None and not saves_input(node, arg, lambda n: grads.get(n.name, False)):
                 continue
-            edge = reads.get((arg.name, node.name))
-            if edge is not None and edge.forward is not None:
-                # a redistributed copy: its own storage (a sequence-parallel all-gather keeps
-                # only the shard, gathered again in backward)
-                if edge.forward == "all_gather" and plan.sequence_parallel:
-                    keep(f"{arg.name}:{edge.src}", arg, local_bytes(arg, _layout(edge.src)),
-                         quadratic)
-                else:
-                    keep(f"{arg.name}:{edge.dst}", arg, local_bytes(arg, lay), quadratic)
-            else:
-                base = root(arg)
-                if base.op == "get_attr":
-                    continue
-                keep(base.name, base, local_bytes(base, _layout(plan.values.get(base.name))),
-                     sizes.quadratic(base.meta.get("val")))
+            self._keep_input(node, arg, lay, quadratic)
+        tp, dtype_bytes = self.tp, self.dtype_bytes
         if not isinstance(val, torch.Tensor) and node.target not in DROPOUTS:
             if node.target in ATTENTION or node.target in NORMS:
-                _keep_extras(node, ins, in_layouts, sizes, tp, dtype_bytes, keep)
-            continue
+                _keep_extras(node, ins, in_layouts, self.sizes, tp, dtype_bytes, keep)
+            return
         if node.target in DROPOUTS:  # a mask of the input's shape
-            shape = sizes.shape(ins[0].meta["val"])
+            shape = self.sizes.shape(ins[0].meta["val"])
             keep(f"{node.name}:mask", node,
-                 _local_numel(shape, in_layouts[0], tp) * mask_bytes, quadratic)
+                 local_numel(shape, in_layouts[0], tp) * self.mask_bytes, quadratic)
         elif node.target in NORMS or node.target in ATTENTION:
-            _keep_extras(node, ins, in_layouts, sizes, tp, dtype_bytes, keep)
+            _keep_extras(node, ins, in_layouts, self.sizes, tp, dtype_bytes, keep)
         elif saves_output(node):
-            keep(node.name, node, local_bytes(node, out_layout), quadratic)
-    prof.saved = list(kept.values())
-    prof.comms = _comms(plan, nodes, sizes, dtype_bytes, side, own) + prof.comms
-    if plan.ep > 1:
-        prof.comms += _exchanges(gm, plan, sizes, dtype_bytes, own)
-    prof.params = _params(gm, plan, side)
-    prof.layer_inputs = _layer_inputs(plan, nodes, local_bytes, read_layout, factors_of)
-    return prof
+            keep(node.name, node, self.local_bytes(node, out_layout), quadratic)
+
+    def _keep_input(self, node: fx.Node, arg: fx.Node, lay: Layout, quadratic: bool) -> None:
+        """An input its backward keeps: a redistributed copy's own storage, or the storage
+        the input views."""
+        edge = self.reads.get((arg.name, node.name))
+        if edge is not None and edge.forward is not None:
+            # a redistributed copy: its own storage (a sequence-parallel all-gather keeps
+            # only the shard, gathered again in backward)
+            if edge.forward == "all_gather" and self.plan.sequence_parallel:
+                self.keep(f"{arg.name}:{edge.src}", arg,
+                          self.local_bytes(arg, layout_of(edge.src)), quadratic)
+            else:
+                self.keep(f"{arg.name}:{edge.dst}", arg, self.local_bytes(arg, lay), quadratic)
+            return
+        base = arg
+        while base.op == "call_function" and base.target in VIEWS and base.args and \
+                isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if base.op != "get_attr":
+            self.keep(base.name, base,
+                      self.local_bytes(base, layout_of(self.plan.values.get(base.name))),
+                      self.sizes.quadratic(base.meta.get("val")))
 
 
 def _causal_masks(gm: fx.GraphModule) -> set[str]:
@@ -446,7 +406,7 @@ def _mask_regions(gm: fx.GraphModule, cp: int, tp: int) -> dict[str, MaskRegion]
     return out
 
 
-def _kv_source(node: fx.Node, sizes: _Sizes) -> fx.Node:
+def _kv_source(node: fx.Node, sizes: Sizes) -> fx.Node:
     """Where a key or value operand was last its own size: through the views, copies and
     expansions that repeat grouped heads (transformers' ``repeat_kv``), which the ring reads
     through (it sends the kv heads, not the query heads)."""
@@ -482,7 +442,7 @@ def _routed(layout: Layout) -> bool:
     return isinstance(layout, Shard) and isinstance(layout.blocks, Routed)
 
 
-def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: _Sizes, dtype_bytes: int,
+def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: Sizes, dtype_bytes: int,
                own: Optional[torch.dtype]) -> list[Comm]:
     """Expert parallelism's all-to-alls over the ep group (autotp.runtime.routed_rows): per MoE
     layer, the rows to the experts' owners and their outputs back, forward, and the same
@@ -505,7 +465,7 @@ def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: _Sizes, dtype_bytes: int,
                     last[layer].meta.get("val")):
             if isinstance(val, torch.Tensor):
                 moved = math.prod(sizes.shape(val)) / plan.tp * \
-                    _element_bytes(val, dtype_bytes, own)
+                    element_bytes(val, dtype_bytes, own)
                 for phase in ("forward", "backward"):
                     out.append(Comm("all_to_all", phase, layer, moved, group="ep"))
     return out
@@ -529,7 +489,7 @@ def _routing(gm: fx.GraphModule, plan: Plan) -> tuple[int, int]:
     return 0, 0
 
 
-def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,
+def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: Sizes,
                  tp: int, dtype_bytes: int, keep: Any) -> None:
     """Norm statistics (float32 per row); attention's output and logsumexp."""
     x = sizes.shape(ins[0].meta["val"])
@@ -541,15 +501,15 @@ def _keep_extras(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes
             rows /= tp
         keep(f"{node.name}:stats", node, NORMS[node.target] * 4.0 * rows, False)
     else:  # q (B, H, Tq, D): the output and a float32 logsumexp per query row
-        heads = _local_numel(x, layouts[0], tp) / x[-1]
-        keep(f"{node.name}:out", node, _local_numel(x, layouts[0], tp) * dtype_bytes, False)
+        heads = local_numel(x, layouts[0], tp) / x[-1]
+        keep(f"{node.name}:out", node, local_numel(x, layouts[0], tp) * dtype_bytes, False)
         keep(f"{node.name}:lse", node, heads * 4.0, False)
 
 
-def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Sizes,
+def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: Sizes,
            tp: int) -> float:
     """Forward FLOPs of a product or an attention on this rank's local shapes."""
-    local = [_local_shape(sizes.shape(a.meta["val"]), lay, tp) for a, lay in zip(ins, layouts)]
+    local = [local_shape_at(sizes.shape(a.meta["val"]), lay, tp) for a, lay in zip(ins, layouts)]
     if node.target in ATTENTION:
         q, k = local[0], local[1]
         flops = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]  # QK^T and PV
@@ -565,38 +525,7 @@ def _flops(node: fx.Node, ins: list[fx.Node], layouts: list[Layout], sizes: _Siz
                                      aten.addbmm.default) else local[0]
     # the output's size from the local operands: a row-parallel product's partial output is
     # full size, its contraction local
-    return 2.0 * _out_numel(node, local) * a[-1]
-
-
-def _local_shape(shape: tuple[int, ...], layout: Layout, tp: int) -> tuple[int, ...]:
-    if isinstance(layout, Shard):
-        try:
-            return local_shape(shape, layout, tp)
-        except ValueError:
-            out = list(shape)
-            out[layout.dim] = max(1, out[layout.dim] // tp)
-            return tuple(out)
-    return shape
-
-
-def _out_numel(node: fx.Node, local: list[tuple[int, ...]]) -> float:
-    """Rows x columns of a product from its local operands (batch dims broadcast)."""
-    if node.target in (aten.linear.default,):
-        x, w = local[0], local[1]
-        return math.prod(x[:-1]) * w[0]
-    if node.target in (aten.addmm.default,):
-        return local[1][0] * local[2][1]
-    if node.target in (aten.baddbmm.default, aten.addbmm.default):
-        b1, b2 = local[1], local[2]
-        return math.prod(b1[:-1]) * b2[-1]
-    a, b = local[0], local[1]
-    if len(b) == 1:
-        return math.prod(a[:-1])
-    batch = [max(x, y) for x, y in zip(reversed(a[:-2]), reversed(b[:-2]))]
-    longer = a[:-2] if len(a) > len(b) else b[:-2]
-    batch += list(reversed(longer[:abs(len(a) - len(b))]))
-    rows = a[-2] if len(a) >= 2 else 1
-    return math.prod(batch) * rows * b[-1]
+    return 2.0 * out_numel(node, local) * a[-1]
 
 
 _INPUTS: "weakref.WeakKeyDictionary[fx.GraphModule, dict[fx.Node, list[fx.Node]]]" = \
@@ -642,7 +571,7 @@ def _sides(gm: fx.GraphModule, plan: Plan) -> dict[str, str]:
                    "first" if i < first else "last") for i, name in enumerate(order)}
 
 
-def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: int,
+def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: Sizes, dtype_bytes: int,
            side: dict[str, str], own: Optional[torch.dtype] = None) -> list[Comm]:
     out = []
     for c in plan.collectives:
@@ -656,7 +585,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: _Sizes, dtype_bytes: in
                 val = node.meta.get("val")
                 if isinstance(val, torch.Tensor):
                     numel = math.prod(sizes.shape(val))
-                    nbytes += numel * _element_bytes(val, dtype_bytes, own) if numel else 0.0
+                    nbytes += numel * element_bytes(val, dtype_bytes, own) if numel else 0.0
             if c.src.startswith("P(") and c.src != "P":
                 nbytes *= plan.tp
         where = "layer" if c.layer is not None else side.get(c.node, "last")
@@ -710,7 +639,7 @@ def _layer_inputs(plan: Plan, nodes: dict[str, fx.Node], local_bytes: Any,
             for factor in factors_of[value]:
                 if factor.name not in entering:
                     entering[factor.name] = (layer, local_bytes(
-                        factor, _layout(plan.values.get(factor.name))))
+                        factor, layout_of(plan.values.get(factor.name))))
             continue
         position = tensor_inputs(node).index(src) if src in tensor_inputs(node) else 0
         if value not in entering:
