@@ -1,6 +1,7 @@
 """autotp: automatic tensor parallelism for unmodified PyTorch transformers.
 
     sharded = autotp.parallelize(model, tp=8)        # on every rank of a process group
+    sharded = autotp.parallelize(model, mesh=mesh)   # a ("dp", "cp", "tp") DeviceMesh
     plan = autotp.plan(model, tp=8)                  # no process group needed
     sim = autotp.simulate(model, tp=4)               # all ranks in one process
     sharded = autotp.from_pretrained("model-dir", tp=8)   # each rank reads only its slices
@@ -23,7 +24,7 @@ _LAZY = {
     "ShardedModule": "autotp.api", "Simulation": "autotp.api",
     "expert_parameters": "autotp.api", "finish_expert_gradients": "autotp.api",
     "full_state_dict": "autotp.api", "parallelize": "autotp.api", "plan": "autotp.api",
-    "simulate": "autotp.api",
+    "simulate": "autotp.api", "Options": "autotp.options", "Mesh": "autotp.mesh",
     "load_checkpoint": "autotp.features.checkpoint",
     "save_checkpoint": "autotp.features.checkpoint",
     "from_pretrained": "autotp.features.pretrained",
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from autotp.features.pipeline import pipeline_stages
     from autotp.features.pretrained import from_pretrained, save_pretrained
     from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
+    from autotp.mesh import Mesh
+    from autotp.options import Options
     from autotp.planner.job.configure import Estimate, estimate
     from autotp.planner.plan import Plan
     from autotp.weights.materialize import empty_weights
@@ -113,6 +116,8 @@ __all__ = [
     "from_pretrained",
     "full_state_dict",
     "load_checkpoint",
+    "Mesh",
+    "Options",
     "parallelize",
     "plan",
     "register_rule",

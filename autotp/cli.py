@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 import time
 import traceback
@@ -37,12 +36,21 @@ def _cost_model(args: argparse.Namespace) -> Any:
                      batch=args.batch, seq=args.seq)
 
 
-def _options(args: argparse.Namespace, **kwargs: Any) -> Any:
-    from autotp.planner.solve import PlanOptions
+def _options(args: argparse.Namespace) -> Any:
+    """The library's options (``autotp.Options``) the command line gives."""
+    from autotp.options import Options
 
-    return PlanOptions(sequence_parallel=args.sequence_parallel,
-                       gather_outputs=not getattr(args, "sharded_outputs", False),
-                       expert_parallel=getattr(args, "ep", 1), **kwargs)
+    return Options(strict=args.strict, sequence_parallel=args.sequence_parallel,
+                   gather_outputs=not getattr(args, "sharded_outputs", False),
+                   cost_model=_cost_model(args))
+
+
+def _mesh(args: argparse.Namespace) -> Any:
+    """The axes the command line names, checked as ``autotp.parallelize`` checks them."""
+    from autotp.mesh import FLAGS, resolve_mesh
+
+    return resolve_mesh(tp=args.tp, cp=getattr(args, "cp", 1), ep=getattr(args, "ep", 1),
+                        sequence_parallel=args.sequence_parallel, spelling=FLAGS)
 
 
 SEQ = 2048  # the sequence length bytes and times are counted at, in every subcommand
@@ -91,27 +99,21 @@ def _add_model_args(parser: argparse.ArgumentParser, *, costs: bool = True) -> N
                              "default 3.4)")
 
 
-def _prepare(args: argparse.Namespace, *, meta: bool, force: tuple = ()) -> tuple[Any, Any, Any]:
+def _prepare(args: argparse.Namespace, *, meta: bool) -> tuple[Any, Any, Any, Any]:
+    """The model the command line names, built, traced and planned as ``autotp.plan`` does
+    (``autotp.api.prepare``): the loaded model, its capture, its plan and the mesh."""
+    from autotp.api import prepare
     from autotp.capture.named_models import load_model, parse_overrides
-    from autotp.capture.trace import capture
-    from autotp.planner.context import plan_tp_cp
 
-    positive_int("--tp", args.tp)
-    positive_int("--ep", getattr(args, "ep", 1))
-    cp = positive_int("--cp", getattr(args, "cp", 1))
-    if cp > 1 and (args.sequence_parallel or getattr(args, "ep", 1) > 1):
-        raise ConfigError(f"--cp {cp} runs with no --sequence-parallel and no --ep (context "
-                          "parallelism splits the sequence itself)")
+    mesh = _mesh(args)  # before the model is built: a wrong command line costs nothing
     with progress.stage(f"building {args.model}" + (" on the meta device" if meta else "")), \
             model_source(args.model) as source:
         loaded = load_model(source, parse_overrides(args.overrides), meta=meta)
         loaded.cast(args.dtype)
-    captured = capture(loaded.model, loaded.example_args, loaded.example_kwargs)
-    for path, (traced, total) in captured.traced_layers.items():
-        progress.note(f"{path}: {traced} of {total} layers traced, the rest stamped from them")
-    plan = plan_tp_cp(captured, args.tp, cp, _options(args, strict=args.strict, force=force),
-                      cost_model=_cost_model(args), model_name=args.model)
-    return loaded, captured, plan
+    captured, plan = prepare(loaded.model, mesh=mesh, options=_options(args),
+                             example_args=loaded.example_args,
+                             example_kwargs=loaded.example_kwargs, model_name=args.model)
+    return loaded, captured, plan, mesh
 
 
 def _emit(text: str, args: argparse.Namespace) -> None:
@@ -131,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autotp.features.page import to_html
     from autotp.features.report import to_json, to_table
 
-    _, _, plan = _prepare(args, meta=True)
+    _, _, plan, _ = _prepare(args, meta=True)
     cost_model = _cost_model(args)
     form = output_format(args.format, args.output, PLAN_FORMATS)
     if form == "table":
@@ -151,11 +153,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from autotp.features.explain import explain
 
-    _, captured, plan = _prepare(args, meta=True)
-    options, degree = _options(args, strict=args.strict), args.tp
-    if plan.context_parallel:  # --tp 1 --cp C: the cp group's plan, as plan_tp_cp makes it
-        options = dataclasses.replace(options, context_parallel=True, sequence_parallel=False)
-        degree = plan.tp
+    from autotp.planner.context import outer_search
+
+    _, captured, plan, mesh = _prepare(args, meta=True)
+    # the plan's own search (at --tp 1 --cp C, the cp group's)
+    degree, options = outer_search(mesh.tp, mesh.cp, _options(args).plan_options(mesh.ep))
     told = explain(captured, plan, args.target, degree, _cost_model(args), options,
                    model_name=args.model)
     print(told.heading)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from autotp.capture.trace import Captured
 from autotp.errors import ConfigError
 from autotp.layout import Shard
+from autotp.mesh import plan_sharing
 from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
@@ -30,7 +31,7 @@ from autotp.runtime.collectives import GradBucket, GradSync, gather
 from autotp.runtime.context import SequenceLayout
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
                                   held_tensors, sequence_dims, significant, structure)
-from autotp.runtime.comm import Communicator, ProcessGroupComm
+from autotp.runtime.comm import Communicator
 from autotp.runtime.grads import DataParallelMean, mark_pieces
 from autotp.runtime.layers import split_layers
 from autotp.runtime.regather import ShardKeeper
@@ -296,8 +297,7 @@ class ShardedModule(nn.Module):
         held, buffers = held_tensors(self.program, self.plan, self._unused)
         dtype = next((p.dtype for p in held.values() if p.is_floating_point()),
                      torch.float32)
-        share = self.comm.made_once if isinstance(self.comm, ProcessGroupComm) and \
-            self.comm.world_size > 1 else None
+        share = plan_sharing(self.comm)
         if not retracer.example:
             retracer.example = significant(self._first.example, self._signature)
         captured, plan = retracer.plan(key, significant(named, self._signature), self.plan,

@@ -35,16 +35,27 @@ def plan_tp_cp(captured: Captured, tp: int, cp: int, options: PlanOptions,
     plan, as without cp; at tp 1 the cp group's plan alone (``plan.context_parallel``); with
     both, the tp plan with the cp plan inside it (``plan.context``), each attention's choice
     of ring or Ulysses made on the heads one tp rank holds."""
-    if cp == 1:
-        return plan_graph(captured, tp, options=options, **plan_args)
-    context = replace(options, context_parallel=True, sequence_parallel=False, force=())
-    if tp == 1:
-        return plan_graph(captured, cp, options=context, **plan_args)
-    plan = plan_graph(captured, tp, options=options, **plan_args)
+    degree, outer = outer_search(tp, cp, options)
+    plan = plan_graph(captured, degree, options=outer, **plan_args)
+    if cp == 1 or tp == 1:
+        return plan
     plan.context = plan_graph(captured, cp, options=replace(
-        context, local_heads=local_heads(plan, captured.gm)), **plan_args)
+        context_options(options), local_heads=local_heads(plan, captured.gm)), **plan_args)
     check_composable(plan, plan.context, captured.gm, sequence_symbols(captured.dim_names))
     return plan
+
+
+def outer_search(tp: int, cp: int, options: PlanOptions) -> tuple[int, PlanOptions]:
+    """The degree and options of the search whose plan ``plan_tp_cp`` returns (the one
+    ``explain`` runs again): the tp plan's; at tp 1 with cp, the cp group's."""
+    if tp == 1 and cp > 1:
+        return cp, context_options(options)
+    return tp, options
+
+
+def context_options(options: PlanOptions) -> PlanOptions:
+    """The options of a cp plan: every value's sequence split, parameters whole."""
+    return replace(options, context_parallel=True, sequence_parallel=False, force=())
 
 
 def local_heads(tp_plan: Plan, gm: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:

@@ -23,9 +23,9 @@ LAYERS = [
     {"autotp.planner"},
     {"autotp.planner.job"},
     {"autotp.weights"},
-    {"autotp.runtime"},
+    {"autotp.runtime", "autotp.mesh"},
     {"autotp.sharded"},
-    {"autotp.api"},
+    {"autotp.api", "autotp.options"},
     {"autotp.features"},
     {"autotp.cli", "autotp.cli_support", "autotp.__main__", "autotp"},
 ]

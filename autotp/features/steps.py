@@ -35,7 +35,7 @@ from autotp.ops import arg_seq, node_arg
 from autotp.planner.plan import Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.runtime.collectives import DeferredGradReduce, Redistribute, gather
-from autotp.runtime.comm import ProcessGroupComm
+from autotp.mesh import plan_sharing
 from autotp.runtime.rewrite import erase_input_guards, rewrite
 from autotp.weights.materialize import Weights, model_tensor
 
@@ -294,11 +294,9 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
                          if param.layout.startswith("R") for name in param.names)
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs),
                               reported=reported)
-        comm = sharded.comm  # in processes, the group's rank 0 plans (``made_once``)
         plan = plan_graph(captured, sharded.plan.tp, options=options,
                           model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})",
-                          share=comm.made_once if isinstance(comm, ProcessGroupComm) and
-                          comm.world_size > 1 else None)
+                          share=plan_sharing(sharded.comm))
         for stale in [k for k, v in _PLANNED.items() if v[0]() is None]:
             del _PLANNED[stale]
         _PLANNED[key] = (weakref.ref(sharded.plan), captured, plan, step, cache_inputs)
