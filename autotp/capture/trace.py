@@ -241,70 +241,129 @@ def capture(
     in part and the rest stamped from it (``capture.repeat``)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
-    if example_args is not None and not isinstance(example_args, tuple):
-        example_args = (example_args,)
-    if example_args is None and example_kwargs is None:
-        named = default_example(model)
-        named, signature = normalize_example(model, (), named)
-    else:
-        named, signature = normalize_example(model, example_args or (), example_kwargs or {})
-    # Fresh contiguous copies: an example that is a view, or two inputs that are one tensor,
-    # would otherwise become stride and aliasing guards of the traced program.
-    named = pytree.tree_map(
-        lambda v: v.detach().clone(memory_format=torch.contiguous_format)
-        if isinstance(v, torch.Tensor) else v, named)
-    meta = any(p.device.type == "meta" for p in model.parameters())
-    if meta:  # a model without weights traces with inputs (and buffers) on meta too
+    tracer = _Tracer(model, example_args, example_kwargs, dynamic_shapes)
+    stacks = find_stacks(model) if layers_once and not every_layer() else []
+    gm = None
+    if stacks:
+        try:  # the repeated layers traced a few times, the rest stamped from them
+            gm = tracer.export(stacks)
+        except Exception as exc:  # noqa: BLE001 - what fails cut short is retried whole
+            _log.info("tracing every layer of %s: %s: %s", type(model).__name__,
+                      type(exc).__name__, exc)
+            gm, stacks = None, []
+    if gm is None:
+        gm = tracer.export([])
+    with _recompiled_once(gm):
+        detach_factories(gm)
+        drop_identities(gm)
+        split_biases(gm)
+        sink_bias_adds(gm)
+        products_summed_first(gm)
+        decompose_cross_entropy(gm)
+        decompose_feature_norms(gm)
+    gm.recompile()
+    fixed, as_given = tracer.fixed, tracer.as_given
+    if fixed is not None:
+        warnings.warn(
+            f"autotp: {type(model).__name__} is traced at the example's sizes only "
+            f"({_sizes_text(as_given)}): with a symbolic batch and sequence, "
+            f"{_failure_text(fixed)}\n  a call of other sizes is traced and planned again, "
+            "once per size", stacklevel=3)
+    captured = Captured(gm=gm, example_kwargs=as_given if fixed is not None else tracer.named,
+                        signature=tracer.signature,
+                        traced_layers={s.path: (s.prefix, s.length) for s in stacks},
+                        fixed_sizes=fixed is not None)
+    captured.layers = find_layers(gm.graph)
+    captured.dim_names = _name_dims(gm)
+    captured.aliases = _aliases(model, gm)
+    used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
+                       if id(p) not in used}
+    return captured
+
+
+class _Tracer:
+    """One model's export: the example inputs made ready, the attempts of symbolic sizes
+    (then fixed ones), and the rounds that decompose and functionalize what has no rule."""
+
+    def __init__(self, model: torch.nn.Module, example_args: Optional[tuple[Any, ...]],
+                 example_kwargs: Optional[dict[str, Any]],
+                 dynamic_shapes: Optional[dict[str, Any]]):
+        self.model = model
+        if example_args is not None and not isinstance(example_args, tuple):
+            example_args = (example_args,)
+        if example_args is None and example_kwargs is None:
+            named = default_example(model)
+            named, signature = normalize_example(model, (), named)
+        else:
+            named, signature = normalize_example(model, example_args or (),
+                                                 example_kwargs or {})
+        # Fresh contiguous copies: an example that is a view, or two inputs that are one
+        # tensor, would otherwise become stride and aliasing guards of the traced program.
         named = pytree.tree_map(
-            lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
-    as_given = named  # the sizes a program of fixed sizes takes: the caller's
-    if dynamic_shapes is None:
-        named = _batch_of_two(named)
+            lambda v: v.detach().clone(memory_format=torch.contiguous_format)
+            if isinstance(v, torch.Tensor) else v, named)
+        self.meta = any(p.device.type == "meta" for p in model.parameters())
+        if self.meta:  # a model without weights traces with inputs (and buffers) on meta too
+            named = pytree.tree_map(
+                lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, named)
+        self.as_given = named  # the sizes a program of fixed sizes takes: the caller's
+        if dynamic_shapes is None:
+            named = _batch_of_two(named)
+        self.named, self.signature = named, signature
+        # One batch symbol for all inputs; where the program treats them apart (an input of
+        # the batch's size that is not batched), each its own; last, the example's sizes
+        # fixed (a forward that hashes a size: ``functools.lru_cache`` on the sequence
+        # length), the program then taking those sizes only (``Captured.fixed_sizes``).
+        self.specs = [dynamic_shapes] if dynamic_shapes is not None else \
+            [_dynamic_shapes(named), _dynamic_shapes(named, one_batch=False), _FIXED]
+        self.fixed: Optional[BaseException] = None  # why the sizes are fixed
 
-    # One batch symbol for all inputs; where the program treats them apart (an input of
-    # the batch's size that is not batched), each its own; last, the example's sizes fixed
-    # (a forward that hashes a size: ``functools.lru_cache`` on the sequence length), the
-    # program then taking those sizes only (``Captured.fixed_sizes``).
-    specs = [dynamic_shapes] if dynamic_shapes is not None else \
-        [_dynamic_shapes(named), _dynamic_shapes(named, one_batch=False), _FIXED]
-    fixed: Optional[BaseException] = None  # why the sizes are fixed: the symbolic failure
+    def export(self, stacks: list[Stack]) -> fx.GraphModule:
+        ep = self._exported(stacks)
+        return self._decomposed_rounds(ep, _normalized(ep, self.model, stacks), stacks)
 
-    def export(stacks: list[Stack]) -> fx.GraphModule:
-        nonlocal fixed
+    def _exported(self, stacks: list[Stack]) -> torch.export.ExportedProgram:
+        model, meta = self.model, self.meta
         failures: list[BaseException] = []
-        for attempt, spec in enumerate(specs, 1):
+        for attempt, spec in enumerate(self.specs, 1):
             try:
                 with _state_kept(model), \
                         _buffers_on_meta(model) if meta else contextlib.nullcontext(), \
                         _ListIndexKept() if meta else contextlib.nullcontext(), \
-                        _named_forward(model, list(named), signature), \
+                        _named_forward(model, list(self.named), self.signature), \
                         registered_outputs(model), truncated(model, stacks), \
                         traceable_calls(model):
                     # each attempt on new tensor objects: a failed export leaves its dim
                     # markings on the ones it was given, and the next would read them
                     example = pytree.tree_map(
                         lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                        as_given if spec is _FIXED else named)
+                        self.as_given if spec is _FIXED else self.named)
                     ep = _export(model, example, None if spec is _FIXED else spec,
                                  follow_example=not meta)
-                fixed = failures[0] if spec is _FIXED else None
-                break
+                self.fixed = failures[0] if spec is _FIXED else None
+                return ep
             except Mismatch:  # the cut-short trace proves nothing (logged by the caller)
                 raise
             except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
                 failures.append(exc)
-                if attempt < len(specs) and (specs[attempt] is not _FIXED
-                                             or _sizes_may_be_why(exc)):
+                if attempt < len(self.specs) and (self.specs[attempt] is not _FIXED
+                                                  or _sizes_may_be_why(exc)):
                     _log.info("tracing %s %s: %s: %s", type(model).__name__,
-                              "with the example's sizes fixed" if specs[attempt] is _FIXED
+                              "with the example's sizes fixed"
+                              if self.specs[attempt] is _FIXED
                               else "with a batch per input", type(exc).__name__, exc)
                     continue
                 raise TraceError(_trace_failure_message(model, exc)) from exc
-        gm = _normalized(ep, model, stacks)
-        # Writes through views or into inputs (a slice filled by ``copy_``) are
-        # functionalized, so they become ``slice_scatter``/``index_put``/``copy`` and get the
-        # ordinary rules; ops with no rule are replaced by their decompositions (which
-        # functionalizing may reveal, hence the rounds).
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _decomposed_rounds(self, ep: torch.export.ExportedProgram, gm: fx.GraphModule,
+                           stacks: list[Stack]) -> fx.GraphModule:
+        """Writes through views or into inputs (a slice filled by ``copy_``) are
+        functionalized, so they become ``slice_scatter``/``index_put``/``copy`` and get the
+        ordinary rules; ops with no rule are replaced by their decompositions (which
+        functionalizing may reveal, hence the rounds)."""
+        model = self.model
         table: dict = {}
         for _ in range(4):
             more = unruled_decompositions(gm)
@@ -333,44 +392,6 @@ def capture(
             if mutations:
                 copies_as_values(gm)
         return gm
-
-    stacks = find_stacks(model) if layers_once and not every_layer() else []
-    gm = None
-    if stacks:
-        try:  # the repeated layers traced a few times, the rest stamped from them
-            gm = export(stacks)
-        except Exception as exc:  # noqa: BLE001 - what fails cut short is retried whole
-            _log.info("tracing every layer of %s: %s: %s", type(model).__name__,
-                      type(exc).__name__, exc)
-            gm, stacks = None, []
-    if gm is None:
-        gm = export([])
-    with _recompiled_once(gm):
-        detach_factories(gm)
-        drop_identities(gm)
-        split_biases(gm)
-        sink_bias_adds(gm)
-        products_summed_first(gm)
-        decompose_cross_entropy(gm)
-        decompose_feature_norms(gm)
-    gm.recompile()
-    if fixed is not None:
-        warnings.warn(
-            f"autotp: {type(model).__name__} is traced at the example's sizes only "
-            f"({_sizes_text(as_given)}): with a symbolic batch and sequence, "
-            f"{_failure_text(fixed)}\n  a call of other sizes is traced and planned again, "
-            "once per size", stacklevel=3)
-    captured = Captured(gm=gm, example_kwargs=as_given if fixed is not None else named,
-                        signature=signature,
-                        traced_layers={s.path: (s.prefix, s.length) for s in stacks},
-                        fixed_sizes=fixed is not None)
-    captured.layers = find_layers(gm.graph)
-    captured.dim_names = _name_dims(gm)
-    captured.aliases = _aliases(model, gm)
-    used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-    captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
-                       if id(p) not in used}
-    return captured
 
 
 def _normalized(ep: torch.export.ExportedProgram, model: torch.nn.Module,
