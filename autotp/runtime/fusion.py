@@ -10,6 +10,9 @@ replace a few op patterns by one kernel-level function with a hand-written backw
 * ``linear(x, W) + b`` -> ``linear(x, W, b)`` and ``mm(x, W) + b`` -> ``addmm(b, x, W)`` (also
   through a view that keeps the last dim), where capture had split the bias off and the plan
   put no collective between product and bias: the original fused kernel again.
+* ``x[:, a:b]`` where the range is the whole dim (``slice(x, d, 0, MAX)``, what export
+  writes for ``:``) -> ``x``: eager indexing skips such slices; kept, each would cost a
+  view in forward and a zero-filled copy of the gradient (``slice_backward``) in backward.
 * (inference programs only) attention on k/v heads repeated to the query heads
   (``reshape(expand(k[:, :, None]))``, transformers' ``repeat_kv`` when a mask is given) ->
   ``scaled_dot_product_attention(..., enable_gqa=True)`` on the k/v heads themselves: the
@@ -185,6 +188,22 @@ def full_slice(node: fx.Node) -> bool:
             and node_arg(node, "start", 0) in (0, None)
             and node_arg(node, "end", None) in (None, 2**63 - 1)
             and node_arg(node, "step", 1) == 1)
+
+
+def drop_full_slices(graph: fx.Graph) -> dict[str, str]:
+    """Read each slice of a whole dim's input instead of the slice (not where the slice is
+    returned: the caller gets a view as from the eager model); returns slice -> input."""
+    renamed: dict[str, str] = {}
+    for node in list(graph.nodes):
+        if not full_slice(node) or any(u.op == "output" for u in node.users):
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node):
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        renamed[node.name] = source.name
+    return renamed
 
 
 def _repeated_heads(node: Any) -> Optional[fx.Node]:

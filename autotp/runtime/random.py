@@ -32,6 +32,7 @@ class RngTracker:
         self.seed = int(seed)
         self.rank = rank
         self._generators: dict[tuple[Stream, str], torch.Generator] = {}
+        self._draws: dict[Stream, int] = {}
 
     def generator(self, stream: Stream, device: torch.device) -> torch.Generator:
         key = (stream, str(device))
@@ -41,6 +42,19 @@ class RngTracker:
             generator.manual_seed((self.seed + offset) % (2**63))
             self._generators[key] = generator
         return self._generators[key]
+
+    def next_seed(self, stream: Stream) -> int:
+        """A seed for one kernel that draws from the global generator (attention dropout):
+        the stream's n-th, counted on the host, so that no value comes back from the device
+        (the same on every rank for the replicated stream, this rank's own for the sharded)."""
+        draw = self._draws.get(stream, 0)
+        self._draws[stream] = draw + 1
+        offset = 0 if stream is Stream.REPLICATED else 2_654_435_761 * (self.rank + 1)
+        # splitmix64 of (stream seed, draw): neighbouring draws give unrelated seeds
+        z = (self.seed + offset + 0x9E3779B97F4A7C15 * (draw + 1)) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return (z ^ (z >> 31)) % 2**62
 
 
 class _Tracked(nn.Module):
@@ -71,16 +85,16 @@ class TrackedDropout(_Tracked):
 
 class TrackedAttention(_Tracked):
     """``scaled_dot_product_attention`` with ``dropout_p > 0``: the kernel draws from the
-    global generator, so the call runs on a forked global state seeded from the tracker's
-    stream (a lock keeps simulated ranks, which share the global state, apart)."""
+    global generator, so the call runs on a forked global state seeded by the tracker's
+    stream (``RngTracker.next_seed``: no host synchronization; a lock keeps simulated ranks,
+    which share the global state, apart)."""
 
     _lock = threading.Lock()
 
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         q = args[0]
-        generator = self.tracker.generator(self.stream, q.device)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=q.device).item())
+        seed = self.tracker.next_seed(self.stream)
         devices = [q.device] if q.device.type == "cuda" else []
         with self._lock, torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

@@ -23,7 +23,7 @@ from torch import nn
 
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
 from autotp.ops import arg_node, node_arg, repeated_heads
-from autotp.runtime.fusion import fuse_bias_adds, fuse_logsumexp_gather
+from autotp.runtime.fusion import drop_full_slices, fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
     DeferredGradReduce,
     GradBucket,
@@ -32,7 +32,7 @@ from autotp.runtime.collectives import (
     Redistribute,
 )
 from autotp.runtime.batching import join_ahead, join_siblings
-from autotp.runtime.causal import SDPA_CALL, CausalWhereMasked
+from autotp.runtime.causal import causal_attention_calls
 from autotp.runtime.comm import Communicator
 from autotp.runtime.context import MaskProgram, RingAttention, UlyssesAttention
 from autotp.errors import PlanError
@@ -40,7 +40,7 @@ from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_lay
     whole_slices
 from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.context import grouped_source
-from autotp.planner.masks import MaskRegion, mask_region, ordered
+from autotp.planner.masks import MaskRegion, mask_region
 from autotp.planner.plan import Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
@@ -396,38 +396,6 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
     return renamed
 
 
-def causal_attention_calls(graph: fx.Graph, root: nn.Module) -> dict[str, str]:
-    """Attention left as ``aten.scaled_dot_product_attention`` (no ring, no dropout) whose
-    mask keeps at most the causal half by construction (``planner.masks.ordered``: the
-    causal masks transformers builds as tensors when traced) runs as ``CausalWhereMasked``:
-    by the kernel's causal path wherever the mask is the causal one at run time. One module
-    per mask, for all the attentions reading it; returns original node -> new node."""
-    renamed: dict[str, str] = {}
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    checkers: dict[fx.Node, str] = {}
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != sdpa or \
-                node_arg(node, "is_causal", False) or node_arg(node, "dropout_p", 0.0):
-            continue
-        mask = node_arg(node, "attn_mask")
-        if not isinstance(mask, fx.Node):
-            continue
-        if mask not in checkers:
-            region = mask_region(mask)
-            if region is None or not ordered(region):
-                continue
-            checkers[mask] = f"autotp_causal_{mask.name}"
-            root.add_module(checkers[mask], CausalWhereMasked())
-        with graph.inserting_before(node):
-            new = graph.call_module(checkers[mask], node.args, dict(node.kwargs))
-        new.meta.update(node.meta)
-        new.meta[SDPA_CALL] = True
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        renamed[node.name] = new.name
-    return renamed
-
-
 def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
     """``node`` and the views it was made of, as far as nothing else reads them."""
     views = {torch.ops.aten.reshape.default, torch.ops.aten.expand.default,
@@ -603,7 +571,8 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     else:
         lowered.update(ring_attention_calls(graph, plan, root, comm))
         lowered.update(track_randomness(graph, plan, root, tracker))
-    lowered.update(causal_attention_calls(graph, root))
+    lowered.update(causal_attention_calls(graph, root, plan))
+    lowered.update(drop_full_slices(graph))
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))
