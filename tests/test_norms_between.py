@@ -73,3 +73,46 @@ def test_the_residual_streams_norms_keep_their_fused_kernel() -> None:
     norms = [c for c in plan.choices.values() if c.op == "aten.layer_norm.default"]
     assert len(norms) == 4, [c.op for c in plan.choices.values()]  # n1, n2 of each layer
     assert plan.params["layers.0.n1.weight"].layout == "R"
+
+
+class HandNorm(nn.Module):
+    """A LayerNorm written with torch.var and torch.mean, as codebases do by hand."""
+
+    def __init__(self, h: int, unbiased: bool = False):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(h))
+        self.unbiased = unbiased
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = torch.var(x, dim=-1, unbiased=self.unbiased, keepdim=True)
+        mean = torch.mean(x, dim=-1, keepdim=True)
+        return (x - mean) * (var + 1e-5).rsqrt() * self.g
+
+
+class StdNorm(HandNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-5) * self.g
+
+
+class L2Norm(HandNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1) * self.g
+
+
+@pytest.mark.parametrize("norm", [HandNorm, StdNorm, L2Norm], ids=["var", "std", "l2"])
+def test_statistics_written_by_hand_between_two_matrices_are_partial_sums(norm: type) -> None:
+    """torch.var / Tensor.std / F.normalize over a projection's features: written out in
+    sums, each a partial sum all-reduced as one number per token; both FFN matrices stay
+    sharded, forward and backward exact."""
+    torch.manual_seed(0)
+    model = perturb(Model(norm=norm)).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    plan = autotp.plan(model, 2, example_args=(ids,))
+    layouts = {name: p.layout for name, p in plan.params.items()}
+    assert layouts["layers.0.up.weight"] == "S(0)"
+    assert layouts["layers.0.o.weight"] == layouts["layers.0.down.weight"] == "S(1)"
+    assert not [c for c in plan.choices.values()
+                if c.op in ("aten.var.correction", "aten.std.correction",
+                            "aten.linalg_vector_norm.default")], plan.summary()
+    assert plan.fallbacks == []
+    assert_equivalent(model, 2, args=(ids,), atol=1e-5, grad_rtol=1e-4)

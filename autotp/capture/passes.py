@@ -19,6 +19,7 @@ In the order capture runs them (``trace.capture``), with the passes of other mod
     products_summed_first     sums of products regrouped, the products first (sums.py)
     decompose_cross_entropy   cross_entropy(x, t) -> logsumexp(x) - x[t], masked and reduced
     decompose_feature_norms   a norm of a projection's whole output in means and rsqrt
+    decompose_feature_statistics  a variance or 2-norm of a projection's features in sums
 
 Splitting biases lets a row-parallel product add its bias once, after the reduction; the
 decompositions let a norm or a loss run on shards with a partial statistic.
@@ -526,6 +527,87 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
                 out = call(aten.mul.Tensor, out, weight)
             if bias is not None:
                 out = call(aten.add.Tensor, out, bias)
+            if upcast:
+                out = call(aten._to_copy.default, out)
+                out.kwargs = {"dtype": xv.dtype}
+                out.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+# statistics over a dim, and what they are in sums
+_STATISTICS = frozenset({aten.var.correction, aten.var.dim, aten.std.correction, aten.std.dim,
+                         aten.linalg_vector_norm.default, aten.mean.dim})
+
+
+def decompose_feature_statistics(gm: fx.GraphModule) -> None:
+    """A mean, variance, standard deviation or 2-norm over the last dim of a projection's
+    features (a norm written by hand between two matrices: ``torch.var`` and ``torch.mean``,
+    ``F.normalize``) -> the same in sums, which the rules shard as partial sums (sums, not
+    means, as in ``decompose_feature_norms``):
+
+        mean(x) = sum(x) / n
+        var(x)  = sum((x - sum(x) / n)^2) / (n - correction)
+        std(x)  = sqrt(var(x))
+        |x|_2   = sqrt(sum(x * x))
+
+    Each sum over a sharded width is one number per row all-reduced, where the statistic's
+    own kernel needs the width whole (a gather of the activation, or both matrices whole).
+    Half-precision inputs are summed in float32, as torch's kernels accumulate. Only a
+    statistic over the last dim alone of a projection's features (``_projected``) is written
+    out: a residual stream's keeps its kernel."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target not in _STATISTICS or not isinstance(node.args[0], fx.Node):
+            continue
+        x = node.args[0]
+        xv = x.meta.get("val")
+        if not isinstance(xv, torch.Tensor) or not xv.dtype.is_floating_point or \
+                not isinstance(xv.shape[-1], int) or not _projected(x):
+            continue
+        dims = node_arg(node, "dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or ())
+        if [d % xv.ndim for d in dims] != [xv.ndim - 1]:
+            continue
+        if node.target == aten.mean.dim:
+            if node_arg(node, "dtype") is None:
+                with graph.inserting_before(node):
+                    out = _emit(graph, node, aten.div.Scalar, _emit(
+                        graph, node, aten.sum.dim_IntList, x, [-1],
+                        bool(node_arg(node, "keepdim", False))), xv.shape[-1])
+                node.replace_all_uses_with(out)
+                graph.erase_node(node)
+            continue
+        norm = node.target == aten.linalg_vector_norm.default
+        if norm and (node_arg(node, "ord", 2) != 2 or node_arg(node, "dtype") is not None):
+            continue
+        keepdim = bool(node_arg(node, "keepdim", False))
+        width = xv.shape[-1]
+        if node.target in (aten.var.dim, aten.std.dim):
+            correction = 1 if node_arg(node, "unbiased", True) else 0
+        elif not norm:
+            correction = node_arg(node, "correction")
+            correction = 1 if correction is None else correction
+        upcast = xv.dtype in (torch.float16, torch.bfloat16)
+        call = functools.partial(_emit, graph, node)
+        with graph.inserting_before(node):
+            xf = call(aten._to_copy.default, x) if upcast else x
+            if upcast:
+                xf.kwargs = {"dtype": torch.float32}
+                xf.meta["val"] = xv.float()
+            if norm:
+                centred, divisor = xf, 1
+            else:
+                centred, divisor = call(aten.sub.Tensor, xf, _feature_mean(call, xf)), \
+                    width - correction
+            out = call(aten.sum.dim_IntList, call(aten.mul.Tensor, centred, centred), [-1],
+                       keepdim)
+            if divisor != 1:
+                out = call(aten.div.Scalar, out, divisor)
+            if node.target != aten.var.correction and node.target != aten.var.dim:
+                out = call(aten.sqrt.default, out)
             if upcast:
                 out = call(aten._to_copy.default, out)
                 out.kwargs = {"dtype": xv.dtype}

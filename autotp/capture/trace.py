@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from autotp.capture.passes import (broadcast_to_as_expand, constant_index_to_slice,
                                    copies_as_values,
                                    decompose_cross_entropy, decompose_feature_norms,
+                                   decompose_feature_statistics,
                                    detach_factories, drop_metadata_asserts,
                                    histogram_of_floats, inline_autocast,
                                    merge_tied_parameters, out_of_place, sink_bias_adds,
@@ -261,6 +262,7 @@ def capture(
         products_summed_first(gm)
         decompose_cross_entropy(gm)
         decompose_feature_norms(gm)
+        decompose_feature_statistics(gm)
     gm.recompile()
     fixed, as_given = tracer.fixed, tracer.as_given
     if fixed is not None:
