@@ -56,7 +56,7 @@ def flat_all_reduce(comm: Communicator, xs: list[torch.Tensor],
     records it); each back in its shape and dtype."""
     flat = torch.cat([x.contiguous().reshape(-1) for x in xs])
     log(flat)
-    total = comm.all_reduce(flat)
+    total = comm.all_reduce(flat, in_place=True)  # cat's own buffer
     out, start = [], 0
     for x in xs:
         out.append(total[start:start + x.numel()].reshape(x.shape).to(x.dtype))

@@ -11,6 +11,11 @@ With sequence parallelism an all-gather along the sequence runs again in backwar
 (``Redistribute.regather``) for the ops that saved its output: they keep the shard
 (``autotp.runtime.regather``).
 
+All-reduces write into their operand where the program proves it is a fresh buffer that
+nothing else reads (``reduce_in_place``): the forward sum of a product's partial output read
+by this collective alone, the gradient of a value read only by products (whose input
+gradients are fresh); everywhere else the communicator reduces a copy.
+
 The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
 are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
 their gradient contributions are summed across ranks once, in one bucket, at the end of
@@ -23,6 +28,7 @@ import enum
 from typing import Any, Optional
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from autotp.runtime.comm import Communicator
@@ -142,6 +148,10 @@ class Redistribute(nn.Module):
         self.label = label
         # a sequence all-gather: the keeper has saves of its output stored as the shard
         self.keeper: Optional[ShardKeeper] = None
+        # all-reduces that may sum their operand in place (``reduce_in_place``): forward's
+        # input, backward's incoming gradient
+        self.reduce_in_place = False
+        self.grad_in_place = False
 
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}, {self.label}"
@@ -177,7 +187,8 @@ class Redistribute(nn.Module):
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             return local_slice(x, dst, rank, tp, sequence_order(comm, dst)).contiguous()
         if isinstance(src, Partial) and isinstance(dst, Replicate):
-            return self._log("all_reduce", "forward", x, comm.all_reduce(x))
+            own = self.reduce_in_place and _owns_storage(x)
+            return self._log("all_reduce", "forward", x, comm.all_reduce(x, in_place=own))
         if isinstance(src, Partial) and isinstance(dst, Shard):
             return self._log("reduce_scatter", "forward", x, reduce_scatter(comm, x, dst))
         if isinstance(src, Shard) and isinstance(dst, Replicate):
@@ -190,7 +201,8 @@ class Redistribute(nn.Module):
         tp, rank = comm.world_size, comm.rank
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             if dst.grad_partial and not src.grad_partial:  # f: sum the partial gradients
-                return self._log("all_reduce", "backward", g, comm.all_reduce(g))
+                return self._log("all_reduce", "backward", g,
+                                 comm.all_reduce(g, in_place=self.grad_in_place))
             if src.grad_partial and not dst.grad_partial:  # identical grads, counted once
                 return g / tp
             return g
@@ -201,7 +213,8 @@ class Redistribute(nn.Module):
             return self._log("all_gather", "backward", out, out)
         if isinstance(src, Partial) and isinstance(dst, Replicate):
             if dst.grad_partial:
-                return self._log("all_reduce", "backward", g, comm.all_reduce(g))
+                return self._log("all_reduce", "backward", g,
+                                 comm.all_reduce(g, in_place=self.grad_in_place))
             return g
         if isinstance(src, Partial) and isinstance(dst, Shard):
             out = gather(comm, g, dst)
@@ -243,11 +256,73 @@ class _RedistributeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, module: Redistribute) -> torch.Tensor:
         ctx.module = module
-        return module.run_forward(x)
+        out = module.run_forward(x)
+        if out is x:  # summed in place: autograd takes the result as x's new history
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
         return ctx.module.run_backward(g), None
+
+
+# ---- in-place all-reduces ------------------------------------------------------------------
+
+aten = torch.ops.aten
+# ops whose output is a new buffer that their backward does not save: summed in place, no
+# value autograd needs changes
+_FRESH_OUTPUT = frozenset({
+    aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten.baddbmm.default, aten.matmul.default, aten.add.Tensor, aten.sub.Tensor,
+    aten.mul.Tensor, aten.div.Scalar, aten.masked_fill.Scalar, aten.sum.dim_IntList,
+    aten.mean.dim})
+# op -> the argument whose gradient is a new buffer (a product's input: g @ W^T)
+_FRESH_INPUT_GRAD = {aten.linear.default: 0, aten.mm.default: 0, aten.matmul.default: 0,
+                     aten.bmm.default: 0, aten.addmm.default: 1}
+
+
+def reduce_in_place(graph: fx.Graph, root: nn.Module) -> int:
+    """Let the all-reduces sum their own operand where the program shows that nothing else
+    can see it (see the module docstring); returns how many may.
+
+    Forward (P -> R): the operand is the output of an op in ``_FRESH_OUTPUT`` that only this
+    collective reads. Backward (-> R*, gradient partial): every reader of the collective's
+    output is a product reading it as its input (``_FRESH_INPUT_GRAD``), so the gradient
+    arriving is a new buffer, or autograd's sum of such. Precondition: the program's ops are
+    final (lowered, fused); postcondition: only ``Redistribute`` flags change."""
+    count = 0
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = root.get_submodule(str(node.target))
+        if not isinstance(module, Redistribute) or not node.args:
+            continue
+        x = node.args[0]
+        if isinstance(module.src, Partial) and module.src.reduce != "logsumexp" and \
+                isinstance(module.dst, Replicate) and isinstance(x, fx.Node) and \
+                x.op == "call_function" and x.target in _FRESH_OUTPUT and \
+                list(x.users) == [node]:
+            module.reduce_in_place = True
+            count += 1
+        if isinstance(module.dst, Replicate) and module.dst.grad_partial and \
+                not getattr(module.src, "grad_partial", False) and node.users and all(
+                u.op == "call_function" and u.target in _FRESH_INPUT_GRAD
+                and _only_at(u, node, _FRESH_INPUT_GRAD[u.target]) for u in node.users):
+            module.grad_in_place = True
+            count += 1
+    return count
+
+
+def _only_at(user: fx.Node, value: fx.Node, index: int) -> bool:
+    """``user`` reads ``value`` as its argument ``index`` and nowhere else."""
+    args = list(user.args) + list(user.kwargs.values())
+    return len(user.args) > index and user.args[index] is value and \
+        sum(1 for a in args if a is value) == 1
+
+
+def _owns_storage(x: torch.Tensor) -> bool:
+    """No view, no parameter: a buffer autograd lets an in-place write change."""
+    return x._base is None and not (x.is_leaf and x.requires_grad)
 
 
 # ---- deferred gradient reduction of replicated parameters ----------------------------------
@@ -392,7 +467,7 @@ def _all_reduce_parts(comm: Communicator, parts: list[torch.Tensor],
                       label: str) -> list[torch.Tensor]:
     """Each tensor summed across ranks, in one all-reduce: views of its flat result."""
     flat = torch.cat([part.reshape(-1) for part in parts])
-    total = comm.all_reduce(flat)
+    total = comm.all_reduce(flat, in_place=True)  # cat's own buffer
     comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(), label)
     out, offset = [], 0
     for part in parts:

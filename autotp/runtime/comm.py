@@ -6,8 +6,14 @@ the simulation uses it to check whole models cheaply and deterministically. Redu
 in rank order on every rank, so replicated results are bitwise identical across ranks.
 
 Every executed collective is appended to the communicator's ``log`` with its phase and the
-transformer layer it serves (the newest ``LOG_EVENTS`` kept): tests count collectives from
-what actually ran.
+transformer layer it serves (the newest ``LOG_EVENTS`` kept) and counted in its totals by
+phase and kind (calls and bytes, never dropped): tests count collectives from what actually
+ran, and a long training run holds a bounded log.
+
+Copies: ``all_reduce`` reduces the caller's own buffer where the caller says it may
+(``in_place=True``: a fresh tensor nothing else reads), else a copy of it; ``all_gather`` and
+``reduce_scatter`` along a dim other than 0 go through the transport's dim-0 collectives with
+one copy at most (none where the dims before it are all 1), never a copy on both sides.
 """
 
 from __future__ import annotations
@@ -35,20 +41,35 @@ class CollectiveEvent:
 
 
 # the events a log keeps: the newest, so that a long training run holds a bounded log
-LOG_EVENTS = 100_000
+LOG_EVENTS = 10_000
+
+
+@dataclass
+class CollectiveTotal:
+    calls: int = 0
+    nbytes: int = 0
 
 
 @dataclass
 class CollectiveLog:
+    """The newest ``LOG_EVENTS`` collectives, and the totals of all of them since the last
+    ``clear`` by (phase, kind)."""
     events: deque[CollectiveEvent] = field(default_factory=lambda: deque(maxlen=LOG_EVENTS))
     enabled: bool = True
+    totals: dict[tuple[str, str], CollectiveTotal] = field(default_factory=dict)
 
     def record(self, kind: str, phase: str, layer: Optional[int], nbytes: int, label: str) -> None:
         if self.enabled:
             self.events.append(CollectiveEvent(kind, phase, layer, nbytes, label))
+            total = self.totals.get((phase, kind))
+            if total is None:
+                total = self.totals[(phase, kind)] = CollectiveTotal()
+            total.calls += 1
+            total.nbytes += nbytes
 
     def clear(self) -> None:
         self.events.clear()
+        self.totals.clear()
 
     def count(self, phase: str, layer: Optional[int] = None, kind: Optional[str] = None,
               any_layer: bool = False) -> int:
@@ -68,7 +89,10 @@ class Communicator:
     # gather of a sequence shard follows; None: contiguous shards
     sequence: Any = None
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """The sum over ranks of ``tensor``. ``in_place``: the caller's tensor is a fresh
+        buffer nothing else reads (not saved for backward, no view of a parameter): the sum
+        may be written into it and it returned."""
         raise NotImplementedError
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -154,42 +178,55 @@ class ProcessGroupComm(Communicator):
                 f"tensor-parallel group failed, exited or is stuck ({first})"
             ) from exc
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         self._check_device(tensor)
-        out = tensor.contiguous().clone()
+        if in_place and tensor.is_contiguous():
+            out = tensor
+        else:  # c10d reduces in place: a contiguous copy, the caller's tensor untouched
+            out = tensor.clone(memory_format=torch.contiguous_format)
         self._wait(dist.all_reduce(out, group=self.group, async_op=True), "all_reduce",
                    self._uses_nccl(out))
         return out
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
-        moved = tensor.movedim(dim, 0).contiguous()
-        out = moved.new_empty((moved.shape[0] * self.world_size, *moved.shape[1:]))
-        self._wait(_all_gather_single(out, moved, group=self.group, async_op=True),
-                   "all_gather", self._uses_nccl(moved))
-        return out.movedim(0, dim).contiguous()  # views of it must work as in the original
+        send = tensor.contiguous()
+        shape = send.shape
+        out = send.new_empty((self.world_size * shape[0], *shape[1:])) if send.dim() else \
+            send.new_empty((self.world_size,))
+        self._wait(_all_gather_single(out, send, group=self.group, async_op=True),
+                   "all_gather", self._uses_nccl(send))
+        if dim == 0 or not send.dim():
+            return out
+        # the ranks' blocks, end to end along dim 0, side by side along dim: one copy
+        # (contiguous, as views of it expect)
+        return torch.cat(out.chunk(self.world_size, 0), dim)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self._check_device(tensor)
-        moved = tensor.movedim(dim, 0).contiguous()
-        nccl = self._uses_nccl(moved)
+        shape = list(tensor.shape)
+        shape[dim] //= self.world_size
+        # rank r's block of dim as the r-th block of dim 0 (one copy for a dim other than 0)
+        send = tensor.contiguous() if dim == 0 else \
+            torch.cat(tensor.chunk(self.world_size, dim), 0)
+        nccl = self._uses_nccl(send)
         if nccl or self.native_reduce_scatter:
-            out = moved.new_empty((moved.shape[0] // self.world_size, *moved.shape[1:]))
+            out = send.new_empty(shape)
             try:
-                work = _reduce_scatter_single(out, moved, group=self.group, async_op=True)
+                work = _reduce_scatter_single(out, send, group=self.group, async_op=True)
             except (RuntimeError, NotImplementedError, ValueError):
                 if nccl:
                     raise
                 # this gloo has no reduce-scatter of tensors (every rank learns so at once)
-                self.native_reduce_scatter = True
+                self.native_reduce_scatter = False
                 return self.reduce_scatter(tensor, dim)
             self._wait(work, "reduce_scatter", nccl=nccl)
-        else:  # older gloo has no reduce-scatter of tensors: all-reduce and keep the slice
-            if moved.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                moved = moved.clone()  # all_reduce works in place: never on the caller's tensor
-            self._wait(dist.all_reduce(moved, group=self.group, async_op=True), "reduce_scatter")
-            out = moved.chunk(self.world_size, dim=0)[self.rank]
-        return out.movedim(0, dim).contiguous()
+            return out
+        # older gloo has no reduce-scatter of tensors: all-reduce and keep the slice
+        if send.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            send = send.clone()  # all_reduce works in place: never on the caller's tensor
+        self._wait(dist.all_reduce(send, group=self.group, async_op=True), "reduce_scatter")
+        return send.chunk(self.world_size, 0)[self.rank]
 
 
     def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
@@ -328,14 +365,17 @@ class ThreadComm(Communicator):
             ) from None
         return got
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         def total(parts: list) -> torch.Tensor:
             out = parts[0].clone()
             for part in parts[1:]:
                 out += part
             return out
 
-        return self._exchange(tensor, total)
+        out = self._exchange(tensor, total)
+        if in_place and tensor.is_contiguous():  # as a process group does: the caller's buffer
+            return tensor.copy_(out)
+        return out
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return self._exchange(tensor, lambda parts: torch.cat(parts, dim=dim))

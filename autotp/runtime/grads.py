@@ -88,7 +88,7 @@ def _whole_norms(tensors: Sequence[torch.Tensor], ord: Any = 2.0) -> list[torch.
         else:
             stacked = stacked.pow(p)
             for comm in over:
-                stacked = comm.all_reduce(stacked)
+                stacked = comm.all_reduce(stacked, in_place=True)  # our own buffer
             stacked = stacked.pow(1.0 / p)
         for slot, i in enumerate(indices):
             norms[i] = stacked[slot].to(norms[i].dtype)

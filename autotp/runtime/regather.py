@@ -19,6 +19,14 @@ therefore hands what it stores to the pair that was active outside it (a user's
 not the gathered tensor. Inside an activation-checkpointed layer the checkpoint's pair is
 the innermost one: it stores nothing and recomputes the layer, gathers included.
 
+In a rank program the keeper's pair is set only around the ops that read a gathered tensor
+or a view of it (``scope_saves``: the products reading the gathered input), not around the
+whole forward: every other saved tensor goes to autograd's own storage (or the outer pair)
+untouched, with no alias made per saved tensor. The pair is set there only while no other
+pair was set inside the forward (a checkpointed layer's: it stays innermost, as it would be
+around the whole forward). A keeper used without ``scope_saves`` sets its pair around the
+whole forward.
+
 Re-gathers are collectives, so every rank must run them in the same order: they run when
 backward unpacks the saved tensors, in autograd's order, which the ranks share since they
 run the same program, and whether a saved tensor is kept as a shard depends only on the
@@ -28,9 +36,12 @@ program (storage identity), never on timing.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Protocol
+import operator
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 import torch
+import torch.fx as fx
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -78,7 +89,7 @@ class _Gathered:
     __slots__ = ("shard", "version", "dtype", "regather")
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, gatherer: Gatherer):
-        self.shard = shard.detach()
+        self.shard = shard  # its history holds no save of this: no cycle, no alias needed
         self.version = shard._version
         self.dtype = full.dtype
         self.regather = _Regather(gatherer)
@@ -159,17 +170,22 @@ class ShardKeeper:
     """One rank program's record of its live sequence all-gathers, and the saved-tensor
     hooks that store them as shards (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scoped: bool = False) -> None:
         self._live: dict[StorageWeakRef, _Gathered] = {}
         self._depth = 0
+        # the pair is set around the readers of gathered tensors only (``scope_saves``)
+        self.scoped = scoped
+        self._hooks: Optional[_PackHooks] = None
+        self._outer: Optional[Hooks] = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardKeeper":
-        return ShardKeeper()  # a copied program records its own gathers
+        return ShardKeeper(self.scoped)  # a copied program records its own gathers
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """Run a forward with the keeper's hooks innermost (the outermost call installs them;
-        nothing happens where autograd records nothing or hooks are disabled)."""
+        """Run a forward with the keeper's hooks innermost (the outermost call installs them,
+        or, scoped, readies them for the readers; nothing happens where autograd records
+        nothing or hooks are disabled)."""
         if self._depth or not torch.is_grad_enabled() or \
                 torch.is_inference_mode_enabled() or not _hooks_enabled():
             yield
@@ -178,11 +194,25 @@ class ShardKeeper:
         hooks = _PackHooks(self, outer)
         self._depth += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            if self.scoped:
+                self._hooks, self._outer = hooks, outer
                 yield
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                    yield
         finally:
             self._depth -= 1
             self._live.clear()
+            self._hooks = self._outer = None
+
+    def reading(self) -> ContextManager[Any]:
+        """The keeper's hooks around one op that reads a gathered tensor, inside ``saving``
+        and while the pair on top is the one the forward began with."""
+        hooks = self._hooks
+        if hooks is None or not _same_hooks(
+                torch._C._autograd._top_saved_tensors_default_hooks(True), self._outer):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
 
     def record(self, full: torch.Tensor, shard: torch.Tensor, gatherer: Gatherer) -> None:
         """``full`` is ``shard`` all-gathered by ``gatherer``: saves of it keep ``shard``."""
@@ -212,4 +242,79 @@ class ShardKeeper:
         return found
 
 
-__all__ = ["Gatherer", "ShardKeeper"]
+def _same_hooks(a: Optional[Hooks], b: Optional[Hooks]) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[0] is b[0] and a[1] is b[1]
+
+
+# ---- the readers of gathered tensors -------------------------------------------------------
+
+class KeptReads(nn.Module):
+    """One op of a rank program that reads a gathered tensor (or a view of it), run with the
+    keeper's saved-tensor hooks (``ShardKeeper.reading``)."""
+
+    def __init__(self, keeper: ShardKeeper, op: Callable[..., Any]):
+        super().__init__()
+        self.keeper = keeper
+        self.op = op
+
+    def extra_repr(self) -> str:
+        return f"{self.op}, saves of a gathered input kept as the shard"
+
+    @torch.compiler.disable  # saved-tensor hooks are set eagerly
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.keeper.reading():
+            return self.op(*args, **kwargs)
+
+
+_SIZE_READS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                         torch.ops.aten.sym_numel.default})
+
+
+def _aliases(node: fx.Node) -> bool:
+    """``node``'s value may be a view of its first argument (a view op, per its schema), or
+    an item of such a list (``split``)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _aliases(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def scope_saves(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
+                gathers: list[fx.Node]) -> int:
+    """Run every op that reads one of ``gathers`` (the sequence all-gathers recording to
+    ``keeper``), directly or through views, as a ``KeptReads`` of ``keeper``, and make the
+    keeper scoped; returns how many. Where a reader is no op (a module call, the output),
+    nothing changes: the keeper keeps its pair around the whole forward. Postcondition:
+    every reader of a gathered tensor's storage that can save it runs with the keeper's
+    hooks."""
+    readers: list[fx.Node] = []
+    stack = list(gathers)
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _aliases(user):
+                stack.append(user)
+            elif user.target in _SIZE_READS:
+                continue  # a size, no save
+            elif user.op == "call_function":
+                readers.append(user)
+            else:
+                return 0
+    for node in readers:
+        name = f"autotp_kept_{node.name}"
+        root.add_module(name, KeptReads(keeper, node.target))
+        node.op, node.target = "call_module", name
+    keeper.scoped = bool(readers)
+    return len(readers)
+
+
+__all__ = ["Gatherer", "KeptReads", "ShardKeeper", "scope_saves"]

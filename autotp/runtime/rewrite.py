@@ -30,6 +30,7 @@ from autotp.runtime.collectives import (
     GradSync,
     PartialSegmentsReduce,
     Redistribute,
+    reduce_in_place,
 )
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.causal import causal_attention_calls
@@ -44,7 +45,7 @@ from autotp.planner.masks import MaskRegion, mask_region
 from autotp.planner.plan import Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
-from autotp.runtime.regather import ShardKeeper
+from autotp.runtime.regather import ShardKeeper, scope_saves
 from autotp.runtime.routed_rows import route_rows, routed_text
 from autotp.rules.registry import Registry, Strategy, parse_output
 from autotp.ops import path_attr
@@ -396,6 +397,14 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
     return renamed
 
 
+def _gathers_for(node: fx.Node, root: nn.Module, keeper: ShardKeeper) -> bool:
+    """``node`` is a sequence all-gather whose output ``keeper`` stores as the shard."""
+    if node.op != "call_module":
+        return False
+    module = path_attr(root, str(node.target))
+    return isinstance(module, Redistribute) and module.keeper is keeper
+
+
 def _erase_unread(graph: fx.Graph, node: fx.Node) -> None:
     """``node`` and the views it was made of, as far as nothing else reads them."""
     views = {torch.ops.aten.reshape.default, torch.ops.aten.expand.default,
@@ -576,6 +585,9 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))
+    reduce_in_place(graph, root)
+    if keeper is not None:
+        scope_saves(graph, root, keeper, [n for n in graph.nodes if _gathers_for(n, root, keeper)])
     note_splits(graph, root, [(plan, comm)] + ([(context, cp_comm)] if context is not None
                                                and cp_comm is not None else []), lowered)
     graph.lint()
