@@ -207,3 +207,44 @@ def test_cuda_ring_on_flash_and_memory_efficient_kernels(name: str,
         assert ops.get(efficient[0], 0) == ops.get(efficient[1], 0), ops
         assert (ops.get(flash[0], 0) > 0) == (dtype == torch.bfloat16), (name, ops)
         assert (ops.get(efficient[0], 0) > 0) == (dtype == torch.float32 or name != "causal-gqa")
+
+
+def test_a_models_mask_program_is_read_once_per_step() -> None:
+    """transformers' LLaMA at cp 2, padded (its causal and padding mask a program of position
+    vectors, ``BlockMask``): what the mask keeps of each pair of chunks is made once per rank
+    and step for both layers (the layers read the same factor tensors, known by identity, not
+    compared), no tensor value is read on the host in the step, and the model is exact
+    against the unsharded one (verify's tolerances)."""
+    import autotp
+    import autotp.runtime.block_mask as block_mask
+    from autotp.features.verify import assert_equivalent
+    from tests import context_cases as cc
+    from tests import models
+
+    inputs = cc.model_inputs("llama", True)
+    model = models.llama().eval()
+    sim = autotp.simulate(model, 1, cp=2, example_kwargs=inputs)
+    grids: dict[int, int] = {}
+    real = block_mask.BlockMask.grid
+
+    def counting(self: Any, *args: Any) -> Any:
+        ident = threading.get_ident()
+        grids[ident] = grids.get(ident, 0) + (self.program.memo is None or
+                                              not block_mask._same(self.program.memo[0],
+                                                                   [*self.factors, self.keys]))
+        return real(self, *args)
+
+    def step(module: torch.nn.Module) -> dict[Any, int]:
+        with _Ops() as mode:
+            module(**inputs).loss.backward()
+        return mode.counts
+
+    block_mask.BlockMask.grid = counting  # type: ignore[method-assign]
+    try:
+        counts = sim.run(step)
+    finally:
+        block_mask.BlockMask.grid = real  # type: ignore[method-assign]
+    assert sorted(grids.values()) == [1, 1], grids
+    assert all(not ops.get(op, 0) for ops in counts for op in HOST_READS), counts
+    assert_equivalent(model, sim, kwargs=inputs, loss_fn=lambda out: out.loss,
+                      pick=lambda out: out.logits)
