@@ -23,9 +23,9 @@ keys no gradient.
 Kernels by device: CPU ``_scaled_dot_product_flash_attention_for_cpu`` (grouped key/value
 heads as they are, masks, every float dtype); CUDA flash (half precision, no mask), memory
 efficient (masks; float32 too), in that order; they are given key/value heads expanded to
-the query heads, once per ring step. cuDNN's kernel is not used: its backward takes the
-forward's bias as a tensor that may not be absent, which Python cannot pass for a call
-without one.
+the query heads, once per ring step. cuDNN's kernel is not among them: flash takes every
+call it would (half precision, no mask), and its log-sum-exp's layout has not been checked
+on a GPU here.
 """
 
 from __future__ import annotations
