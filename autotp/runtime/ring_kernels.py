@@ -70,8 +70,9 @@ def _takes(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return q.dtype.is_floating_point
     if not _cuda_switch(kernel):
         return False
-    if kernel is Kernel.CUDA_FLASH:
-        return not masked and q.dtype in _HALF and d % 8 == 0 and d <= 256
+    if kernel is Kernel.CUDA_FLASH:  # FlashAttention-2: Ampere and later
+        return not masked and q.dtype in _HALF and d % 8 == 0 and d <= 256 and \
+            torch.cuda.get_device_capability(q.device) >= (8, 0)
     return q.dtype in (*_HALF, torch.float32) and d % (8 if q.dtype in _HALF else 4) == 0
 
 
