@@ -12,8 +12,9 @@ One causal GQA attention (batch 1), forward and backward:
   (``ThreadComm``), each rank's CPU time (``time.thread_time``) summed over the ranks.
 
 Every run uses one intra-op thread, so that a thread's CPU time is all the work it asks
-for; the figure is the median of ``--repeats`` runs after one warmup. ``ring / sdpa`` is the
-ratio of the two in the same run. ``err out`` and ``err grad`` are the largest absolute
+for. The two run round robin (``benchmarks.harness``) ``--repeats`` times after one untimed
+repetition; the figures are the medians of their times and of the ratio ``ring / sdpa`` of
+each repetition. ``err out`` and ``err grad`` are the largest absolute
 differences of the ring's output and q, k, v gradients (gathered into the global order) from
 the unsharded SDPA's in the same dtype; ``sdpa err`` is SDPA's own largest difference in
 that dtype from the float64 attention, for scale. ``syncs/rank`` counts, per rank and
@@ -24,7 +25,6 @@ training step, the ops that read a tensor's value on the host (``aten.equal``,
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 from typing import Any
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.runtime.comm import ThreadComm, ThreadHub
+from benchmarks.harness import Column, Timing, header, line, ratio, round_robin
 from autotp.runtime.context import SequenceLayout, ring_attention
 
 aten = torch.ops.aten
@@ -106,14 +107,33 @@ def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
 
 
 def timed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-          repeats: int) -> tuple[float, float, float]:
-    """Medians of SDPA's and the ring's CPU seconds and of their ratio, the two run in turn
-    (so that a change in the machine's load falls on both), after one warmup of each."""
-    sdpa(q, k, v, grad)
-    ring(q, k, v, grad)
-    runs = [(sdpa(q, k, v, grad)[0], ring(q, k, v, grad)[0]) for _ in range(repeats)]
-    return (statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs),
-            statistics.median(b / a for a, b in runs))
+          repeats: int) -> tuple[Timing, Timing]:
+    """SDPA's and the ring's CPU seconds, round robin (``benchmarks.harness``), after one
+    untimed repetition of each."""
+    runs = {"sdpa": lambda: sdpa(q, k, v, grad)[0], "ring": lambda: ring(q, k, v, grad)[0]}
+    round_robin(list(runs), lambda name: runs[name](), repeats=1)
+    times = round_robin(list(runs), lambda name: runs[name](), repeats=repeats)
+    return Timing(tuple(times["sdpa"])), Timing(tuple(times["ring"]))
+
+
+COLUMNS = [Column("dtype", 9, "dtype"), Column("sdpa ms", 8, "sdpa_ms", ".1f"),
+           Column("ring ms", 8, "ring_ms", ".1f"), Column("ring/sdpa", 9, "ratio", ".2f"),
+           Column("err out", 9, "err_out", ".2e"), Column("err grad", 9, "err_grad", ".2e"),
+           Column("sdpa err", 9, "sdpa_err", ".2e"), Column("syncs/rank", 10, "syncs")]
+
+
+def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One dtype's row."""
+    q, k, v, grad = inputs(args, getattr(torch, name))
+    base, mine = timed(q, k, v, grad, args.repeats)
+    _, want = sdpa(q, k, v, grad)
+    _, got, syncs = ring(q, k, v, grad, count=True)
+    _, exact = sdpa(*(t.double() for t in (q, k, v, grad)))
+    errs = [float((a.double() - b.double()).abs().max()) for a, b in zip(got, want)]
+    return {"dtype": name, "sdpa_ms": 1e3 * base.median, "ring_ms": 1e3 * mine.median,
+            "ratio": ratio(mine, base), "err_out": errs[0], "err_grad": max(errs[1:]),
+            "sdpa_err": max(float((a.double() - b).abs().max()) for a, b in zip(want, exact)),
+            "syncs": "/".join(map(str, syncs))}
 
 
 def main() -> None:
@@ -129,20 +149,9 @@ def main() -> None:
     print(f"S={args.seq}, {args.heads} query / {args.kv_heads} key-value heads, head dim "
           f"{args.dim}, batch 1, causal, forward + backward, cp 2 (threads), 1 intra-op "
           f"thread, median of {args.repeats}")
-    print(f"{'dtype':>9} {'sdpa ms':>8} {'ring ms':>8} {'ring/sdpa':>9} {'err out':>9} "
-          f"{'err grad':>9} {'sdpa err':>9} {'syncs/rank':>10}")
+    print(header(COLUMNS))
     for name in args.dtypes:
-        dtype = getattr(torch, name)
-        q, k, v, grad = inputs(args, dtype)
-        base, mine, ratio = timed(q, k, v, grad, args.repeats)
-        _, want = sdpa(q, k, v, grad)
-        _, got, syncs = ring(q, k, v, grad, count=True)
-        _, exact = sdpa(*(t.double() for t in (q, k, v, grad)))
-        errs = [float((a.double() - b.double()).abs().max()) for a, b in zip(got, want)]
-        own = max(float((a.double() - b).abs().max()) for a, b in zip(want, exact))
-        print(f"{name:>9} {base * 1e3:8.1f} {mine * 1e3:8.1f} {ratio:9.2f} "
-              f"{errs[0]:9.2e} {max(errs[1:]):9.2e} {own:9.2e} "
-              f"{'/'.join(map(str, syncs)):>10}")
+        print(line(COLUMNS, measure(args, name)))
 
 
 if __name__ == "__main__":
