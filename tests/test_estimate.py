@@ -528,8 +528,8 @@ def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
     product, the attention's work (its queries against every key), the activations kept and
     the tp collectives a quarter; each attention adds its ring, one shift carrying the kv
     heads' blocks (b x T/cp x kv heads/tp x head dim x 2 tensors x 2 bytes; transformers'
-    repeat of the kv heads for GQA is read through) forward, with their float32 gradients
-    backward, and the gradients' shift home."""
+    repeat of the kv heads for GQA is read through) forward, with their gradients (the
+    same bytes) backward, and the gradients' shift home."""
     from autotp.planner.job.configure import training_example
 
     model = _llama_on_meta()
@@ -557,7 +557,7 @@ def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
         ring = {(c.kind, c.phase): c.nbytes for c in four.comms
                 if c.layer == layer and c.group == "cp"}
         blocks = 1 * (seq // cp) * (kv // tp) * head * 2 * 2
-        grads = blocks // 2 * 4
+        grads = blocks
         assert ring == {("shift", "forward"): blocks, ("shift", "backward"): blocks + grads,
                         ("shift_home", "backward"): grads}
     assert not [c for c in one.comms if c.group == "cp"]

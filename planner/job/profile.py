@@ -430,9 +430,10 @@ _COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten._unsafe_v
 def _ring(layer: Optional[int], side: str, blocks: float, cp: int,
           dtype_bytes: int) -> list[Comm]:
     """One attention's shifts around the cp ranks: forward, the key and value blocks (cp - 1
-    shifts); backward, the blocks with their float32 gradients (cp - 1 shifts) and the
-    gradients home (one more). ``nbytes`` is one shift's message."""
-    grads = blocks / dtype_bytes * 4  # dK, dV accumulate in float32
+    shifts); backward, the blocks with their gradients (cp - 1 shifts) and the gradients
+    home (one more), in the model's dtype (``runtime/context.py`` sums each rank's share in
+    float32 and sends the sum in the inputs' dtype). ``nbytes`` is one shift's message."""
+    grads = blocks  # dK, dV travel in the model's dtype
     return [Comm("shift", "forward", layer, blocks, side, group="cp"),
             Comm("shift", "backward", layer, blocks + grads, side, group="cp"),
             Comm("shift_home", "backward", layer, grads, side, group="cp")]
