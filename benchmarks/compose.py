@@ -1,7 +1,7 @@
 """autotp with torch.distributed's data parallelism and activation checkpointing.
 
-    python benchmarks/compose.py                       # LLaMA h=512, 8 layers, B=8, T=256
-    python benchmarks/compose.py --layers 4 --steps 3
+    python -m benchmarks.compose                       # LLaMA h=512, 8 layers, B=8, T=256
+    python -m benchmarks.compose --layers 4 --steps 3
 
 1. Activation memory per rank at tp=2, with and without ``checkpoint_wrapper`` around each
    of the sharded model's layers: the bytes kept from one training forward for backward,
@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
-import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
 
-import torch  # noqa: E402
+from benchmarks.harness import time_call
 
 
 def build(args: argparse.Namespace) -> Any:
@@ -110,17 +106,19 @@ def step_worker(rank: int, world: int, mode: str, args: argparse.Namespace) -> f
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(module, mesh=mesh["dp"])
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    times = []
-    for _ in range(args.steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step() -> None:
         module(input_ids=mine, labels=mine).loss.backward()
         opt.step()
         opt.zero_grad()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+
+    def slowest(seconds: float) -> float:  # the slowest rank's time of the step
+        elapsed = torch.tensor([seconds], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times[1:])
+        return float(elapsed)
+
+    return time_call(step, warmup=1, repeats=args.steps, before=dist.barrier,
+                     combine=slowest).median
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Activation memory per rank against the context-parallel degree, measured.
 
-    python benchmarks/context_memory.py [--tp 1 2] [--cp 1 2 4] [--layers 4] [--hidden 256]
+    python -m benchmarks.context_memory [--tp 1 2] [--cp 1 2 4] [--layers 4] [--hidden 256]
                                         [--seq 512]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
@@ -31,13 +31,12 @@ costs, not a GPU's step time.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 import warnings
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import Column, Stopwatch, header, line, ratio_text
+
 
 
 def build(head: bool, args: argparse.Namespace) -> torch.nn.Module:
@@ -67,12 +66,12 @@ def measure(head: bool, tp: int, cp: int, args: argparse.Namespace) -> tuple[int
     params = list(model.parameters())
 
     def step(m: torch.nn.Module) -> tuple[int, float]:
-        start = time.perf_counter()
+        clock = Stopwatch()
         with count_saved(exclude=[*m.parameters(), *params]) as saved:
             out = m(**inputs)
         loss = out.loss if head else out.last_hidden_state.float().pow(2).mean()
         loss.backward()
-        return saved.nbytes, time.perf_counter() - start
+        return saved.nbytes, clock.seconds
 
     if tp == cp == 1:
         return step(model)
@@ -123,8 +122,15 @@ def main() -> int:
     print(f"activation memory per rank (saved for backward), LLaMA B={args.batch} "
           f"T={args.seq} hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32; "
           "simulated ranks (threads)")
-    print(f"{'program':<10} {'tp':>3} {'cp':>3} {'per rank':>10} {'/ cp 1':>7} {'x cp':>6} "
-          f"{'predicted':>10} {'pred/meas':>9} {'fwd+bwd s':>10} {'/ cp 1':>7}")
+    columns = [
+        Column("program", 10, "program", left=True), Column("tp", 3, "tp"), Column("cp", 3, "cp"),
+        Column("per rank", 10, cell=lambda r: f"{r['bytes'] / mib:.1f}Mi"),
+        Column("/ cp 1", 7, "bytes_vs_cp1", ".3f"),
+        Column("x cp", 6, cell=lambda r: ratio_text(r["bytes_vs_cp1"] * r["cp"])),
+        Column("predicted", 10, cell=lambda r: f"{r['predicted'] / mib:.1f}Mi"),
+        Column("pred/meas", 9, cell=lambda r: ratio_text(r["predicted"] / r["bytes"])),
+        Column("fwd+bwd s", 10, "seconds", ".2f"), Column("/ cp 1", 7, "time_vs_cp1", ".2f")]
+    print(header(columns))
     for head in (False, True):
         for tp in args.tp:
             base = None
@@ -132,13 +138,12 @@ def main() -> int:
                 nbytes, seconds = measure(head, tp, cp, args)
                 if cp == 1:
                     base = (nbytes, seconds)
-                ratio = nbytes / base[0] if base else float("nan")
-                slower = seconds / base[1] if base else float("nan")
-                guess = predicted(head, tp, cp, args)
-                print(f"{'with loss' if head else 'layers':<10} {tp:>3} {cp:>3} "
-                      f"{nbytes / mib:>8.1f}Mi {ratio:>7.3f} {ratio * cp:>6.2f} "
-                      f"{guess / mib:>8.1f}Mi {guess / nbytes:>9.2f} {seconds:>10.2f} "
-                      f"{slower:>7.2f}")
+                row = {"program": "with loss" if head else "layers", "tp": tp, "cp": cp,
+                       "bytes": nbytes, "seconds": seconds,
+                       "bytes_vs_cp1": nbytes / base[0] if base else float("nan"),
+                       "time_vs_cp1": seconds / base[1] if base else float("nan"),
+                       "predicted": predicted(head, tp, cp, args)}
+                print(line(columns, row))
     return 0
 
 

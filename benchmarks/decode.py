@@ -1,7 +1,7 @@
 """Decoding speed: autotp's generate() against torch DTensor and the unsharded model.
 
-    python benchmarks/decode.py                          # LLaMA h=1024, 12 layers, 4 k/v heads
-    python benchmarks/decode.py --tp 2 --batch 8 --new-tokens 32 --layers 4
+    python -m benchmarks.decode                          # LLaMA h=1024, 12 layers, 4 k/v heads
+    python -m benchmarks.decode --tp 2 --batch 8 --new-tokens 32 --layers 4
 
 For each tp, ``tp`` gloo processes build from the same weights (a transformers
 ``LlamaForCausalLM``):
@@ -30,18 +30,15 @@ this machine's cores, one thread each when there are more ranks than cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from benchmarks import harness
+from benchmarks.harness import Column, Timing, round_robin
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -203,17 +200,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, An
         for module in impls.values():  # warm-up: builds the decoding programs
             generate(module, 2)
         names = list(impls)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        per_rep: dict[str, list[float]] = {name: [] for name in names}
-        outputs: dict[str, Any] = {}
-        for rep in range(args.reps):
-            # each repetition starts with another implementation, so that none always runs
-            # right after the same neighbour
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                steps, outputs[name] = generate(impls[name], args.new_tokens)
-                times[name] += steps
-                per_rep[name].append(statistics.median(steps))
-        medians = torch.tensor([[statistics.median(times[name])] + per_rep[name]
+        runs = round_robin(names, lambda name: generate(impls[name], args.new_tokens),
+                           repeats=args.reps, rotate=True)
+        outputs = {name: runs[name][-1][1] for name in names}
+        times = {name: Timing(tuple(t for steps, _ in runs[name] for t in steps))
+                 for name in names}
+        per_rep = {name: [Timing(tuple(steps)).median for steps, _ in runs[name]]
+                   for name in names}
+        medians = torch.tensor([[times[name].median] + per_rep[name]
                                 for name in names], dtype=torch.float64, device=device(args))
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
         reference = outputs.get("unsharded", outputs.get("dtensor", outputs["autotp"])).sequences
@@ -235,7 +229,7 @@ def ratio(row: dict[str, Any], reference: dict[str, Any]) -> float:
     median of the per-repetition ratios (each pair ran minutes apart at most, so the drift
     of a shared machine cancels), else the ratio of the medians."""
     if row["tp"] == reference["tp"] and len(row["rep_ms"]) == len(reference["rep_ms"]):
-        return statistics.median(a / b for a, b in zip(row["rep_ms"], reference["rep_ms"]))
+        return harness.ratio(row["rep_ms"], reference["rep_ms"])
     return row["step_ms"] / reference["step_ms"]
 
 
@@ -277,22 +271,24 @@ def main() -> None:
           f"k/v heads, vocab {args.vocab}; prompt {args.prompt}, {args.new_tokens} new tokens; "
           f"{args.dtype}; " + (torch.cuda.get_device_name() if args.device == "cuda" else
                                f"{os.cpu_count()} cores"))
-    print(f"{'tp':>3} {'batch':>5} {'impl':>10} {'step ms':>8} {'tok/s':>7} {'vs dtensor':>10} "
-          f"{'vs tp1':>7} {'weights MiB':>11} {'cache MiB':>9} {'same':>5}")
-    fmt: Callable[[float], str] = lambda x: f"{x:.2f}"  # noqa: E731
-    for r in rows:
-        dt = by_key.get((r["tp"], r["batch"], "dtensor"))
-        base = by_key.get((1, r["batch"], "unsharded"))
-        print(f"{r['tp']:>3} {r['batch']:>5} {r['impl']:>10} {r['step_ms']:>8.1f} "
-              f"{r['tokens_per_s']:>7.1f} "
-              f"{fmt(ratio(r, dt)) if dt else '-':>10} "
-              f"{fmt(ratio(r, base)) if base else '-':>7} "
-              f"{r['weight_bytes'] / 2**20:>11.1f} {r['cache_bytes'] / 2**20:>9.2f} "
-              f"{str(r['same_tokens']):>5}")
+
+    def against(impl: str, tp: Optional[int] = None) -> Callable[[Mapping[str, Any]], str]:
+        def cell(r: Mapping[str, Any]) -> str:
+            reference = by_key.get((tp or r["tp"], r["batch"], impl))
+            return harness.ratio_text(ratio(r, reference) if reference else None)
+        return cell
+
+    mib = 2**20
+    print(harness.table([
+        Column("tp", 3, "tp"), Column("batch", 5, "batch"), Column("impl", 10, "impl"),
+        Column("step ms", 8, "step_ms", ".1f"), Column("tok/s", 7, "tokens_per_s", ".1f"),
+        Column("vs dtensor", 10, cell=against("dtensor")),
+        Column("vs tp1", 7, cell=against("unsharded", tp=1)),
+        Column("weights MiB", 11, cell=lambda r: f"{r['weight_bytes'] / mib:.1f}"),
+        Column("cache MiB", 9, cell=lambda r: f"{r['cache_bytes'] / mib:.2f}"),
+        Column("same", 5, cell=lambda r: str(r["same_tokens"]))], rows))
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        harness.append_rows(args.out, rows)
 
 
 if __name__ == "__main__":

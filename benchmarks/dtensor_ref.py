@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from bench_models import GPT, Llama
+from benchmarks.bench_models import GPT, Llama
 
 
 def tp_plan(model: nn.Module, prepare_inputs: bool) -> dict[str, Any]:

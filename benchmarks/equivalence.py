@@ -1,6 +1,6 @@
 """Measure sharded-vs-unsharded differences and collectives per layer for the test models.
 
-    python benchmarks/equivalence.py            # simulation at tp 2, 4, 8 and gloo at tp 2, 4
+    python -m benchmarks.equivalence            # simulation at tp 2, 4, 8 and gloo at tp 2, 4
 
 Prints one row per (model, tp, mode): max |logits diff|, |loss diff|, max |grad diff| (and
 relative), collectives executed per layer (forward, backward).
@@ -8,18 +8,13 @@ relative), collectives executed per layer (forward, backward).
 
 from __future__ import annotations
 
-import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.harness import Column, header, line
 
 
 def simulation_row(name: str, tp: int) -> dict:
     import autotp
     from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
-    from models import BUILDERS, batch, example, loss_of, main_output
+    from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     model = BUILDERS[name]()
     args, kwargs = example(name)
@@ -44,25 +39,29 @@ def _row(cmps: list, counts: dict) -> dict:
 
 def main() -> None:
     from autotp.runtime.launch import run_processes
-    from dist_cases import equivalence_case
+    from tests.dist_cases import equivalence_case
 
-    print(f"{'model':<8}{'tp':>3} {'mode':<11}{'logits':>10}{'loss':>10}{'grad':>10}"
-          f"{'grad rel':>10}  per layer (fwd, bwd)")
+    columns = [Column("model", 7, "model", left=True), Column("tp", 3, "tp"),
+               Column("mode", 10, "mode", left=True), Column("logits", 9, "logits", ".1e"),
+               Column("loss", 9, "loss", ".1e"), Column("grad", 9, "grad", ".1e"),
+               Column("grad rel", 9, "grad_rel", ".1e"),
+               Column(" per layer (fwd, bwd)", 1, cell=lambda r: f" {r['per_layer']}",
+                      left=True)]
+    print(header(columns))
     for name in ["gpt2", "llama", "bert", "nanogpt"]:
         for tp in (2, 4, 8):
-            r = simulation_row(name, tp)
-            print(f"{name:<8}{tp:>3} {'simulation':<11}{r['logits']:>10.1e}{r['loss']:>10.1e}"
-                  f"{r['grad']:>10.1e}{r['grad_rel']:>10.1e}  {r['per_layer']}", flush=True)
+            row = {"model": name, "tp": tp, "mode": "simulation", **simulation_row(name, tp)}
+            print(line(columns, row), flush=True)
         for tp in (2, 4):
             results = run_processes(equivalence_case, tp, name)
-            logits = max(x["output_diff"] for x in results)
-            loss = max(x["loss_diff"] for x in results)
-            grad = max(x["grad_diff"] for x in results)
-            rel = max(x["grad_rel"] for x in results)
-            per_layer = sorted({(v["forward"], v["backward"]) for k, v in
-                                results[0]["counts"].items() if k != -1})
-            print(f"{name:<8}{tp:>3} {'gloo':<11}{logits:>10.1e}{loss:>10.1e}{grad:>10.1e}"
-                  f"{rel:>10.1e}  {per_layer}", flush=True)
+            row = {"model": name, "tp": tp, "mode": "gloo",
+                   "logits": max(x["output_diff"] for x in results),
+                   "loss": max(x["loss_diff"] for x in results),
+                   "grad": max(x["grad_diff"] for x in results),
+                   "grad_rel": max(x["grad_rel"] for x in results),
+                   "per_layer": sorted({(v["forward"], v["backward"]) for k, v in
+                                        results[0]["counts"].items() if k != -1})}
+            print(line(columns, row), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``autotp estimate`` against published measurements: predicted beside published.
 
-    python benchmarks/estimate_published.py [--only activations,megatron,llama70b,context,gpu]
+    python -m benchmarks.estimate_published [--only activations,megatron,llama70b,context,gpu]
 
 1. activations: activation memory per layer of a Megatron-style GPT (pre-LayerNorm, fused
    qkv, eager softmax attention with dropout on the probabilities, 4h GELU MLP, dropouts;
@@ -32,16 +32,13 @@ Every model is built on the meta device (no weights); nothing here needs a GPU b
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from typing import Any
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+from benchmarks.harness import Stopwatch, time_round_robin
+
 
 
 def _quiet() -> Any:
@@ -52,7 +49,7 @@ def _quiet() -> Any:
 
 
 def activations() -> None:
-    import nanogpt as nano
+    from examples import nanogpt as nano
 
     from autotp.capture.trace import capture
     from autotp.planner.job.memory import layer_activations
@@ -196,7 +193,7 @@ def llama70b() -> None:
     from autotp.planner.job.hardware import PRESETS
 
     transformers = _quiet()
-    start = time.perf_counter()
+    clock = Stopwatch()
     config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672,
                                       num_attention_heads=64, num_key_value_heads=8,
                                       num_hidden_layers=80, vocab_size=32000,
@@ -209,7 +206,7 @@ def llama70b() -> None:
     configs = search(planner, hw, req)
     est = Estimate(model="LLaMA-2-70B shape", hardware=hw, gpus=64, global_batch=512,
                    seq=4096, dtype="bfloat16", precision="bf16-mixed/adam", configs=configs,
-                   seconds=time.perf_counter() - start)
+                   seconds=clock.seconds)
     print("3. LLaMA-2-70B shape, 64 x A100-80GB, global batch 512 x 4096, bf16 "
           "(published Megatron runs near 50 % MFU)")
     print("   " + to_table(est, top=8).replace("\n", "\n   "))
@@ -300,20 +297,16 @@ def measure(hidden: int, layers: int, batch: int, seq: int, policy: str,
     saved = torch.cuda.memory_allocated() - states
     del loss
     torch.cuda.reset_peak_memory_stats()
-    compute = optimizer = 0.0
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        fwd_bwd()
-        sync()
-        middle = time.perf_counter()
+
+    def optimizer_step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
-        sync()
-        compute += middle - start
-        optimizer += time.perf_counter() - middle
-    return {"compute": compute / steps, "optimizer": optimizer / steps, "states": states,
-            "saved": saved, "peak": torch.cuda.max_memory_allocated()}
+
+    # a step's two parts timed apart, round robin: each optimizer step follows a backward
+    times = time_round_robin({"compute": fwd_bwd, "optimizer": optimizer_step}, warmup=0,
+                             repeats=steps, before=sync, after=sync)
+    return {"compute": times["compute"].median, "optimizer": times["optimizer"].median,
+            "states": states, "saved": saved, "peak": torch.cuda.max_memory_allocated()}
 
 
 def gpu() -> None:
@@ -356,9 +349,9 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(STEPS), help="comma-separated steps")
     args = parser.parse_args()
     for name in args.only.split(","):
-        start = time.perf_counter()
+        clock = Stopwatch()
         STEPS[name.strip()]()
-        print(f"   ({time.perf_counter() - start:.1f} s)\n")
+        print(f"   ({clock.seconds:.1f} s)\n")
     return 0
 
 

@@ -1,9 +1,9 @@
 """Which transformers families autotp runs exactly, and at which cost: docs/coverage.md's table.
 
-    python benchmarks/family_coverage.py               # print the table (tp 2 and 4)
-    python benchmarks/family_coverage.py --record      # and write benchmarks/family_coverage.json
-    python benchmarks/family_coverage.py --write-docs  # docs/coverage.md's table, from the record
-    python benchmarks/family_coverage.py --families Mixtral,T5 --tp 2 --json rows.json
+    python -m benchmarks.family_coverage               # print the table (tp 2 and 4)
+    python -m benchmarks.family_coverage --record      # and write benchmarks/family_coverage.json
+    python -m benchmarks.family_coverage --write-docs  # docs/coverage.md's table, from the record
+    python -m benchmarks.family_coverage --families Mixtral,T5 --tp 2 --json rows.json
 
 Each family is a small model from its transformers config (hidden 64, 2 layers, 8 heads,
 vocabulary 128), every weight perturbed (biases and norm scales too), run unsharded and in
@@ -61,8 +61,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +68,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from benchmarks.harness import Stopwatch, jsonable, ratio_text, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.features.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
@@ -342,7 +341,7 @@ def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
     family = FAMILIES[name]
     rows = [{"family": name, "tp": tp, "model": family.build.__name__, "detail": ""}
             for tp in tps]
-    started = time.perf_counter()
+    clock = Stopwatch()
     try:  # the model, its example and the unsharded step: the same at every tp
         model = family.model()
         for row in rows:
@@ -361,13 +360,13 @@ def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
         for row in rows:
             row.update(status=_crash(exc), detail=_first_line(exc), seconds=0.0)
         return rows
-    setup = time.perf_counter() - started
+    setup = clock.seconds
     with _trace_once():
         for row in rows:
-            started = time.perf_counter()
+            clock = Stopwatch()
             _check_tp(row, model, kwargs, call, reference, unit, autotp, compare, sharded_step,
                       generic_loss, first_float)
-            row["seconds"] = round(time.perf_counter() - started + setup / len(rows), 2)
+            row["seconds"] = round(clock.seconds + setup / len(rows), 2)
     return rows
 
 
@@ -420,10 +419,6 @@ def check(name: str, tp: int) -> dict[str, Any]:
 # ---- the table ------------------------------------------------------------------------------
 
 
-def _ratio(x: float) -> str:
-    return f"{x:.2f}".rstrip("0").rstrip(".") if x else "0"
-
-
 def _per_tp(values: list[str]) -> str:
     """One value if every tp agrees, else each tp's, in tp order ("-": none, or no plan)."""
     return values[0] if len(set(values)) == 1 else " / ".join(values)
@@ -445,8 +440,7 @@ PUBLISHED = {"LLaMA (GQA)": "LLaMA-3-8B", "Mistral": "Mistral-7B", "Qwen2": "Qwe
 def published_rows(names: list[str]) -> dict[str, dict[str, Any]]:
     """family -> its published shape's row (benchmarks/published.py's ``Row`` as a dict),
     for ``names``."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import published
+    from benchmarks import published
 
     out = {}
     for family in names:
@@ -501,8 +495,9 @@ def table(rows: list[dict[str, Any]], tps: list[int],
                 cell = (f"{r['status']} ({max(r['output_diff'], r['loss_diff']):.0e}, "
                         f"grad {r['grad_rel']:.0e})")
                 counts.append(", ".join(str((f, b)) for f, b in r["per_layer"]) or "-")
-                ratios.append(", ".join(dict.fromkeys(f"({_ratio(f)}, {_ratio(b)})"
-                                                      for f, b in r["bytes_ratio"])) or "-")
+                pairs = (f"({ratio_text(f, trim=True)}, {ratio_text(b, trim=True)})"
+                         for f, b in r["bytes_ratio"])
+                ratios.append(", ".join(dict.fromkeys(pairs)) or "-")
             else:
                 cell = r["status"]
             if "output_diff" not in r:
@@ -523,11 +518,6 @@ def table(rows: list[dict[str, Any]], tps: list[int],
 # ---- the record --------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as JSON gives it back (tuples become lists)."""
-    return json.loads(json.dumps(value, default=str))
-
-
 def record(rows: list[dict[str, Any]], tps: list[int],
            published: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A run as benchmarks/family_coverage.json holds it: every row and published row, without the
@@ -535,7 +525,7 @@ def record(rows: list[dict[str, Any]], tps: list[int],
     def drop_seconds(row: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in row.items() if k != "seconds"}
 
-    return _plain({"schema": SCHEMA, "tps": tps, "rows": [drop_seconds(r) for r in rows],
+    return jsonable({"schema": SCHEMA, "tps": tps, "rows": [drop_seconds(r) for r in rows],
                    "published": {f: drop_seconds(r) for f, r in published.items()}})
 
 
@@ -550,7 +540,7 @@ def planned(row: dict[str, Any]) -> dict[str, Any]:
     """What a row says of the plan and its program: everything but what is ``MEASURED``
     (the status words, the reason of a refusal, the collectives and bytes of each layer, what
     is left replicated, the experts)."""
-    return _plain({k: v for k, v in row.items() if k not in MEASURED})
+    return jsonable({k: v for k, v in row.items() if k not in MEASURED})
 
 
 def render(data: dict[str, Any]) -> str:
@@ -621,19 +611,18 @@ def main() -> None:
         raise SystemExit("--record writes the whole table: run it without --families and "
                          "--no-published")
     rows = []
-    started = time.perf_counter()
+    clock = Stopwatch()
     for name in names:
         for r in check_family(name, tps):
             rows.append(r)
             print(f"{name:32s} tp={r['tp']}: {r['status'][:70]:40s} {r['seconds']:5.1f} s "
                   f"{r['detail'][:80] if r['status'] == 'refused' else ''}", flush=True)
-    print(f"{len(names)} families, tp {args.tp}: {time.perf_counter() - started:.0f} s")
+    print(f"{len(names)} families, tp {args.tp}: {clock.seconds:.0f} s")
     data = record(rows, tps, {} if args.no_published else published_rows(names))
     print()
     print(render(data))
-    text = json.dumps(data, indent=1) + "\n"
     for path in ([Path(args.json)] if args.json else []) + ([RECORD] if args.record else []):
-        path.write_text(text, encoding="utf-8")
+        write_json(path, data)
         print(f"wrote {len(rows)} rows to {path}")
     if args.write_docs:
         write_docs(data)

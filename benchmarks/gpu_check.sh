@@ -55,11 +55,11 @@ step checkpoint 120 torchrun --nproc-per-node "$TP" examples/train_from_checkpoi
 step generate 120 torchrun --nproc-per-node "$TP" examples/generate.py --model "$DEMO" --check
 step generate_bf16 120 torchrun --nproc-per-node "$TP" examples/generate.py --model "$DEMO" \
   --check --dtype bfloat16
-step decode 300 python3 benchmarks/decode.py --device cuda --tp "$TP" --reps "$REPS" \
+step decode 300 python3 -m benchmarks.decode --device cuda --tp "$TP" --reps "$REPS" \
   --impls "$IMPLS" --out "$LOG/decode.jsonl"
-step decode_bf16 300 python3 benchmarks/decode.py --device cuda --tp "$TP" --reps "$REPS" \
+step decode_bf16 300 python3 -m benchmarks.decode --device cuda --tp "$TP" --reps "$REPS" \
   --impls "$IMPLS" --dtype bfloat16 --out "$LOG/decode.jsonl"
-step train_bench 300 python3 benchmarks/tp_bench.py --device cuda --tp "$TP" \
+step train_bench 300 python3 -m benchmarks.tp_bench --device cuda --tp "$TP" \
   --dtype bfloat16 --reps 10 --out "$LOG/tp_bench.jsonl"
 
 printf '%s\n' "${SUMMARY[@]}" | tee "$LOG/summary.log"

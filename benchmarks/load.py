@@ -1,8 +1,8 @@
 """Loading a LLaMA-shaped checkpoint: autotp.from_pretrained against the naive path.
 
-    python benchmarks/load.py                 # ~1.1B parameters, bf16, tp 1, 2, 4
-    python benchmarks/load.py --layers 4      # smaller and faster
-    python benchmarks/load.py --fresh --tp 1 --layers 24 --hidden 1024 --intermediate 4096 \
+    python -m benchmarks.load                 # ~1.1B parameters, bf16, tp 1, 2, 4
+    python -m benchmarks.load --layers 4      # smaller and faster
+    python -m benchmarks.load --fresh --tp 1 --layers 24 --hidden 1024 --intermediate 4096 \
         --heads 16 --kv-heads 8 --shard-mb 200  # 0.44B: start-up in fresh processes
 
 ``--fresh``: each load is a new interpreter, timed from its start to the loaded model
@@ -24,20 +24,17 @@ and prints wall time and peak resident memory (VmHWM) per rank, next to an empty
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from autotp.runtime.launch import run_processes  # noqa: E402
+from autotp.runtime.launch import run_processes
+from benchmarks.harness import (Stopwatch, Timing, print_row, ratio, ratio_text, round_robin,
+                                time_round_robin)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -92,19 +89,19 @@ def load_case(rank: int, world_size: int, directory: str, mode: str) -> dict[str
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    clock = Stopwatch()
     hf_time = 0.0
     if mode == "autotp":
         sharded = autotp.from_pretrained(directory, tp=world_size)
     elif mode == "naive":
         model = transformers.AutoModelForCausalLM.from_pretrained(directory,
                                                                   dtype=torch.bfloat16)
-        hf_time = time.perf_counter() - start
+        hf_time = clock.seconds
         sharded = autotp.parallelize(model, tp=world_size)
         del model
     else:
         sharded = None
-    seconds = time.perf_counter() - start
+    seconds = clock.seconds
     local = 0 if sharded is None else sum(
         t.numel() * t.element_size() for t in [*sharded.parameters(), *sharded.buffers()])
     return {"seconds": seconds, "hf_seconds": hf_time, "peak": _status("VmHWM"),
@@ -141,21 +138,21 @@ def fresh(directory: Path, reps: int) -> None:
 
     from autotp.runtime.launch import free_port
 
-    def run(code: str) -> float:
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-        return time.perf_counter() - start
+    def fresh_process(code: Callable[[], str]) -> Callable[[], Any]:
+        return lambda: subprocess.run([sys.executable, "-c", code()], check=True,
+                                      capture_output=True)
 
-    hf, ours = [], []
-    for _ in range(reps):  # interleaved
-        hf.append(run(FRESH_HF.format(directory=str(directory))))
-        ours.append(run(FRESH_AUTOTP.format(directory=str(directory), port=str(free_port()))))
-    row = {"transformers_s": statistics.median(hf), "autotp_s": statistics.median(ours)}
-    row["ratio"] = row["autotp_s"] / row["transformers_s"]
+    times = time_round_robin({  # interleaved
+        "transformers": fresh_process(lambda: FRESH_HF.format(directory=str(directory))),
+        "autotp": fresh_process(lambda: FRESH_AUTOTP.format(directory=str(directory),
+                                                            port=str(free_port())))},
+        warmup=0, repeats=reps)
+    row = {"transformers_s": times["transformers"].median, "autotp_s": times["autotp"].median,
+           "ratio": ratio(times["autotp"], times["transformers"], paired=False)}
     print(f"fresh process, tp 1: autotp.from_pretrained {row['autotp_s']:.1f} s, "
           f"transformers' from_pretrained {row['transformers_s']:.1f} s: "
-          f"{row['ratio']:.2f}x", flush=True)
-    print(json.dumps(row), flush=True)
+          f"{ratio_text(row['ratio'], suffix='x')}", flush=True)
+    print_row(row)
 
 
 def main() -> None:
@@ -174,12 +171,12 @@ def main() -> None:
                         help="time fresh processes at tp 1 instead (imports included)")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="autotp-load-"))
-    start = time.perf_counter()
+    clock = Stopwatch()
     full = write_checkpoint(args, root)
     params = full // 2
     print(f"checkpoint: {params / 1e9:.2f}B parameters, {full / 2**30:.2f} GiB bf16 in "
           f"{len(list(root.glob('*.safetensors')))} files, written in "
-          f"{time.perf_counter() - start:.1f} s ({root})", flush=True)
+          f"{clock.seconds:.1f} s ({root})", flush=True)
     if args.fresh:
         fresh(root, max(args.reps, 3))
         args.tp = ""
@@ -188,19 +185,19 @@ def main() -> None:
     for tp in [int(x) for x in args.tp.split(",") if x]:
         empty = max(r["peak"] for r in run_processes(load_case, tp, str(root), "empty",
                                                      timeout=1800))
-        runs: dict[str, list[list[dict[str, float]]]] = {"autotp": [], "naive": []}
-        for _ in range(args.reps):
-            for mode in runs:  # interleaved
-                runs[mode].append(run_processes(load_case, tp, str(root), mode, timeout=1800))
+        runs = round_robin(["autotp", "naive"],  # interleaved
+                           lambda mode, tp=tp: run_processes(load_case, tp, str(root), mode,
+                                                             timeout=1800),
+                           repeats=args.reps)
         row = {"tp": tp, "empty": empty / gib, "share": full / tp / gib}
-        for mode, reps in runs.items():
-            row[f"{mode}_s"] = statistics.median(max(r["seconds"] for r in rep) for rep in reps)
+        for mode, reps in runs.items():  # a repetition's time: the slowest rank's
+            row[f"{mode}_s"] = Timing(tuple(max(r["seconds"] for r in rep) for rep in reps)).median
             row[f"{mode}_peak"] = max(r["peak"] for rep in reps for r in rep) / gib
-        row["hf_s"] = statistics.median(max(r["hf_seconds"] for r in rep)
-                                        for rep in runs["naive"])
+        row["hf_s"] = Timing(tuple(max(r["hf_seconds"] for r in rep)
+                                   for rep in runs["naive"])).median
         row["bound"] = 1.15 * full / tp / gib + row["empty"]
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print_row(row)
     if rows:
         print()
         print("| tp | share of weights | empty process | autotp peak RSS | naive peak RSS | "

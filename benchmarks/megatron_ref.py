@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_models import GPT, Llama, attend
+from benchmarks.bench_models import GPT, Llama, attend
 
 Group = Optional[dist.ProcessGroup]
 

@@ -1,7 +1,7 @@
 """One rank's mixture-of-experts work at tp 8: experts whole against experts sliced.
 
-    python benchmarks/moe_experts.py                          # Qwen3-30B-A3B's experts, CPU
-    python benchmarks/moe_experts.py --tokens 4096 --device cuda --dtype bfloat16
+    python -m benchmarks.moe_experts                          # Qwen3-30B-A3B's experts, CPU
+    python -m benchmarks.moe_experts --tokens 4096 --device cuda --dtype bfloat16
 
 At Qwen3-30B-A3B's expert shape (hidden 2048, 128 experts of 768, top 8) and tp 8, a rank
 runs, per MoE layer:
@@ -22,17 +22,13 @@ what the plan runs. Prints milliseconds per step, achieved GFLOP/s and the ratio
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import ratio_text, time_call
+
 
 HIDDEN, EXPERTS, WIDTH, TOP_K, TP = 2048, 128, 768, 8, 8
 
@@ -73,21 +69,6 @@ def experts_module(experts: int, width: int, dtype: torch.dtype, device: str) ->
     return module
 
 
-def timed(step: Any, reps: int, device: str) -> float:
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -125,13 +106,15 @@ def main() -> None:
             module.zero_grad(set_to_none=True)
             module(x, idx, w).float().sum().backward()
 
-        seconds = timed(step, args.reps, args.device)
+        sync = torch.cuda.synchronize if args.device == "cuda" else None
+        seconds = time_call(step, warmup=2, repeats=args.reps, before=sync, after=sync).median
         width = module.down_proj.shape[-1]
         flops = 3 * 2 * idx.numel() * HIDDEN * 3 * width  # fwd + bwd, gate|up and down
         results[name] = seconds
         print(f"{name:8s} {module.num_experts:8d} {width:6d} {idx.numel():7d} "
               f"{seconds * 1e3:9.2f} {flops / seconds / 1e9:8.1f}")
-    print(f"sliced / whole: {results['sliced'] / results['whole']:.2f}x the time per step")
+    print(f"sliced / whole: {ratio_text(results['sliced'] / results['whole'], suffix='x')} "
+          "the time per step")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How autotp plans other codebases' transformer blocks, against Megatron-LM's bound.
 
-    python benchmarks/peers.py                   # every case, tp 2 and 4
-    python benchmarks/peers.py sd3 flux --tp 2   # some cases
+    python -m benchmarks.peers                   # every case, tp 2 and 4
+    python -m benchmarks.peers sd3 flux --tp 2   # some cases
     ... --no-sim      plans only (no exactness check)
     ... --verbose     every in-layer collective above the bound (node, module, source)
     ... --json F      rows as JSON
@@ -21,11 +21,8 @@ sides >= h/2.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import sys
-import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -40,10 +37,10 @@ import torch.nn.functional as F
 import autotp
 from autotp.features.report import within_bound
 from autotp.features.verify import measure_equivalence, perturb
+from benchmarks.harness import Column, Stopwatch, markdown_table, write_json
 
 TOL = 1e-4  # outputs and loss: max abs; gradients and parameters: of each one's largest entry
 B = 2
-TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 
 
 def first(out: Any) -> torch.Tensor:
@@ -130,9 +127,7 @@ def flux(double=2):
 
 def dit():
     def test_models():  # tests/models.py: the DiT tests/test_peers.py runs
-        if TESTS not in sys.path:
-            sys.path.insert(0, TESTS)
-        import models
+        from tests import models
         return models
 
     def build():
@@ -604,7 +599,7 @@ def _noted(row: dict, key: str, exc: BaseException) -> None:
 
 def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
     row: dict[str, Any] = {"model": case.name, "tp": tp}
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     model, kwargs = case.build(), case.inputs()
     sim = None
     with warnings.catch_warnings():
@@ -695,7 +690,7 @@ def measure(case: Case, tp: int, simulate: bool, verbose: bool) -> dict:
     row["verdict"] = "at bound" if ok else "ABOVE"
     if not ok and not over and not big_in_layer and "error" not in row:
         row["verdict"] = "per-layer at bound; fallbacks"
-    row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["seconds"] = round(clock.seconds, 1)
     row["_plan"] = plan
     return row
 
@@ -755,6 +750,22 @@ def print_row(row: dict, verbose: bool) -> None:
                     print("       ", d)
 
 
+def _planned(cell: Callable[[dict], str]) -> Callable[[dict], str]:
+    """A summary cell, ``-`` in the row of a case that failed to plan."""
+    return lambda row: "-" if "plan_error" in row else cell(row)
+
+
+SUMMARY = [
+    Column("model", 0, "model"), Column("tp", 0, "tp"),
+    Column("exact", 0, cell=_planned(lambda r: {True: "yes", False: "NO"}.get(r.get("exact"),
+                                                                              "-"))),
+    Column("per block (fwd, bwd)", 0, cell=_planned(lambda r: counts_text(r["blocks"]))),
+    Column("bytes x Megatron", 0, cell=_planned(lambda r: bytes_text(r["blocks"]))),
+    Column("verdict", 0, cell=lambda r: (f"refused: {r['plan_error']}" if "plan_error" in r
+                                         else r["verdict"])),
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*")
@@ -778,18 +789,10 @@ def main() -> int:
             sys.stdout.flush()
             row.pop("_plan", None)
             rows.append(row)
-    print("\n| model | tp | exact | per block (fwd, bwd) | bytes x Megatron | verdict |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        if "plan_error" in row:
-            print(f"| {row['model']} | {row['tp']} | - | - | - | refused: {row['plan_error']} |")
-            continue
-        exact = {True: "yes", False: "NO"}.get(row.get("exact"), "-")
-        print(f"| {row['model']} | {row['tp']} | {exact} | {counts_text(row['blocks'])} | "
-              f"{bytes_text(row['blocks'])} | {row['verdict']} |")
+    print()
+    print(markdown_table(SUMMARY, rows))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        write_json(a.json, rows)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Time each stage of autotp on LLaMA-2 7B and 70B shapes (meta device: no weights), and
 ``autotp plan`` in a fresh process against a bare torch.export in a fresh process.
 
-    python benchmarks/plan_speed.py [--tp 8] [--shapes 7b 70b] [--fresh 70b]
+    python -m benchmarks.plan_speed [--tp 8] [--shapes 7b 70b] [--fresh 70b]
 
 Stages: export (torch.export of the layers traced, the rest stamped, and normalization),
 rules (strategies of every node), plan (the dynamic program and the Plan), gradflow (the
@@ -22,11 +22,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import Column, Laps, Stopwatch, print_row, ratio, ratio_text, table
+
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
@@ -61,29 +61,25 @@ def run(shape: str, tp: int) -> dict:
     with autotp.empty_weights():
         model = transformers.LlamaForCausalLM(config)
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    times = {}
-    start = time.perf_counter()
-    captured = capture(model, example_kwargs={"input_ids": ids})
-    times["export"] = time.perf_counter() - start
+    laps = Laps()
+    with laps("export"):
+        captured = capture(model, example_kwargs={"input_ids": ids})
     cost_model, options = CostModel(), PlanOptions()
-    start = time.perf_counter()
-    pnodes = build_problem(captured, tp, block_counts(captured.gm), Registry.default(),
-                           cost_model, options)
-    times["rules"] = time.perf_counter() - start
-    start = time.perf_counter()
-    decisions, total, _ = solve(pnodes, tp, cost_model, options)
-    plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, shape)
-    times["plan"] = time.perf_counter() - start
-    start = time.perf_counter()
-    check_gradient_flow(plan, captured.gm)
-    times["gradflow"] = time.perf_counter() - start
+    with laps("rules"):
+        pnodes = build_problem(captured, tp, block_counts(captured.gm), Registry.default(),
+                               cost_model, options)
+    with laps("plan"):
+        decisions, total, _ = solve(pnodes, tp, cost_model, options)
+        plan = assemble(captured, pnodes, decisions, total, tp, cost_model, options, shape)
+    with laps("gradflow"):
+        check_gradient_flow(plan, captured.gm)
     comm = NoComm()
     comm.world_size = tp
-    start = time.perf_counter()
-    # a model without weights: the program gets meta parameters of the local shapes
-    rewrite(captured, plan, 0, comm,  # type: ignore[arg-type]
-            weights=DeferredWeights(ModelWeights(model)))
-    times["rewrite"] = time.perf_counter() - start
+    with laps("rewrite"):
+        # a model without weights: the program gets meta parameters of the local shapes
+        rewrite(captured, plan, 0, comm,  # type: ignore[arg-type]
+                weights=DeferredWeights(ModelWeights(model)))
+    times = laps.seconds
     per_layer = {(plan.count("forward", layer), plan.count("backward", layer))
                  for layer in range(config.num_hidden_layers)}
     return {"shape": shape, "tp": tp, "layers": config.num_hidden_layers,
@@ -127,10 +123,10 @@ def _fresh(code: str, env: dict) -> tuple[float, float]:
     """Wall seconds and peak resident GiB of ``code`` run by a new interpreter."""
     import subprocess
 
-    start = time.perf_counter()
+    clock = Stopwatch()
     done = subprocess.run([sys.executable, "-c", code + REPORT], env=env, check=True,
                           capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    seconds = clock.seconds
     peak = [line for line in done.stderr.splitlines() if line.startswith("peak_kib")][-1]
     return seconds, int(peak.split()[1]) / 2**20
 
@@ -138,8 +134,7 @@ def _fresh(code: str, env: dict) -> tuple[float, float]:
 def fresh(shape: str, tp: int) -> dict:
     import tempfile
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)  # the child imports the installed autotp, as a user's would
     env.pop("AUTOTP_TRACE_EVERY_LAYER", None)
     out = os.path.join(tempfile.mkdtemp(), "plan.json")
     argv = ["autotp", "plan", "hf:llama", "--tp", str(tp), "-q", "--format", "json", "-o", out]
@@ -157,7 +152,7 @@ def fresh(shape: str, tp: int) -> dict:
     row["every_s"], row["every_gib"] = _fresh(CLI.format(argv=argv), every)
     with open(out) as handle:
         row["same_plan"] = _collectives(json.load(handle)) == _collectives(stamped)
-    row["ratio"] = row["plan_s"] / row["bare_s"]
+    row["ratio"] = ratio([row["plan_s"]], [row["bare_s"]])
     return row
 
 
@@ -179,18 +174,20 @@ def main() -> None:
               f"({row['plan_gib']:.2f} GiB peak), again with the plan cached "
               f"{row['cached_s']:.1f} s, every layer traced {row['every_s']:.1f} s "
               f"({row['every_gib']:.2f} GiB), bare torch.export {row['bare_s']:.1f} s "
-              f"({row['bare_gib']:.2f} GiB): {row['ratio']:.2f}x the bare export; "
-              f"same plan as every layer traced: {row['same_plan']}")
-        print(json.dumps(row))
+              f"({row['bare_gib']:.2f} GiB): {ratio_text(row['ratio'], suffix='x')} the bare "
+              f"export; same plan as every layer traced: {row['same_plan']}")
+        print_row(row)
     rows = [run(shape, args.tp) for shape in args.shapes]
-    print(f"{'shape':<6}{'layers':>7}{'nodes':>7}{'export s':>10}{'rules s':>9}{'plan s':>8}"
-          f"{'gradflow s':>12}{'rewrite s':>11}{'after export s':>16}  per layer (fwd, bwd)")
+    print(table([
+        Column("shape", 5, "shape", left=True), Column("layers", 6, "layers"),
+        Column("nodes", 6, "nodes"), Column("export s", 9, "export", ".2f"),
+        Column("rules s", 8, "rules", ".2f"), Column("plan s", 7, "plan", ".2f"),
+        Column("gradflow s", 11, "gradflow", ".3f"), Column("rewrite s", 10, "rewrite", ".2f"),
+        Column("after export s", 15, "after_export", ".2f"),
+        Column(" per layer (fwd, bwd)", 1, cell=lambda r: f" {r['per_layer_fwd_bwd']}",
+               left=True)], rows))
     for r in rows:
-        print(f"{r['shape']:<6}{r['layers']:>7}{r['nodes']:>7}{r['export']:>10.2f}"
-              f"{r['rules']:>9.2f}{r['plan']:>8.2f}{r['gradflow']:>12.3f}{r['rewrite']:>11.2f}"
-              f"{r['after_export']:>16.2f}  {r['per_layer_fwd_bwd']}")
-    for r in rows:
-        print(json.dumps(r))
+        print_row(r)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Plans at published shapes: the transformers families at the sizes people train, on meta.
 
-    python benchmarks/published.py                     # the table
-    python benchmarks/published.py --only Gemma-2-2B,Falcon-40B --json rows.json
+    python -m benchmarks.published                     # the table
+    python -m benchmarks.published --only Gemma-2-2B,Falcon-40B --json rows.json
 
 Small configs hide what real shapes show (a head_dim that is not hidden / heads, a grouped
 fused qkv, more k/v heads than tp, a vocabulary tp does not divide). Each row builds the
@@ -23,16 +23,13 @@ fallback; otherwise "ABOVE", or "refused: <the error>".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import Column, Stopwatch, markdown_table, write_json
+
 
 BATCH, SEQ = 1, 4096  # the bytes ratio does not depend on them; the plan is priced here
 
@@ -124,7 +121,7 @@ def plan_row(name: str, shape: Shape) -> Row:
     from autotp.features.report import SEQUENCE_PARALLEL_BOUND, evaluate_bytes, within_bound
 
     fields = {**shape.fields, LAYERS.get(shape.model_type, "num_hidden_layers"): 2}
-    start = time.perf_counter()
+    clock = Stopwatch()
     try:
         loaded = load_model(f"hf:{shape.model_type}", fields, meta=True)
         with warnings.catch_warnings():
@@ -133,7 +130,7 @@ def plan_row(name: str, shape: Shape) -> Row:
     except autotp.AutotpError as exc:
         first = str(exc).splitlines()[0]
         return Row(name, shape.tp, f"refused: {first[:110]}",
-                   seconds=time.perf_counter() - start)
+                   seconds=clock.seconds)
     hidden = shape.fields["hidden_size"]
     itemsize = 4  # meta models are built in float32; Megatron's bytes at the same dtype
     megatron = 2 * BATCH * SEQ * hidden * itemsize
@@ -143,7 +140,7 @@ def plan_row(name: str, shape: Shape) -> Row:
             continue
         per.setdefault(c.layer, {"forward": [], "backward": []})[c.phase].append(
             evaluate_bytes(c.bytes_expr, BATCH, SEQ))
-    row = Row(name, shape.tp, "", seconds=time.perf_counter() - start)
+    row = Row(name, shape.tp, "", seconds=clock.seconds)
     for layer in sorted(per):
         fwd, bwd = per[layer]["forward"], per[layer]["backward"]
         row.counts.append((len(fwd), len(bwd)))
@@ -174,14 +171,17 @@ def _distinct(values: list[Any], fmt: str) -> str:
     return " ".join(fmt.format(*v) for v in seen) or "-"
 
 
+COLUMNS = [
+    Column("model", 0, "name"), Column("tp", 0, "tp"), Column("status", 0, "status"),
+    Column("collectives (fwd, bwd)", 0, cell=lambda r: _distinct(r["counts"], "({}, {})")),
+    Column("bytes vs Megatron (fwd, bwd)", 0,
+           cell=lambda r: _distinct(r["ratios"], "({:.2f}, {:.2f})")),
+    Column("largest replicated", 0, "largest"), Column("fallbacks", 0, "fallbacks"),
+]
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| model | tp | status | collectives (fwd, bwd) | bytes vs Megatron (fwd, bwd) "
-             "| largest replicated | fallbacks |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.name} | {r.tp} | {r.status} | {_distinct(r.counts, '({}, {})')} "
-                     f"| {_distinct(r.ratios, '({:.2f}, {:.2f})')} | {r.largest} "
-                     f"| {r.fallbacks} |")
-    return "\n".join(lines)
+    return markdown_table(COLUMNS, [vars(r) for r in rows])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -201,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"({r.seconds:.1f} s)", file=sys.stderr, flush=True)
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+        write_json(args.json, [vars(r) for r in rows])
     return 0 if all(r.status == "at bound" for r in rows) else 1
 
 

@@ -1,7 +1,7 @@
 """The properties of tests/test_random_models.py on many more random models.
 
-    python benchmarks/random_models.py                    # 500 generic + 500 transformers models
-    python benchmarks/random_models.py --examples 100 --only hf --seed 3
+    python -m benchmarks.random_models                    # 500 generic + 500 transformers models
+    python -m benchmarks.random_models --examples 100 --only hf --seed 3
 
 Each example: a configuration drawn by tests/generic.py's hypothesis strategies and tp in {2, 4};
 the model is sharded in simulation and must either be refused with an AutotpError before
@@ -17,18 +17,14 @@ configuration in full. Exits 1 if any example FAILED.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 import traceback
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.harness import Stopwatch
 
 DIFFS = ["output_diff", "loss_diff", "grad_diff", "grad_rel"]
 
@@ -80,7 +76,7 @@ def _first_line(message: str) -> str:
 
 def run_one(tally: Tally, config: Any, tp: int) -> str:
     """One example; returns its one-line status."""
-    from generic import check_equivalence, describe
+    from tests.generic import check_equivalence, describe
 
     def attempt(strict: bool) -> Any:
         try:
@@ -131,26 +127,26 @@ def run_property(name: str, strategy: Any, examples: int, seed: int) -> Tally:
     from hypothesis import strategies as st
 
     tally = Tally(name)
-    start = time.time()
+    run_clock = Stopwatch()
 
     @hypothesis_seed(seed)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
     @given(config=strategy, tp=st.sampled_from([2, 4]))
     def prop(config: Any, tp: int) -> None:
-        from generic import features
+        from tests.generic import features
 
-        t0 = time.time()
+        clock = Stopwatch()
         failed, refused = len(tally.failed), Counter(tally.refused)
         status = run_one(tally, config, tp)
         reason = next(iter(tally.refused - refused), None)  # the message it was refused with
         tally.record_feature(features(config), len(tally.failed) > failed, reason)
         tally.examples += 1
-        print(f"[{name} {tally.examples:>4}/{examples}] tp={tp} {time.time() - t0:5.1f}s "
+        print(f"[{name} {tally.examples:>4}/{examples}] tp={tp} {clock.seconds:5.1f}s "
               f"{status}", flush=True)
 
     prop()
-    tally.seconds = time.time() - start
+    tally.seconds = run_clock.seconds
     return tally
 
 
@@ -202,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     # strict=False records what it replicates as a UserWarning per example: not news here
     warnings.filterwarnings("ignore", message="autotp:")
 
-    from generic import generic_configs, hf_configs
+    from tests.generic import generic_configs, hf_configs
 
     properties = [("generic", generic_configs()), ("hf", hf_configs())]
     tallies = [run_property(name, strategy, args.examples, args.seed)

@@ -1,6 +1,6 @@
 """Activation memory per rank: unsharded, tensor parallel, and with sequence parallelism.
 
-    python benchmarks/sequence_memory.py [--tp 2 4] [--layers 4] [--hidden 512] [--seq 256]
+    python -m benchmarks.sequence_memory [--tp 2 4] [--layers 4] [--hidden 512] [--seq 256]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
 tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``) while
@@ -15,14 +15,13 @@ its sequence shard, ``autotp.runtime.regather``): the program hands them what it
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import Column, table, write_rows
+
 
 
 def build(kind: str, layers: int, hidden: int, vocab: int) -> torch.nn.Module:
@@ -92,18 +91,24 @@ def main() -> int:
     mib = 1 << 20
     print(f"activation memory per rank (saved for backward), B={args.batch} T={args.seq} "
           f"hidden={args.hidden} layers={args.layers} vocab={args.vocab}, fp32")
-    print(f"{'model':<6} {'tp':>2} {'unsharded':>11} {'TP':>11} {'SP, kept':>11} "
-          f"{'TP+SP':>11} {'TP/unsh.':>9} {'SP/unsh.':>9} {'SP saves vs TP':>15}")
-    for r in rows:
-        tp_, kept, sp = (r["tensor_parallel"], r["sequence_parallel_gathered_kept"],
-                         r["sequence_parallel"])
-        print(f"{r['model']:<6} {r['tp']:>2} {r['unsharded'] / mib:>9.1f}Mi {tp_ / mib:>9.1f}Mi "
-              f"{kept / mib:>9.1f}Mi {sp / mib:>9.1f}Mi {tp_ / r['unsharded']:>9.3f} "
-              f"{sp / r['unsharded']:>9.3f} {(tp_ - sp) / mib:>10.1f} MiB ({1 - sp / tp_:.0%})")
+
+    def mib_column(title: str, key: str) -> Column:
+        return Column(title, 11, cell=lambda r: f"{r[key] / mib:.1f}Mi")
+
+    def saves(r: dict[str, Any]) -> str:
+        tp_, sp = r["tensor_parallel"], r["sequence_parallel"]
+        return f"{(tp_ - sp) / mib:.1f} MiB ({1 - sp / tp_:.0%})"
+
+    print(table([
+        Column("model", 6, "model", left=True), Column("tp", 2, "tp"),
+        mib_column("unsharded", "unsharded"), mib_column("TP", "tensor_parallel"),
+        mib_column("SP, kept", "sequence_parallel_gathered_kept"),
+        mib_column("TP+SP", "sequence_parallel"),
+        Column("TP/unsh.", 9, cell=lambda r: f"{r['tensor_parallel'] / r['unsharded']:.3f}"),
+        Column("SP/unsh.", 9, cell=lambda r: f"{r['sequence_parallel'] / r['unsharded']:.3f}"),
+        Column("SP saves vs TP", 20, cell=saves)], rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            for r in rows:
-                handle.write(json.dumps(r) + "\n")
+        write_rows(args.json, rows)
     return 0
 
 

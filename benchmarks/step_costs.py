@@ -1,9 +1,9 @@
 """What one training step costs a rank beyond the unsharded model: ATen ops, host
 synchronisations, graph breaks.
 
-    python benchmarks/step_costs.py                      # tp2, tp2-sp, cp2, tp2-dropout
-    python benchmarks/step_costs.py --cases tp2 --layers 4 --json out.json
-    python benchmarks/step_costs.py --no-compile         # skip the graph-break count
+    python -m benchmarks.step_costs                      # tp2, tp2-sp, cp2, tp2-dropout
+    python -m benchmarks.step_costs --cases tp2 --layers 4 --json out.json
+    python -m benchmarks.step_costs --no-compile         # skip the graph-break count
 
 Two gloo processes on this machine build a small HF ``LlamaForCausalLM`` (GQA: 8 query heads,
 2 key/value heads; sdpa attention) from the same seed and run, per case, one training step

@@ -1,8 +1,8 @@
 """Tensor-parallel training steps: autotp against hand-written Megatron and torch DTensor.
 
-    python benchmarks/tp_bench.py                                 # CPU/gloo: gpt2, llama at tp 2, 4
-    python benchmarks/tp_bench.py --models llama --tp 2 --reps 30 --size medium
-    python benchmarks/tp_bench.py --device cuda --tp 1 --size base --dtype bfloat16
+    python -m benchmarks.tp_bench                                 # CPU/gloo: gpt2, llama at tp 2, 4
+    python -m benchmarks.tp_bench --models llama --tp 2 --reps 30 --size medium
+    python -m benchmarks.tp_bench --device cuda --tp 1 --size base --dtype bfloat16
 
 For each model and tp, ``tp`` processes build every implementation from the same weights and
 feed them the same batch:
@@ -30,25 +30,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import statistics
+import functools
 import sys
-import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-import bench_models as bm  # noqa: E402
-from step_probe import StepProbe  # noqa: E402
+from benchmarks import bench_models as bm
+from benchmarks.harness import (Column, Stopwatch, Timing, append_rows, ratio, ratio_text,
+                                table, time_round_robin, write_rows)
+from benchmarks.step_probe import StepProbe
 
 IMPLS = ("unsharded", "megatron", "dtensor", "dtensor-prepare", "autotp")
 OPTIONAL_IMPLS = ("autotp-compile",)  # torch.compile of each rank's program (inductor)
@@ -111,14 +106,14 @@ def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
                     lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()},
                     lambda: dict(model.named_parameters()))
     if name == "megatron":
-        import megatron_ref
+        from benchmarks import megatron_ref
 
         meg = megatron_ref.from_reference(ref, rank, tp, None)
         return Impl(name, meg, opt(meg), nullcontext,
                     lambda: megatron_ref.full_grads(ref, meg),
                     lambda: megatron_ref.local_params(ref, meg))
     if name in ("dtensor", "dtensor-prepare"):
-        import dtensor_ref
+        from benchmarks import dtensor_ref
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(spec["device"], (tp,))
@@ -283,17 +278,12 @@ def bench_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         if device == "cuda":
             row["cuda_peak_step_bytes"] = torch.cuda.max_memory_allocated() - before
 
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for rep in range(spec["warmup"] + spec["reps"]):
-        for name, impl in impls.items():  # round-robin: every rep runs every implementation
-            _barrier(device)
-            start = time.perf_counter()
-            train_step(impl, idx, targets)
-            _sync(device)
-            if rep >= spec["warmup"]:
-                times[name].append(time.perf_counter() - start)
+    steps = {name: functools.partial(train_step, impl, idx, targets)
+             for name, impl in impls.items()}
+    times = time_round_robin(steps, warmup=spec["warmup"], repeats=spec["reps"],
+                             before=lambda: _barrier(device), after=lambda: _sync(device))
     for name in impls:
-        rows[name]["times"] = times[name]
+        rows[name]["times"] = list(times[name].seconds)
     _barrier(device)
     return {"rows": [rows[n] for n in spec["impls"]], "flops": bm.train_flops(
         cfg, ref, spec["batch"], cfg.seq_len), "config": cfg.__dict__.copy()}
@@ -310,16 +300,11 @@ def _log_counts(events: list[Any]) -> dict[str, dict[str, int]]:
 # ---- aggregation and report ----------------------------------------------------------------
 
 
-def _stats(times: list[float]) -> dict[str, float]:
-    qs = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "iqr_ms": 1e3 * (qs[2] - qs[0])}
-
-
 def combine(results: list[dict[str, Any]], spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Per implementation: the ranks' rows merged (times: slowest rank per rep; diffs and
-    memory: the largest over ranks)."""
+    memory: the largest over ranks). The ratios are of the medians."""
     out = []
+    timings: dict[str, Timing] = {}
     for i in range(len(spec["impls"])):
         per_rank = [r["rows"][i] for r in results]
         row = dict(per_rank[0])
@@ -336,21 +321,21 @@ def combine(results: list[dict[str, Any]], spec: dict[str, Any]) -> list[dict[st
                     "cuda_peak_step_bytes", "param_bytes"):
             if key in row:
                 row[key] = max(r[key] for r in per_rank)
-        reps = [max(ts) for ts in zip(*(r["times"] for r in per_rank))]
-        row["step_ms"] = [1e3 * t for t in reps]
-        row.update(_stats(reps))
-        seconds = row["median_ms"] / 1e3
-        row["tflops_per_device"] = results[0]["flops"] / seconds / spec["tp"] / 1e12
+        reps = Timing(tuple(max(ts) for ts in zip(*(r["times"] for r in per_rank))))
+        timings[row["impl"]] = reps
+        row["step_ms"] = [1e3 * t for t in reps.seconds]
+        row.update(reps.stats_ms())
+        row["tflops_per_device"] = results[0]["flops"] / reps.median / spec["tp"] / 1e12
         out.append(row)
-    base = {r["impl"]: r for r in out if "error" not in r}
     for row in out:
         if "error" in row:
             continue
         for other in ("megatron", "unsharded"):
-            if other in base:
-                row[f"time_vs_{other}"] = row["median_ms"] / base[other]["median_ms"]
-        if "megatron" in base and row["impl"] != "unsharded":
-            meg = base["megatron"]
+            if other in timings:
+                row[f"time_vs_{other}"] = ratio(timings[row["impl"]], timings[other],
+                                                paired=False)
+        if "megatron" in timings and row["impl"] != "unsharded":
+            meg = next(r for r in out if r["impl"] == "megatron")
             row["collectives_equal_megatron"] = row["collectives"] == meg["collectives"]
             row["bytes_equal_megatron"] = row["collective_bytes"] == meg["collective_bytes"]
     return out
@@ -366,37 +351,39 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
+def _colls(phase: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda r: _count_text(r["collectives"], phase)
+
+
+COLUMNS = [
+    Column("model", 5, "model", left=True), Column("tp", 2, "tp"),
+    Column("impl", 15, "impl", left=True),
+    Column("median ms", 9, "median_ms", ".1f"), Column("min", 8, "min_ms", ".1f"),
+    Column("IQR", 7, "iqr_ms", ".1f"),
+    Column("/megatron", 9, cell=lambda r: ratio_text(r.get("time_vs_megatron"))),
+    Column("/unshard", 8, cell=lambda r: ratio_text(r.get("time_vs_unsharded"))),
+    Column(" fwd colls", 11, cell=_colls("forward"), left=True),
+    Column("bwd colls", 10, cell=_colls("backward"), left=True),
+    Column("coll MB", 7, cell=lambda r: _mb(sum(sum(k.values())
+                                                for k in r["collective_bytes"].values()))),
+    Column("=meg", 5, cell=lambda r: _yes(r.get("collectives_equal_megatron"))),
+    Column("=bytes", 6, cell=lambda r: _yes(r.get("bytes_equal_megatron"))),
+    Column("param MB", 8, cell=lambda r: _mb(r["param_bytes"])),
+    Column("bound", 6, cell=lambda r: _mb(r["param_bytes_bound"])),
+    Column("peak MB", 7, cell=lambda r: _mb(r.get("cuda_peak_step_bytes",
+                                                   r["peak_step_bytes"]))),
+    Column("loss diff", 9, "loss_diff", ".1e"), Column("grad diff", 9, "grad_diff", ".1e"),
+]
+
+
 def print_table(rows: list[dict[str, Any]], device: str) -> None:
-    head = (f"{'model':<6}{'tp':>3} {'impl':<16}{'median ms':>10}{'min':>9}{'IQR':>8}"
-            f"{'/megatron':>10}{'/unshard':>9}  {'fwd colls':<12}{'bwd colls':<11}"
-            f"{'coll MB':>8} {'=meg':>5}{'=bytes':>7}{'param MB':>9}{'bound':>7}"
-            f"{'peak MB':>8}{'loss diff':>10}{'grad diff':>10}")
-    if device == "cuda":
-        head += f"{'TFLOP/s':>9}"
-    print(head)
+    columns = COLUMNS + ([Column("TFLOP/s", 8, "tflops_per_device", ".2f")]
+                         if device == "cuda" else [])
+    print(table(columns, [r for r in rows if "error" not in r]))
     for r in rows:
-        lead = f"{r['model']:<6}{r['tp']:>3} {r['impl']:<16}"
         if "error" in r:
-            print(lead + f"ERROR {r['error'].splitlines()[0][:150]}")
-            continue
-        coll_bytes = sum(sum(k.values()) for k in r["collective_bytes"].values())
-        line = (lead + f"{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['iqr_ms']:>8.1f}"
-                f"{_ratio(r.get('time_vs_megatron')):>10}"
-                f"{_ratio(r.get('time_vs_unsharded')):>9}  "
-                f"{_count_text(r['collectives'], 'forward'):<12}"
-                f"{_count_text(r['collectives'], 'backward'):<11}"
-                f"{_mb(coll_bytes):>8} {_yes(r.get('collectives_equal_megatron')):>5}"
-                f"{_yes(r.get('bytes_equal_megatron')):>7}{_mb(r['param_bytes']):>9}"
-                f"{_mb(r['param_bytes_bound']):>7}"
-                f"{_mb(r.get('cuda_peak_step_bytes', r['peak_step_bytes'])):>8}"
-                f"{r['loss_diff']:>10.1e}{r['grad_diff']:>10.1e}")
-        if device == "cuda":
-            line += f"{r['tflops_per_device']:>9.2f}"
-        print(line)
-
-
-def _ratio(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
+            print(f"{r['model']:<6}{r['tp']:>3} {r['impl']:<16}"
+                  f"ERROR {r['error'].splitlines()[0][:150]}")
 
 
 def _yes(value: Optional[bool]) -> str:
@@ -468,24 +455,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"tp={max(degrees)} needs {max(degrees)} GPUs, "
                          f"{torch.cuda.device_count()} visible")
     all_rows: list[dict[str, Any]] = []
-    with open(args.out, "w") as out:
-        for model in args.models.split(","):
-            for tp in degrees:
-                spec = dict(model=model, tp=tp, impls=args.impls.split(","), reps=args.reps,
-                            warmup=args.warmup, device=args.device, dtype=args.dtype,
-                            size=args.size or ("base" if cuda else "small"),
-                            overrides=overrides, batch=args.batch or (8 if cuda else 4),
-                            optim=args.optim, lr=args.lr, seed=args.seed)
-                started = time.perf_counter()
-                results = run_processes(bench_worker, tp, spec,
-                                        backend="nccl" if cuda else "gloo", timeout=1800)
-                rows = combine(results, spec)
-                for row in rows:
-                    out.write(json.dumps(row, sort_keys=True) + "\n")
-                out.flush()
-                all_rows.extend(rows)
-                print(f"# {model} tp={tp}: {time.perf_counter() - started:.0f} s, "
-                      f"config {results[0]['config']}, batch {spec['batch']}", flush=True)
+    write_rows(args.out, [])
+    for model in args.models.split(","):
+        for tp in degrees:
+            spec = dict(model=model, tp=tp, impls=args.impls.split(","), reps=args.reps,
+                        warmup=args.warmup, device=args.device, dtype=args.dtype,
+                        size=args.size or ("base" if cuda else "small"),
+                        overrides=overrides, batch=args.batch or (8 if cuda else 4),
+                        optim=args.optim, lr=args.lr, seed=args.seed)
+            clock = Stopwatch()
+            results = run_processes(bench_worker, tp, spec,
+                                    backend="nccl" if cuda else "gloo", timeout=1800)
+            rows = combine(results, spec)
+            append_rows(args.out, rows, sort_keys=True)
+            all_rows.extend(rows)
+            print(f"# {model} tp={tp}: {clock.seconds:.0f} s, "
+                  f"config {results[0]['config']}, batch {spec['batch']}", flush=True)
     print()
     print_table(all_rows, args.device)
     for line in notes(all_rows):

@@ -1,7 +1,7 @@
 """autotp on transformer code from codebases the project has never tested, against Megatron-LM.
 
-    python benchmarks/unseen.py                     # every model, tp 2 and 4
-    python benchmarks/unseen.py esm2 whisper --tp 2 # some models
+    python -m benchmarks.unseen                     # every model, tp 2 and 4
+    python -m benchmarks.unseen esm2 whisper --tp 2 # some models
     ... --set more    the second set's models (benchmarks/unseen_more.py); --set all: both
     ... --no-sim      plans only (no exactness check)
     ... --no-wide     skip the wide (hidden >= 1024, meta device) plans
@@ -59,12 +59,10 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import re
 import sys
-import time
 import traceback
 import types
 import warnings
@@ -74,19 +72,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+import autotp
+from autotp.features.report import within_bound
+from autotp.planner.bound import megatron_verdict
+from autotp.features.verify import perturb
+from benchmarks import peers
+from benchmarks.harness import Column, Stopwatch, markdown_table, write_json
+from benchmarks.peers import B, Case, counts_text, measure
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-import peers  # noqa: E402
-from peers import B, Case, counts_text, measure  # noqa: E402
-
-# benchmarks/ off the path again: its scripts' plain names (load, decode, compose, ...) must
-# not shadow a module that the codebases below import
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-import autotp  # noqa: E402
-from autotp.features.report import within_bound  # noqa: E402
-from autotp.planner.bound import megatron_verdict  # noqa: E402
-from autotp.features.verify import perturb  # noqa: E402
 
 T = 16  # tokens of the text models
 
@@ -917,7 +911,7 @@ def wide_plan(m: Model) -> dict:
     dim = 1024
     tp = m.wide_tp if m.wide_heads % m.wide_tp == 0 else 4
     out: dict[str, Any] = {"model": m.name, "hidden": dim, "heads": m.wide_heads, "tp": tp}
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     try:
         build, inputs, _ = m.make(dim, m.wide_heads, meta=m.wide_meta)
         model, kwargs = build(), inputs()
@@ -931,7 +925,7 @@ def wide_plan(m: Model) -> dict:
             plan = autotp.plan(model, tp, example_kwargs=kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         out["plan_error"] = _where(exc)
-        out["seconds"] = round(time.perf_counter() - t0, 1)
+        out["seconds"] = round(clock.seconds, 1)
         return out
     rep = large_replicated(plan, dim, in_stacks=m.in_stacks)
     inside = [r for r in rep if r["in_layer"]]
@@ -943,7 +937,7 @@ def wide_plan(m: Model) -> dict:
     out["fallbacks"] = list(plan.fallbacks)
     out["fallbacks_in_layers"] = in_layer_fallbacks(plan, m.in_stacks)
     out["collectives"] = {"forward": plan.count("forward"), "backward": plan.count("backward")}
-    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["seconds"] = round(clock.seconds, 1)
     return out
 
 
@@ -983,6 +977,32 @@ def wide_text(w: dict) -> str:
             f" ({w['seconds']} s)")
 
 
+def summary_columns(wides: list[dict]) -> list[Column]:
+    """The run's table: a row per model and tp, with the model's wide plan beside it."""
+    wide_of = {w["model"]: w for w in wides}
+
+    def result(row: dict) -> str:
+        e = row["exception"]
+        return row["status"] + (f": {e['type']} @ {e['at'] or e['raised']}" if e else "")
+
+    def wide(row: dict) -> str:
+        w = wide_of.get(row["model"])
+        return "-" if w is None else (str(w["large_replicated"]) if "large_replicated" in w
+                                      else "error")
+
+    return [
+        Column("model", 0, "model"),
+        Column("codebase", 0, cell=lambda r: f"{r['codebase']} {r['version']}"),
+        Column("tp", 0, "tp"), Column("result", 0, cell=result),
+        Column("per block (fwd,bwd)", 0, cell=lambda r: str(r.get("collectives", "-"))),
+        Column("Megatron", 0, cell=lambda r: str(r.get("megatron_counts", "-"))),
+        Column("at bound", 0, cell=lambda r: "yes" if r.get("at_bound") else "no"),
+        Column("large repl.", 0, cell=lambda r: str(sum(
+            1 for x in r.get("large_replicated", []) if x["in_layer"]))),
+        Column("wide large repl.", 0, cell=wide),
+    ]
+
+
 def summary(rows: list[dict], wides: list[dict]) -> dict:
     n = len(rows)
     by = {k: [r for r in rows if r["status"] == k]
@@ -1010,19 +1030,12 @@ def summary(rows: list[dict], wides: list[dict]) -> dict:
 
 def model_set(name: str) -> list[Model]:
     """The models of a set: ``first`` (this file's), ``more`` (benchmarks/unseen_more.py's),
-    ``all``. unseen_more imports this module as ``unseen``: run as a script, this module is
-    ``__main__``, so it is named ``unseen`` too rather than run a second time."""
+    ``all``."""
     if name == "first":
         return MODELS
-    sys.modules.setdefault("unseen", sys.modules[__name__])
-    more = sys.modules.get("unseen_more")
-    if more is None:  # benchmarks/ is off sys.path (above): by its file
-        spec = importlib.util.spec_from_file_location("unseen_more",
-                                                      os.path.join(_HERE, "unseen_more.py"))
-        more = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["unseen_more"] = more
-        spec.loader.exec_module(more)  # type: ignore[union-attr]
-    return more.MODELS if name == "more" else MODELS + more.MODELS
+    from benchmarks import unseen_more  # it imports this module's Model and helpers
+
+    return unseen_more.MODELS if name == "more" else MODELS + unseen_more.MODELS
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -1086,20 +1099,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stdout.flush()
             wides.append(w)
 
-    print("\n| model | codebase | tp | result | per block (fwd,bwd) | Megatron | at bound | "
-          "large repl. | wide large repl. |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    wide_of = {w["model"]: w for w in wides}
-    for row in rows:
-        e = row["exception"]
-        res = row["status"] + (f": {e['type']} @ {e['at'] or e['raised']}" if e else "")
-        w = wide_of.get(row["model"])
-        wt = "-" if w is None else (str(w["large_replicated"]) if "large_replicated" in w
-                                    else "error")
-        rep = sum(1 for r in row.get("large_replicated", []) if r["in_layer"])
-        print(f"| {row['model']} | {row['codebase']} {row['version']} | {row['tp']} | {res} | "
-              f"{row.get('collectives', '-')} | {row.get('megatron_counts', '-')} | "
-              f"{'yes' if row.get('at_bound') else 'no'} | {rep} | {wt} |")
+    print()
+    print(markdown_table(summary_columns(wides), rows))
     s = summary(rows, wides)
     print(f"\nexact {s['exact_pct']}% of simulated rows; at bound {s['at_bound_pct']}%; "
           f"{len(s['crashes'])} crash(es), {len(s['refusals'])} refusal(s), "
@@ -1109,13 +1110,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in s[key]:
             print(f"  {label}: {line}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"autotp": os.path.dirname(autotp.__file__), "torch": torch.__version__,
-                       "models": [{"name": m.name, "codebase": m.dist, "version": version(m.dist),
-                                   "kind": m.kind} for m in chosen],
-                       "rows": rows, "wide": wides, "summary": s}, f, indent=1, default=str)
+        write_json(a.json, {
+            "autotp": os.path.dirname(autotp.__file__), "torch": torch.__version__,
+            "models": [{"name": m.name, "codebase": m.dist, "version": version(m.dist),
+                        "kind": m.kind} for m in chosen],
+            "rows": rows, "wide": wides, "summary": s})
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run benchmarks.unseen, the module unseen_more imports, not a copy
+    from benchmarks import unseen
+
+    sys.exit(unseen.main())

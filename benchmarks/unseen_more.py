@@ -1,8 +1,8 @@
-"""A second set of codebases for benchmarks/unseen.py: `python benchmarks/unseen.py --set more`
+"""A second set of codebases for benchmarks/unseen.py: `python -m benchmarks.unseen --set more`
 (``--set all``: both sets).
 
-    python benchmarks/unseen.py --set more                      # every model of this set
-    python benchmarks/unseen.py --set more swin conformer --tp 2
+    python -m benchmarks.unseen --set more                      # every model of this set
+    python -m benchmarks.unseen --set more swin conformer --tp 2
 
 The models: torchscale (RetNet; an encoder with relative position buckets and sub-LayerNorms
 inside attention and FFN; a post-LN DeepNet encoder-decoder), conformer (the Conformer block:
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import unseen  # noqa: F401  (unseen.py, the harness: run as a script it is this set's caller)
-from unseen import B, T, Call, Model, on_device, ready, serial, tokens
+from benchmarks import unseen  # the harness: `python -m benchmarks.unseen_more` runs its main
+from benchmarks.unseen import B, T, Call, Model, on_device, ready, serial, tokens
 
 # ---- torchscale ----------------------------------------------------------------------------------
 
@@ -428,5 +428,4 @@ MODELS = [
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("unseen_more", sys.modules[__name__])  # one copy of this set
     sys.exit(unseen.main(["--set", "more", *sys.argv[1:]]))

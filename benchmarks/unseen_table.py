@@ -1,6 +1,6 @@
 """The unseen-code sweep before and after, as one markdown table (docs/coverage.md's).
 
-    python benchmarks/unseen_table.py benchmarks/unseen_baseline.json benchmarks/unseen_after.json
+    python -m benchmarks.unseen_table benchmarks/unseen_baseline.json benchmarks/unseen_after.json
 
 Per model and tp: the result (exact / crash / refused), whether every block is within
 Megatron's count and bytes with no large matrix replicated (``at bound``, as
@@ -10,14 +10,14 @@ benchmarks/unseen.py decides it), the large replicated matrices at h = 64 and in
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
+from benchmarks.harness import read_json
+
 
 def _rows(path: str) -> tuple[dict[tuple[str, int], dict], dict[str, dict], dict]:
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
+    data = read_json(path)
     rows = {(r["model"], int(r["tp"])): r for r in data["rows"]}
     wide = {w["model"]: w for w in data["wide"]}
     return rows, wide, data

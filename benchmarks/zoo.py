@@ -1,8 +1,8 @@
 """Every causal-LM architecture the installed transformers ships, planned and run at tp 2.
 
-    python benchmarks/zoo.py --json zoo-5.24.json          # sweep (about 10 minutes, 2 cores)
-    python benchmarks/zoo.py --only llama,mixtral          # a few model types
-    python benchmarks/zoo.py --diff old.json new.json      # what moved between two sweeps
+    python -m benchmarks.zoo --json zoo-5.24.json          # sweep (about 10 minutes, 2 cores)
+    python -m benchmarks.zoo --only llama,mixtral          # a few model types
+    python -m benchmarks.zoo --diff old.json new.json      # what moved between two sweeps
 
 Unlike benchmarks/family_coverage.py (a fixed list of families with hand-made configs), this walks
 transformers' own registry of causal LMs (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), so a new or
@@ -19,18 +19,15 @@ layer. "at bound": exact, at most (2, 2) collectives and 1.01x Megatron's bytes 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from autotp.features.report import BOUND_BYTES, MEGATRON_BOUND
+from benchmarks import family_coverage  # the row of one model
+from benchmarks.harness import Stopwatch, read_json, write_json
 
-import family_coverage  # noqa: E402  (the row of one model)
-from autotp.features.report import BOUND_BYTES, MEGATRON_BOUND  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SMALL = {  # field -> value, set where the config has the field
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2,
@@ -97,7 +94,7 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
     ``resume`` the architectures already there are kept rather than run again."""
     import transformers
 
-    rows = json.loads(out.read_text()) if resume and out and out.exists() else []
+    rows = read_json(out) if resume and out and out.exists() else []
     done = {row["model_type"] for row in rows}
     for model_type, class_name in architectures().items():
         if (only and model_type not in only) or model_type in done or model_type in skip:
@@ -105,7 +102,7 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
         name = f"zoo:{model_type}"
         family_coverage.FAMILIES[name] = family_coverage.Family(
             builder(model_type, class_name), inputs)
-        started = time.perf_counter()
+        clock = Stopwatch()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             results = family_coverage.check_family(name, tps)
@@ -115,9 +112,9 @@ def sweep(only: Optional[list[str]], tps: list[int], out: Optional[Path] = None,
             row["at_bound"] = at_bound(row)
             rows.append(row)
             print(f"{model_type:28s} tp={row['tp']} {summary(row)}  "
-                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+                  f"({clock.seconds:.1f} s)", flush=True)
         if out:
-            out.write_text(json.dumps(rows, indent=1, default=str))
+            write_json(out, rows)
     return rows
 
 
@@ -169,8 +166,8 @@ def totals(rows: list[dict[str, Any]]) -> str:
 
 
 def diff(old_path: str, new_path: str) -> None:
-    old = {(r["model_type"], r["tp"]): r for r in json.loads(Path(old_path).read_text())}
-    new = {(r["model_type"], r["tp"]): r for r in json.loads(Path(new_path).read_text())}
+    old = {(r["model_type"], r["tp"]): r for r in read_json(old_path)}
+    new = {(r["model_type"], r["tp"]): r for r in read_json(new_path)}
     versions = [next(iter(d.values()))["transformers"] if d else "?" for d in (old, new)]
     print(f"transformers {versions[0]} -> {versions[1]}")
     print(f"  {versions[0]}: {totals(list(old.values()))}")

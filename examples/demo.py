@@ -10,13 +10,11 @@ parameter's gradient against the unsharded model. Exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_gpt2(layers: int) -> torch.nn.Module:

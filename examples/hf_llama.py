@@ -9,16 +9,12 @@ all-reduces per layer in each direction.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from autotp.features.verify import compare, layer_counts, reference_step, sharded_step  # noqa: E402
+import autotp
+from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
 
 
 def main() -> None:

@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
+import autotp
 
 
 def main() -> None:

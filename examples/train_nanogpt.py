@@ -12,18 +12,13 @@ single-device code; autotp finds the Megatron layout (fused qkv included) from i
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autotp  # noqa: E402
-from nanogpt import GPT, GPTConfig  # noqa: E402
+import autotp
+from nanogpt import GPT, GPTConfig
 
 
 def main() -> None:

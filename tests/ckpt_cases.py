@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autotp.features.verify import max_difference, perturb
-from models import VOCAB, gpt2_config, llama_config
-from models import quiet_transformers as _tf
+from tests.models import VOCAB, gpt2_config, llama_config
+from tests.models import quiet_transformers as _tf
 
 
 def gpt2() -> Any:

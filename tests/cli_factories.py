@@ -26,12 +26,7 @@ def not_a_model() -> str:
 
 
 def nanogpt() -> nn.Module:
-    import os
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
-    import nanogpt as nano
+    from examples import nanogpt as nano
 
     torch.manual_seed(0)
     model = nano.GPT(nano.GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128,

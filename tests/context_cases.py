@@ -140,7 +140,7 @@ PLAIN = {"nanogpt": "idx", "x_transformers": "x"}
 def model_inputs(name: str, padded: bool) -> dict[str, torch.Tensor]:
     """Whole inputs, the same on every rank: 16 tokens (labels for the model's own loss; the
     second sequence left-padded by 4 where ``padded``)."""
-    import models
+    from tests import models
 
     ids = torch.randint(0, models.VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     if name in PLAIN:
@@ -154,7 +154,7 @@ def model_inputs(name: str, padded: bool) -> dict[str, torch.Tensor]:
 
 
 def model_loss(name: str, out: Any) -> torch.Tensor:
-    import models
+    from tests import models
 
     if name in PLAIN:  # next-token cross-entropy outside the model
         ids = model_inputs(name, False)[PLAIN[name]]
@@ -178,7 +178,7 @@ def process_models(rank: int, world_size: int, names: list[str], padded: bool,
     model: output, loss and every gradient (``verify.compare``); ``saved``: a LLaMA saved
     with ``save_pretrained`` there, loaded by ``autotp.from_pretrained(..., cp=)`` against
     transformers' own ``from_pretrained``; then the bad inputs."""
-    import models
+    from tests import models
 
     results: dict[str, Any] = {}
     if saved is not None:
@@ -228,8 +228,8 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import models
-    from dist_cases import train_against_reference
+    from tests import models
+    from tests.dist_cases import train_against_reference
 
     torch.set_num_threads(1)
     dp, cp, tp = 2, 2, world_size // 4
@@ -266,7 +266,7 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[s
     the world does not have."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import models
+    from tests import models
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -302,7 +302,7 @@ def tp_inside_cp(rank: int, world_size: int, names: list[str], saved: Optional[s
 def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
     """The 4-process cases in one launch: FSDP2 over dp x cp, tp inside cp, pipeline stages
     over cp."""
-    from dist_cases import pipeline_context_case
+    from tests.dist_cases import pipeline_context_case
 
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
             "tp_cp": tp_inside_cp(rank, world_size,
@@ -314,7 +314,7 @@ def four_ranks(rank: int, world_size: int, saved: str) -> dict[str, Any]:
 def eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """The 8-process cases in one launch: FSDP2 over dp x cp with tp inside cp, then
     pipeline stages over cp with tp inside."""
-    from dist_cases import pipeline_context_case
+    from tests.dist_cases import pipeline_context_case
 
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
             "pp_cp": pipeline_context_case(rank, world_size)}

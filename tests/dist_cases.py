@@ -22,7 +22,7 @@ def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
     """
     import autotp
     from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
-    from models import BUILDERS, batch, example, loss_of, main_output
+    from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
     model = BUILDERS[name]().to(device)
@@ -65,7 +65,7 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
 
     import autotp
     from autotp.features.verify import compare, reference_step, sharded_step
-    from models import BUILDERS, VOCAB, batch
+    from tests.models import BUILDERS, VOCAB, batch
 
     torch.set_num_threads(1)
     model = BUILDERS[name]()
@@ -172,7 +172,7 @@ def _fsdp_run(world_size: int, checkpointing: bool, steps: int, experts: bool = 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
     if experts:
-        from models import qwen3_moe
+        from tests.models import qwen3_moe
 
         model = qwen3_moe().train()
     else:
@@ -247,7 +247,7 @@ def train_against_reference(sharded: Any, reference: Any, mine: dict[str, Any],
 
 
 def tiny_llama() -> Any:
-    from models import llama_config, quiet_transformers
+    from tests.models import llama_config, quiet_transformers
 
     tf = quiet_transformers()
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def tiny_llama() -> Any:
 
 
 def tiny_gpt2() -> Any:
-    from models import gpt2_config, quiet_transformers
+    from tests.models import gpt2_config, quiet_transformers
 
     tf = quiet_transformers()
     torch.manual_seed(0)
@@ -471,7 +471,7 @@ def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str
     from torch.distributed.pipelining import Schedule1F1B
 
     import autotp
-    from models import qwen3_moe
+    from tests.models import qwen3_moe
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
@@ -602,7 +602,7 @@ def torch_styles_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
 
     import autotp
     from autotp.features.verify import compare, reference_step, sharded_step
-    from models import BUILDERS, batch, example, loss_of, main_output
+    from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
     model = BUILDERS[name]()

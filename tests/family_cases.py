@@ -7,20 +7,13 @@ interpreter imports it from here)."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import warnings
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "benchmarks")
-if _BENCHMARKS not in sys.path:
-    sys.path.insert(0, _BENCHMARKS)
-
-import family_coverage as cov  # noqa: E402  as tests/test_coverage.py imports it
+from benchmarks import family_coverage as cov
 
 ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (autotp.features.verify.compare)
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from autotp.features.verify import max_difference, perturb
-from ckpt_cases import VOCAB, bigcode, gpt2, llama
+from tests.ckpt_cases import VOCAB, bigcode, gpt2, llama
 
 
 def qwen2() -> Any:

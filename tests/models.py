@@ -8,17 +8,11 @@ wrong cannot show: every builder perturbs them (``VECTOR_NOISE``), from the same
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Callable
 
 import torch
 
 from autotp.features.verify import main_output, perturb
-
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-if EXAMPLES not in sys.path:
-    sys.path.insert(0, EXAMPLES)
 
 VOCAB = 128
 
@@ -76,7 +70,7 @@ def bert(seed: int = 0) -> torch.nn.Module:
 
 
 def nanogpt(seed: int = 0) -> torch.nn.Module:
-    import nanogpt as nano
+    from examples import nanogpt as nano
 
     torch.manual_seed(seed)
     model = nano.GPT(nano.GPTConfig(n_layer=2, n_head=8, n_embd=64, vocab_size=VOCAB,

@@ -13,8 +13,8 @@ def different_models(rank: int, world_size: int) -> dict[str, str]:
     ranks compare what they traced). Then a model with an op no rule covers, the same on
     both ranks: only rank 0 plans it, and its NoRuleError is raised on rank 1 too."""
     import autotp
-    from models import VOCAB
-    from test_errors import UsesAnOpWithoutRule
+    from tests.models import VOCAB
+    from tests.test_errors import UsesAnOpWithoutRule
 
     import transformers
 
@@ -42,7 +42,7 @@ def different_models(rank: int, world_size: int) -> dict[str, str]:
 def one_rank_fails(rank: int, world_size: int, timeout: float) -> Any:
     """Rank 1 raises after the first step; rank 0 must fail fast instead of hanging."""
     import autotp
-    from models import BUILDERS, batch
+    from tests.models import BUILDERS, batch
 
     model = BUILDERS["gpt2"]()
     sharded = autotp.parallelize(model, tp=world_size, timeout=timeout)
@@ -62,7 +62,7 @@ def different_seeds(rank: int, world_size: int) -> str:
     """Ranks seeded differently hold different weights and would draw different dropout
     masks for replicated values: refused on the first call."""
     import autotp
-    from models import BUILDERS, batch
+    from tests.models import BUILDERS, batch
 
     model = BUILDERS["gpt2"](seed=rank)
     sharded = autotp.parallelize(model, tp=world_size)

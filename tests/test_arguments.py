@@ -21,7 +21,7 @@ from autotp.features.verify import assert_equivalent
 from autotp.ops import argument
 from autotp.rules.registry import Registry
 
-from test_rules import SAMPLES, _clone, _resolve
+from tests.test_rules import SAMPLES, _clone, _resolve
 
 aten = torch.ops.aten
 

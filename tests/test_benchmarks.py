@@ -8,21 +8,14 @@ forward and in backward.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
 from autotp.runtime.launch import run_processes
-
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "benchmarks")
-sys.path.insert(0, BENCHMARKS)
-
-import bench_models as bm  # noqa: E402
-from step_probe import StepProbe  # noqa: E402
+from benchmarks import bench_models as bm
+from benchmarks.step_probe import StepProbe
 
 ATOL = 1e-4
 MODELS = ("gpt2", "llama")
@@ -32,7 +25,7 @@ IMPLS = ("megatron", "dtensor", "dtensor-prepare")
 def reference_case(rank: int, world_size: int) -> dict[str, Any]:
     """Per model and implementation: loss and max gradient diff against the unsharded model,
     and the collectives of one training step counted by the probe."""
-    from tp_bench import build_impl, check_step, train_step
+    from benchmarks.tp_bench import build_impl, check_step, train_step
 
     from autotp.features.verify import max_difference
 

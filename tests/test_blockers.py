@@ -84,7 +84,7 @@ def softmax_query() -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 
 def test_plan_and_explain_name_the_blocking_op() -> None:
-    from test_cli import autotp as run
+    from tests.test_cli import autotp as run
 
     factory = f"{__file__}:softmax_query"
     where = f"test_blockers.py:{_line('# SOFTMAX')}"

@@ -22,8 +22,8 @@ from autotp.features.report import to_dict, to_table
 from autotp.planner.bound import megatron_verdict, width
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, ParamPlan, Plan
-from cli_factories import Block, blocks
-from test_cli import FACTORIES, autotp as cli
+from tests.cli_factories import Block, blocks
+from tests.test_cli import FACTORIES, autotp as cli
 
 X = torch.randn(2, 8, 32)
 

@@ -15,7 +15,7 @@ import torch
 
 import autotp
 from autotp.features.verify import assert_equivalent
-from models import BUILDERS, VOCAB
+from tests.models import BUILDERS, VOCAB
 
 
 def _inputs(batch: int = 2, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import ckpt_cases as cc
+from tests import ckpt_cases as cc
 from autotp.features.verify import max_difference
 from autotp.runtime.launch import run_processes
 

@@ -169,7 +169,7 @@ def test_deepseek_routing_weights_join_the_experts_input_gradient() -> None:
     import autotp
     from autotp.features.verify import assert_equivalent, layer_counts
     from autotp.planner.cost import CostModel
-    from family_cases import ATOL, build, next_token_loss
+    from tests.family_cases import ATOL, build, next_token_loss
 
     model, kwargs = build("DeepSeek-V3 (MLA, MoE)")
     with warnings.catch_warnings():

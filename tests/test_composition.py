@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from autotp.features.verify import max_difference
 from autotp.runtime.launch import run_processes
-from dist_cases import fsdp_case
+from tests.dist_cases import fsdp_case
 
 
 def test_fsdp2_per_layer_on_a_2d_mesh() -> None:

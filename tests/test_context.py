@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import context_cases as cc
+from tests import context_cases as cc
 import autotp
 from autotp.errors import ConfigError
 from autotp.features.verify import max_difference
@@ -253,7 +253,7 @@ def test_models_match_the_unsharded_model(name: str, tp: int, cp: int, padded: b
     attention by the ring, or by Ulysses where it takes no mask tensor and sends fewer
     bytes (the plan says which and why); every parameter whole on every rank at tp 1, as
     the tp plan holds it (Megatron's bound per layer) inside tp."""
-    import models
+    from tests import models
 
     from autotp.features.verify import assert_equivalent
 
@@ -291,7 +291,7 @@ def test_sequence_parallelism_inside_cp_matches_the_unsharded_model(name: str) -
     merged batch x sequence rows, which cp gathers whole: its split of their outputs comes
     before tp's reduce-scatter of them. Exact against the unsharded model (padded); a
     length 4 does not divide is refused with the numbers."""
-    import models
+    from tests import models
 
     from autotp.features.verify import assert_equivalent
 
@@ -322,7 +322,7 @@ def test_merged_batch_and_sequence_rows_stay_sharded() -> None:
     15 % of 1/cp of the unsharded model's at cp 2 and 4."""
     import warnings
 
-    import models
+    from tests import models
 
     from autotp.features.saved_tensors import count_saved
 
@@ -366,7 +366,7 @@ def test_model_masks_are_built_block_by_block(name: str, padded: bool, tile_byte
     position vectors: at cp 2 the ring runs those ops on each pair of chunks it meets
     (``planner/masks.py``), so no rank makes a tensor of its 24 query rows by all 48 keys
     (forward or backward), and the model stays exact, in tiles of query rows too."""
-    import models
+    from tests import models
 
     import autotp.runtime.context as context
 
@@ -415,7 +415,7 @@ def test_eager_einsum_attention_gathers_keys_and_values() -> None:
     cp 2: the scores' product keeps this rank's queries and reads every key, so each
     attention block all-gathers k and v forward and reduce-scatters their gradients
     (context parallelism by gathered keys and values), and the model stays exact."""
-    import models
+    from tests import models
 
     from autotp.features.verify import assert_equivalent
 
@@ -432,7 +432,7 @@ def test_eager_einsum_attention_gathers_keys_and_values() -> None:
 def test_any_head_count_runs_by_the_ring() -> None:
     """cp need not divide the heads (nanoGPT's 8 at cp 3): the ring takes any count, where
     a tp plan of 3 refuses them."""
-    import models
+    from tests import models
 
     from autotp.errors import PlanError
 
@@ -445,7 +445,7 @@ def test_any_head_count_runs_by_the_ring() -> None:
 
 
 def test_context_parallel_bad_input_is_a_clear_error() -> None:
-    import models
+    from tests import models
 
     inputs = cc.model_inputs("llama", False)
     with pytest.raises(ConfigError, match="sequence_parallel only with tp > 1"):
@@ -472,7 +472,7 @@ def test_gloo_processes_parallelize_with_cp(cp: int, names: list[str], tmp_path:
     transformers' loading of it."""
     saved = None
     if cp == 2:
-        import models
+        from tests import models
 
         models.llama().save_pretrained(tmp_path)
         saved = str(tmp_path)
@@ -537,7 +537,7 @@ def test_four_gloo_processes_fsdp2_over_dp_and_cp_and_tp_inside_cp(tmp_path: Any
     1e-5 of its largest entry on the first step and 3e-3 on the second (AdamW's first update
     moves a near-zero gradient's weight by about lr, as in tests/test_pipeline.py), half
     the weights per pp rank, and ``clip_grad_norm_`` over the stages within 1e-4."""
-    import models
+    from tests import models
 
     models.llama().save_pretrained(tmp_path)
     for rank, both in enumerate(run_processes(cc.four_ranks, 4, str(tmp_path), timeout=400)):
@@ -597,7 +597,7 @@ def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) ->
     import threading
 
     import autotp.runtime.context as context
-    import models
+    from tests import models
 
     inputs = cc.model_inputs(name, False)
     sim = autotp.simulate(models.BUILDERS[name]().eval(), 1, cp=cp, example_kwargs=inputs)

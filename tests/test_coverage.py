@@ -1,6 +1,6 @@
 """The coverage record is what the families do: they run at tp = 2 here.
 
-benchmarks/family_coverage.json is written by ``python benchmarks/family_coverage.py --record``
+benchmarks/family_coverage.json is written by ``python -m benchmarks.family_coverage --record``
 (docs/coverage.md's coverage table is its rendering, ``--write-docs``). This test reruns
 families at tp = 2 and checks each against its recorded row: the same plan and program
 (``family_coverage.planned``: the status, a refusal's reason, the collectives and bytes of every
@@ -11,30 +11,24 @@ Every family runs but those in ``LIKE`` and ``IN_FAMILY_TESTS`` (run by
 tests/test_families.py): near copies of a family that does run (the same
 kind of layer: attention, MLP, norms, experts), skipped by default to keep the suite short (a family
 costs 1 to 6 s, mostly torch.export). ``AUTOTP_COVERAGE_ALL=1`` runs them too, and
-``python benchmarks/family_coverage.py`` runs every family at tp 2 and 4. A new family runs by
+``python -m benchmarks.family_coverage`` runs every family at tp 2 and 4. A new family runs by
 default unless it is added to ``LIKE``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autotp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
-
-import family_coverage as cov  # noqa: E402
+from benchmarks import family_coverage as cov
 
 RECORD = cov.read_record()
 RECORDED = {row["family"]: row for row in RECORD["rows"] if row["tp"] == 2}
-RERECORD = "re-record: python benchmarks/family_coverage.py --record --write-docs"
+RERECORD = "re-record: python -m benchmarks.family_coverage --record --write-docs"
 ALL = os.environ.get("AUTOTP_COVERAGE_ALL", "") not in ("", "0")
 
 # skipped family -> the family it is a near copy of (which runs)

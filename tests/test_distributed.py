@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autotp.runtime.launch import run_processes
-from dist_cases import each_case, equivalence_case, reduce_scatter_case
+from tests.dist_cases import each_case, equivalence_case, reduce_scatter_case
 
 ATOL = 1e-4
 

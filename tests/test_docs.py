@@ -9,8 +9,8 @@ Every ```python block carries a marker on the line before it:
   the functions it imports by name: ``init_device_mesh``, ``fully_shard``, ...).
 
 Every command line in a ```bash block that runs ``autotp`` must parse with autotp's own
-parser, and every flag given to an ``examples/*.py`` or ``benchmarks/*.py`` script must be one
-its parser defines.
+parser, and every flag given to an ``examples/*.py`` script or a ``python -m benchmarks.NAME``
+module must be one its parser defines.
 """
 
 from __future__ import annotations
@@ -180,8 +180,31 @@ SHELL = [b for b in ALL if b.lang == "bash"] + [b for script in SCRIPTS
 AUTOTP_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
                 if argv and argv[0] == "autotp"]
 SCRIPT = re.compile(r"^(examples|benchmarks)/\w+\.py$")
+MODULE = re.compile(r"^(examples|benchmarks)\.(\w+)$")  # python -m benchmarks.NAME
+
+
+def script_at(argv: list[str]) -> Optional[int]:
+    """Where the script of a command line is (its flags follow): ``examples/x.py`` or the
+    module of ``-m benchmarks.x``; None for a line that runs neither."""
+    for i, a in enumerate(argv):
+        if SCRIPT.match(a) or (MODULE.match(a) and i > 0 and argv[i - 1] == "-m"):
+            return i
+    return None
+
+
+def split_line(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """A command line of a script: what comes before it (``torchrun --nproc-per-node 8``,
+    ``python -m``), the script's file relative to the repository root, its arguments."""
+    at = script_at(argv)
+    if at is None:
+        raise ValueError(f"no example or benchmark in {argv}")
+    module = MODULE.match(argv[at])
+    script = f"{module.group(1)}/{module.group(2)}.py" if module else argv[at]
+    return argv[:at], script, argv[at + 1:]
+
+
 EXAMPLE_LINES = [(b, argv) for b in SHELL for argv in _command_lines(b)
-                 if any(SCRIPT.match(a) for a in argv)]
+                 if script_at(argv) is not None]
 
 
 def test_the_pages_show_commands() -> None:
@@ -219,7 +242,7 @@ def test_command_line_runs(block: Block, argv: list[str], tmp_path: Path,
     autotp's own lines (no Python warnings, no torch.export dumps)."""
     if any(PLACEHOLDER.match(a.split(":")[0]) for a in argv):
         pytest.skip(f"{block.where}: {argv[1]} of a placeholder path")
-    from test_cli import run_cli
+    from tests.test_cli import run_cli
 
     monkeypatch.chdir(tmp_path)
     result = run_cli(*argv[1:], check=False)
@@ -254,11 +277,21 @@ def _flags(script: str) -> set[str]:
     return flags | {"--help"}
 
 
+def test_benchmarks_are_shown_as_modules() -> None:
+    """A benchmark imports its neighbours as ``benchmarks.…`` and ``tests.…``: it runs from the
+    repository root as ``python -m benchmarks.NAME``; as a file it could not import them."""
+    as_files = [f"{b.where}: {' '.join(argv)}" for b, argv in EXAMPLE_LINES
+                if any(SCRIPT.match(a) and a.startswith("benchmarks/") for a in argv)]
+    missing = [f"{b.where}: {split_line(argv)[1]}" for b, argv in EXAMPLE_LINES
+               if not (ROOT / split_line(argv)[1]).exists()]
+    assert not as_files and not missing, (as_files, missing)
+
+
 def test_example_flags_exist() -> None:
     wrong = []
     for block, argv in EXAMPLE_LINES:
-        script = next(a for a in argv if SCRIPT.match(a))
-        flags = [a.split("=")[0] for a in argv[argv.index(script) + 1:] if a.startswith("--")]
+        _, script, args = split_line(argv)
+        flags = [a.split("=")[0] for a in args if a.startswith("--")]
         listed = _flags(script)
         wrong += [f"{block.where}: {script} {flag}" for flag in flags if flag not in listed]
     assert not wrong, f"flags the examples do not take: {wrong}"
@@ -317,10 +350,10 @@ def test_documented_launches_divide_the_model() -> None:
     for block, argv in EXAMPLE_LINES:
         if argv[0] != "torchrun":
             continue
-        script = next(a for a in argv if SCRIPT.match(a))
-        launcher = dict(zip(argv[:argv.index(script)], argv[1:argv.index(script)]))
+        before, script, args = split_line(argv)
+        launcher = dict(zip(before, before[1:]))
         world = int(launcher.get("--nproc-per-node", 1)) * int(launcher.get("--nnodes", 1))
-        given = dict(zip(argv[argv.index(script) + 1:], argv[argv.index(script) + 2:]))
+        given = dict(zip(args, args[1:]))
         values = {**_defaults(script), **{k: v for k, v in given.items() if k.startswith("--")}}
         dp, pp = int(values.get("--dp", 1)), int(values.get("--pp", 1))
         tp = int(values["--tp"]) if "--tp" in values else world // (dp * pp)

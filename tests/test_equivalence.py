@@ -16,9 +16,9 @@ import torch
 import autotp
 from autotp.layout import parse_layout, unshard_tensor
 from autotp.features.verify import assert_equivalent, layer_counts, max_difference, perturb
-from ckpt_cases import MQA, bigcode
-from ckpt_cases import batch as mqa_batch
-from models import BUILDERS, batch, example, loss_of
+from tests.ckpt_cases import MQA, bigcode
+from tests.ckpt_cases import batch as mqa_batch
+from tests.models import BUILDERS, batch, example, loss_of
 
 ATOL = 1e-4
 MODELS = ["gpt2", "llama", "bert", "nanogpt"]

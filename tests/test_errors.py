@@ -9,7 +9,7 @@ from torch import nn
 import autotp
 from autotp.runtime.launch import run_processes
 from autotp.features.verify import assert_equivalent
-from models import BUILDERS, example
+from tests.models import BUILDERS, example
 
 
 def test_tp_not_dividing_heads_names_valid_values() -> None:
@@ -39,7 +39,7 @@ def _tp_mismatch(rank: int, world_size: int) -> list[str]:
     """What parallelize says to degrees that do not fit the group: tp alone, ep and tp whose
     product is not the world, an ep group without its tp group."""
     import torch.distributed as dist
-    from models import BUILDERS
+    from tests.models import BUILDERS
 
     out = []
     for kwargs in ({"tp": 4}, {"tp": 2, "ep": 2}, {"ep_group": dist.group.WORLD}):

@@ -34,9 +34,8 @@ from autotp.planner.job.hardware import PRESETS, Hardware, hardware, load, save
 from autotp.planner.job.memory import layer_activations, end_activations, precision, stage_memory
 from autotp.planner.job.profile import build_profile
 from autotp.planner.solve import PlanOptions, plan_graph
+from examples import nanogpt as nano
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-import nanogpt as nano  # noqa: E402
 
 B, T, LAYERS = 2, 24, 2
 
@@ -593,7 +592,7 @@ def test_causal_shaped_masks_are_told_from_bidirectional_ones() -> None:
     pairs (an order comparison of query and key positions, joined by conjunctions), which
     the estimate prices at half (the runtime's causal path, or the ring's skipped chunk
     pairs); BERT's bidirectional padding mask does not."""
-    import models
+    from tests import models
 
     from autotp.ops import node_arg
     from autotp.planner.masks import mask_region, ordered

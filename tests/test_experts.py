@@ -30,7 +30,7 @@ from autotp.features.report import to_dict, to_table
 from autotp.planner.cost import CostModel
 from autotp.runtime import routed_rows
 from autotp.runtime.launch import run_processes
-from models import qwen3_moe
+from tests.models import qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 
@@ -205,7 +205,7 @@ def test_gloo_expert_parallel_with_fsdp2_and_in_pipeline_stages() -> None:
       gradient not scaled is off by 1/2), the losses within 1e-5. A layer of a mixture of
       experts returns sizes (B x T) that the next stage computes again from its own
       tensors."""
-    from dist_cases import expert_parallel_cases
+    from tests.dist_cases import expert_parallel_cases
 
     for rank, runs in enumerate(run_processes(expert_parallel_cases, 4, timeout=600)):
         for dp in (2, 4):
@@ -228,7 +228,7 @@ def test_expert_parallel_with_grouped_routing_and_a_shared_expert() -> None:
     """DeepSeek-V3's block (family_coverage.py's model: MLA, grouped top-k routing, a shared expert
     beside the routed ones) at tp 2 x ep 2: exact as above; the shared expert stays a dense
     MLP, tensor parallel and not dispatched."""
-    from family_cases import build
+    from tests.family_cases import build
 
     model, _ = build("DeepSeek-V3 (MLA, MoE)")
     sim, _, _ = _data_parallel_step(model, 2, 2)

@@ -22,8 +22,8 @@ from autotp.features.export import TpPlanExport, to_tp_plan
 from autotp.features.styles import Kind, Placement
 from autotp.planner.plan import Plan
 from autotp.runtime.launch import run_processes
-from dist_cases import each_case, torch_styles_case
-from models import (BUILDERS, dit, dit_inputs, example, llama_config, qwen3_moe,
+from tests.dist_cases import each_case, torch_styles_case
+from tests.models import (BUILDERS, dit, dit_inputs, example, llama_config, qwen3_moe,
                     quiet_transformers)
 
 RTOL = 1e-5  # outputs and gradients, relative to the unsharded model's largest entry

@@ -36,7 +36,7 @@ import autotp
 from autotp.runtime.launch import run_processes
 from autotp.layout import Shard, parse_layout, whole_numel
 from autotp.features.verify import Comparison, StepResult, compare, reference_step, sharded_step
-from family_cases import (
+from tests.family_cases import (
     ATOL,
     build,
     caller,

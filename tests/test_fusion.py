@@ -10,7 +10,7 @@ import torch
 import autotp
 from autotp.runtime.fusion import logsumexp_and_gather
 from autotp.runtime.layers import program_nodes
-from models import BUILDERS, example
+from tests.models import BUILDERS, example
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ import torch
 
 import autotp
 from autotp.features.verify import max_difference
-import gen_cases as gc
+from tests import gen_cases as gc
 from autotp.errors import ConfigError
 from autotp.features.generate import cache_argument, decoder_of
 from autotp.runtime.launch import run_processes

@@ -26,10 +26,10 @@ from autotp.planner.gradflow import (Form, Grad, check_gradient_flow, edge_backw
 from autotp.planner.plan import Edge, Plan
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.planner.transitions import transition
-from ckpt_cases import BUILDERS as CKPT_BUILDERS
-from ckpt_cases import MQA
-from models import BUILDERS, example
-from test_complex import HIDDEN, TOKENS, ComplexRopeAttention, without_complex_rules
+from tests.ckpt_cases import BUILDERS as CKPT_BUILDERS
+from tests.ckpt_cases import MQA
+from tests.models import BUILDERS, example
+from tests.test_complex import HIDDEN, TOKENS, ComplexRopeAttention, without_complex_rules
 
 LAYOUTS: list[Layout] = [R, R_STAR, Shard(1), P, P_LSE]
 OFFERED = [(src, dst, sp) for src in LAYOUTS for dst in LAYOUTS for sp in (False, True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,21 @@ def test_mypy_clean() -> None:
     result = _run("mypy", "autotp", "rules", "planner", "--ignore-missing-imports",
                   "--follow-imports=silent")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# sys.path edits and PYTHONPATH set for a child: how a file would reach a neighbour by its plain
+# name instead of as tests.models, benchmarks.peers, examples.nanogpt
+PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path \+=|site\.addsitedir\("
+                       r"|PYTHONPATH=")
+
+
+def test_no_sys_path_edits() -> None:
+    """tests/, benchmarks/ and examples/ are packages of the checkout: each imports the others
+    from the repository root (pytest's ``pythonpath``, ``python -m benchmarks.NAME``), never by
+    adding a folder to ``sys.path``."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for folder in ("tests", "benchmarks", "examples")
+             for path in sorted(Path(ROOT, folder).glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if PATH_EDIT.search(line) and path.name != "test_lint.py"]
+    assert not found, found

@@ -24,7 +24,7 @@ from torch import nn
 
 import autotp
 from autotp.features.verify import assert_equivalent, perturb
-from models import dit, dit_inputs, x_transformers_decoder
+from tests.models import dit, dit_inputs, x_transformers_decoder
 
 TOL = 1e-5
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-import dist_cases
+from tests import dist_cases
 from autotp.errors import ConfigError
 from autotp.runtime.launch import run_processes
 from autotp.features.cut import _balanced

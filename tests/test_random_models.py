@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from generic import (
+from tests.generic import (
     GenericConfig,
     HFConfig,
     check_equivalence,

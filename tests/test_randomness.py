@@ -12,7 +12,7 @@ import torch
 import autotp
 from autotp.runtime.layers import program_nodes
 from autotp.features.verify import perturb
-from models import VECTOR_NOISE, VOCAB, batch
+from tests.models import VECTOR_NOISE, VOCAB, batch
 
 
 def _gpt2_with_dropout(p: float):

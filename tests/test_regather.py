@@ -25,7 +25,7 @@ from autotp.layout import Replicate, Shard, parse_layout, unshard_tensor
 from autotp.runtime.regather import ShardKeeper
 from autotp.features.verify import (StepResult, compare, max_difference, reference_step,
                                     sharded_step)
-from models import BUILDERS, VOCAB, batch
+from tests.models import BUILDERS, VOCAB, batch
 
 ATOL = 1e-4
 

@@ -34,7 +34,7 @@ from autotp.features.dot import dot_quote, to_dot
 from autotp.features.page import experts_per_rank, to_html
 from autotp.features.render import CHECK_OPS, FILL, execution_order, layout_class
 from autotp.features.report import fold_layers, group_names, human_bytes, to_dict, to_table
-from models import BUILDERS, qwen3_moe
+from tests.models import BUILDERS, qwen3_moe
 
 COST = CostModel()
 

@@ -12,10 +12,7 @@ differ).
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +24,8 @@ import autotp
 from autotp.capture.trace import capture
 from autotp.planner.solve import PlanOptions, plan_graph
 from autotp.features.verify import assert_equivalent
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
-
-import family_coverage as cov  # noqa: E402
-from test_coverage import ALL  # noqa: E402
+from benchmarks import family_coverage as cov
+from tests.test_coverage import ALL
 
 ATOL = 1e-4
 # Families where no list can be traced in part at 6 layers, and why

@@ -17,8 +17,8 @@ from torch import nn
 import autotp
 from autotp.features.verify import assert_equivalent, max_difference
 from autotp.runtime.launch import run_processes
-from models import BUILDERS, batch, example
-from robust_cases import different_models, different_seeds, one_rank_fails
+from tests.models import BUILDERS, batch, example
+from tests.robust_cases import different_models, different_seeds, one_rank_fails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -382,7 +382,7 @@ def _plan_generic(config: Any, tp: int, **options: Any) -> Any:
     from autotp.planner.problem import PlanOptions
     from autotp.planner.solve import plan_graph
 
-    from generic import build
+    from tests.generic import build
 
     model, ids = build(config)
     with warnings.catch_warnings():
@@ -401,7 +401,7 @@ def test_norm_over_sharded_heads_takes_partial_statistics() -> None:
     projections leave sharded. Without partial statistics o_proj (and more) stay whole; with
     them (the default, taken because of those) every matrix is sharded, each norm all-reduces
     its [B, T, 1] statistic, and a layer stays within 4 collectives each way."""
-    from generic import GenericConfig
+    from tests.generic import GenericConfig
 
     config = GenericConfig(norm="rms", qk_norm=True, mlp="swiglu", rope=True, bias=False,
                            n_head=4, n_kv_head=4)
@@ -427,7 +427,7 @@ def test_the_second_search_keeps_its_plan_only_within_the_bound(monkeypatch: Any
     collectives in either direction than max(4, the first plan's). Its plan for the OLMo2-like
     model (statistics, every matrix sharded) is made to move one large all-reduce too many in
     layer 0's forward: the first plan (o_proj kept whole) stays."""
-    from generic import GenericConfig
+    from tests.generic import GenericConfig
 
     from autotp.planner import solve as solve_module
 
@@ -464,7 +464,7 @@ def test_partial_statistics_leave_megatron_plans_alone() -> None:
     the price of 5 more all-reduces per layer. The plan stays Megatron's. (With rotary
     embeddings a 64-state beam alone loses this plan among many of equal cost and pays two
     last-resort gathers; the planner's second, wider search finds it.)"""
-    from generic import GenericConfig
+    from tests.generic import GenericConfig
 
     config = GenericConfig(norm="rms", mlp="swiglu", rope=True, bias=False, n_head=4,
                            n_kv_head=2)
@@ -486,7 +486,7 @@ def test_kv_heads_fewer_than_tp_keep_megatrons_plan_at_wide_heads() -> None:
     k/v row-parallel (q, k and v all-reduced, o_proj whole: 4 all-reduces forward). Whole
     by design, they are priced as the fused case's whole k/v segments, and the plan is
     Megatron's."""
-    from generic import GenericConfig
+    from tests.generic import GenericConfig
 
     config = GenericConfig(norm="rms", mlp="swiglu", rope=True, bias=False, n_head=8,
                            n_kv_head=4, d_model=256, d_ff=1024)

@@ -17,7 +17,7 @@ import os
 import torch
 
 from autotp.runtime.launch import free_port, run_processes
-import trainer_cases as cases
+from tests import trainer_cases as cases
 
 RTOL_NUMBERS = 1e-5
 RTOL_WEIGHTS = 1e-4

@@ -31,8 +31,8 @@ from autotp.features.verify import (
     reference_step,
     sharded_step,
 )
-from dist_cases import each_case, vocab_sequence_case
-from models import BUILDERS, VOCAB, batch
+from tests.dist_cases import each_case, vocab_sequence_case
+from tests.models import BUILDERS, VOCAB, batch
 
 ATOL = 1e-4
 FORWARD_SP = {"all_gather": 2, "reduce_scatter": 2}
@@ -209,7 +209,7 @@ def test_a_value_gathered_both_for_replicated_and_sharded_readers() -> None:
     """Replicated k/v (1 k/v head at tp = 2) read the sequence-sharded norm output gathered
     as R, the sharded q as R*: two redistributions of one value with different backward
     collectives (once both were one module: wrong gradients upstream)."""
-    from generic import GenericConfig, check_equivalence
+    from tests.generic import GenericConfig, check_equivalence
 
     config = GenericConfig(n_layer=1, d_model=8, n_head=2, n_kv_head=1, d_ff=16, mlp="gelu",
                            norm="layer", prenorm=False, bias=True, tied=False,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from models import VOCAB, gpt2
+from tests.models import VOCAB, gpt2
 
 STEPS = 4
 BATCH = 2  # per data-parallel rank
