@@ -174,7 +174,7 @@ class ShardedModule(nn.Module):
         if self._dp_mean is not None and torch.is_grad_enabled() and \
                 not self._wrappers.reduce_over_dp():
             self._dp_mean.arm()
-        with traced.keeper.saving() if traced.keeper is not None else \
+        with traced.keeper.saving(whole=bool(self._compile)) if traced.keeper is not None else \
                 contextlib.nullcontext():
             return traced.run(**call)
 

@@ -142,8 +142,8 @@ class _Recorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
-        if isinstance(out, torch.Tensor):
-            self.values[n.name] = out.detach()
+        if isinstance(out, torch.Tensor):  # a copy: an all-reduce may sum it in place later
+            self.values[n.name] = out.detach().clone()
         return out
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:

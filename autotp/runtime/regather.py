@@ -24,8 +24,9 @@ or a view of it (``scope_saves``: the products reading the gathered input), not 
 whole forward: every other saved tensor goes to autograd's own storage (or the outer pair)
 untouched, with no alias made per saved tensor. The pair is set there only while no other
 pair was set inside the forward (a checkpointed layer's: it stays innermost, as it would be
-around the whole forward). A keeper used without ``scope_saves`` sets its pair around the
-whole forward.
+around the whole forward). A keeper used without ``scope_saves``, or the keeper of a
+compiled program (whose readers are traced into its graphs: ``saving(whole=True)``), sets its
+pair around the whole forward.
 
 Re-gathers are collectives, so every rank must run them in the same order: they run when
 backward unpacks the saved tensors, in autograd's order, which the ranks share since they
@@ -182,10 +183,11 @@ class ShardKeeper:
         return ShardKeeper(self.scoped)  # a copied program records its own gathers
 
     @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
+    def saving(self, whole: bool = False) -> Iterator[None]:
         """Run a forward with the keeper's hooks innermost (the outermost call installs them,
         or, scoped, readies them for the readers; nothing happens where autograd records
-        nothing or hooks are disabled)."""
+        nothing or hooks are disabled). ``whole``: around the whole forward even where
+        scoped (a compiled program, whose readers are traced into its graphs)."""
         if self._depth or not torch.is_grad_enabled() or \
                 torch.is_inference_mode_enabled() or not _hooks_enabled():
             yield
@@ -194,7 +196,7 @@ class ShardKeeper:
         hooks = _PackHooks(self, outer)
         self._depth += 1
         try:
-            if self.scoped:
+            if self.scoped and not whole:
                 self._hooks, self._outer = hooks, outer
                 yield
             else:
@@ -262,8 +264,9 @@ class KeptReads(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.op}, saves of a gathered input kept as the shard"
 
-    @torch.compiler.disable  # saved-tensor hooks are set eagerly
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # compiled: the hooks are around the whole forward
+            return self.op(*args, **kwargs)
         with self.keeper.reading():
             return self.op(*args, **kwargs)
 
