@@ -245,7 +245,18 @@ def _is_full_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any) -
     if end is None:
         return True
     size = src.static(dim)
+    if size is None and hasattr(end, "meta"):  # a symbolic end: the dim's own size?
+        return _same_size(end.meta.get("val"), src.shape[dim])
     return isinstance(end, int) and (end >= 2**62 or (size is not None and end >= size))
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Two sizes (symbolic ints or expressions) that are one expression (einops' ``unpack``
+    slicing a merged batch ``[:b * h]`` of a tensor whose dim is ``b * h``)."""
+    try:
+        return sympy.simplify(sympy.sympify(str(a)) - sympy.sympify(str(b))) == 0
+    except (sympy.SympifyError, TypeError):
+        return False
 
 
 def _block_of_slice(src: TensorMeta, dim: int, start: Any, end: Any, step: Any,
@@ -357,7 +368,7 @@ def cat_rule(call: OpCall) -> Iterator[Strategy]:
     dim = normalize_dim(call.arg("dim", 0), out.ndim)
     yield Strategy((P,) * n, P, name="linear")
     for d, blocks in shardable_dims(out, call):
-        if d != dim and all(m.shape[d] == out.shape[d] for m in call.inputs):
+        if (d != dim or n == 1) and all(m.shape[d] == out.shape[d] for m in call.inputs):
             yield Strategy((Shard(d, blocks),) * n, Shard(d, blocks), name="view")
     # Concatenating sharded pieces gives a blocked shard: one block per piece, in their
     # proportions where they differ (Flux's single-stream cat([attention, mlp], -1), h and

@@ -188,9 +188,10 @@ class FoldedHeads(nn.Module):
     for bmm, the heads fastest in the merged dim; then ``transpose(0, 1)`` and
     ``.contiguous().view(T, B, h)`` (or ``.reshape``) back into the features."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, reshape: bool = False) -> None:
+    def __init__(self, dim: int = 32, heads: int = 4, reshape: bool = False,
+                 unpack: bool = False) -> None:
         super().__init__()
-        self.heads, self.reshape = heads, reshape
+        self.heads, self.reshape, self.unpack = heads, reshape, unpack
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
@@ -200,7 +201,10 @@ class FoldedHeads(nn.Module):
         k = self.k(x).contiguous().view(-1, b * self.heads, h // self.heads).transpose(0, 1)
         v = self.v(x).contiguous().view(-1, b * self.heads, h // self.heads).transpose(0, 1)
         probs = torch.bmm(q, k.transpose(1, 2)).softmax(-1)  # (B*heads, T, T)
-        attn = torch.bmm(probs, v).transpose(0, 1)  # (T, B*heads, d)
+        attn = torch.bmm(probs, v)  # (B*heads, T, d)
+        if self.unpack:  # einops' pack / unpack of one tensor: a cat of it, then all of it
+            attn = torch.cat([attn])[: b * self.heads]
+        attn = attn.transpose(0, 1)  # (T, B*heads, d)
         attn = attn.reshape(t, b, h) if self.reshape else attn.contiguous().view(t, b, h)
         x = x + self.o(attn)
         return x + self.down(torch.relu(self.up(x)))
@@ -217,12 +221,15 @@ class Blocks(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("reshape", [False, True], ids=["view", "reshape"])
-def test_heads_folded_into_the_batch_plan_at_the_bound(reshape: bool) -> None:
+@pytest.mark.parametrize("reshape, unpack", [(False, False), (True, False), (False, True)],
+                         ids=["view", "reshape", "unpacked"])
+def test_heads_folded_into_the_batch_plan_at_the_bound(reshape: bool, unpack: bool) -> None:
     """q, k, v column-parallel and o row-parallel through the folded heads (S(1)%4 and
-    S(0)%4 between them): Megatron's two all-reduces per layer, exact at another T and B."""
+    S(0)%4 between them): Megatron's two all-reduces per layer, exact at another T and B.
+    A concatenation of one tensor and a slice to the end of a symbolic dim are the tensor
+    itself, and keep its shard."""
     torch.manual_seed(0)
-    model = Blocks(reshape=reshape)
+    model = Blocks(reshape=reshape, unpack=unpack)
     sim = autotp.simulate(model, 2, example_args=(torch.randn(6, 2, 32),))
     for name in ("q", "k", "v", "o"):
         layout = sim.plan.params[f"layers.0.{name}.weight"].layout

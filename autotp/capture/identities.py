@@ -1,12 +1,12 @@
 """Ops that return their input unchanged are taken out of the graph.
 
-``dropout(x, p, train=False)``, ``dropout(x, 0.0, train)``, ``x + 0`` and ``x * 1`` compute
-``x`` exactly. Left in, they hide what the rules and passes after them read: Python's
-``sum([a, b])`` starts from ``0``, and eval-mode ``nn.Dropout`` wraps each branch's output, so
-a chain of products and biases (vit-pytorch's parallel blocks) looks like a chain of opaque
-terms, and ``products_summed_first`` cannot add the partial products before the biases.
-Only an op whose output has its input's shape and dtype is removed (``int_tensor + 0.0``
-promotes, and stays), and only on a computed value: a parameter's own arithmetic
+``dropout(x, p, train=False)``, ``dropout(x, 0.0, train)``, ``x + 0``, ``x * 1`` and
+``cat([x])`` compute ``x`` exactly. Left in, they hide what the rules and passes after them
+read: Python's ``sum([a, b])`` starts from ``0``, and eval-mode ``nn.Dropout`` wraps each
+branch's output, so a chain of products and biases (vit-pytorch's parallel blocks) looks like
+a chain of opaque terms, and ``products_summed_first`` cannot add the partial products before
+the biases. Only an op whose output has its input's shape and dtype is removed (``int_tensor +
+0.0`` promotes, and stays), and only on a computed value: a parameter's own arithmetic
 (x-transformers' ``gamma + unit_offset``) is how the rules see that parameter, and stays.
 """
 
@@ -26,6 +26,10 @@ def _same_as_input(node: fx.Node, source: fx.Node) -> bool:
 
 def _identity_of(node: fx.Node) -> "fx.Node | None":
     """The input ``node`` returns unchanged, or None."""
+    if node.op == "call_function" and node.target == aten.cat.default and node.args and \
+            isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 1 and \
+            isinstance(node.args[0][0], fx.Node) and node.args[0][0].op != "get_attr":
+        return node.args[0][0]  # a concatenation of one tensor (a look-around of no window)
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     x = node.args[0]
