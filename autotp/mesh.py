@@ -10,8 +10,8 @@ not the size of its mesh dim, group or world, and axes that do not compose.
 
 autotp plans over "tp" and "cp" and splits experts over "ep"; "dp" is left to the caller's
 FSDP2 or DDP and "pp" to ``autotp.pipeline_stages``. The rank program runs its plan over one
-axis (``Mesh.plan_axis``) and at most one other beside it (``Mesh.outer_axis``): the code
-below asks the mesh which, and nowhere else asks whether cp is on and tp is 1.
+axis (``Mesh.plan_axis``) and at most one other beside it (``Mesh.outer_axis``): the API
+and the command line ask the mesh which, rather than whether cp is on and tp is 1.
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ class Mesh:
     @property
     def mean_group(self) -> Any:
         """The "dp" group autotp averages the gradients over after a backward that no DDP or
-        FSDP2 reduces (``ShardedModule.average_over``); None with cp or ep, whose callers
-        reduce over dp themselves, or without a dp axis of several ranks."""
+        FSDP2 reduces (``ShardedModule.average_over``); None without a dp axis of several
+        ranks, and with cp or ep, where the caller reduces over dp (FSDP2 over dp x cp;
+        ``finish_expert_gradients``)."""
         dp = self["dp"]
         if dp.degree == 1 or self.cp > 1 or self.ep > 1:
             return None
