@@ -28,13 +28,14 @@ breaks are dynamo's; the backend only changes what compiles each graph).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.harness import Column, header, line, ratio_text, write_json
 
 CASES = ("tp2", "tp2-sp", "cp2", "tp2-dropout")
 # ops that wait for the device to hand a value to the host
@@ -153,18 +154,28 @@ def _syncs(found: dict[str, int]) -> str:
     return ", ".join(f"{k.split('::')[1]} {v}" for k, v in sorted(found.items())) or "0"
 
 
+def _breaks(row: Mapping[str, Any]) -> str:
+    if "rank_compile" not in row:
+        return ""
+    u, r = row["unsharded_compile"], row["rank_compile"]
+    return (f"{u['graph_breaks']} ({u['graphs']} graphs) | "
+            f"{r['graph_breaks']} ({r['graphs']} graphs)")
+
+
+COLUMNS = [
+    Column("case", 12, "case", left=True), Column("unsharded", 9, "unsharded_ops"),
+    Column("rank", 7, "rank_ops"),
+    Column("ratio", 6, cell=lambda r: ratio_text(r["ratio"], suffix="x")),
+    Column(" host syncs (unsharded | rank)", 32, left=True,
+           cell=lambda r: f" {_syncs(r['unsharded_syncs']):<12} | {_syncs(r['rank_syncs'])}"),
+    Column("graph breaks (unsharded | rank)", 1, cell=_breaks, left=True),
+]
+
+
 def report(rows: list[dict[str, Any]], top: int) -> str:
-    lines = [f"{'case':<12} {'unsharded':>9} {'rank':>7} {'ratio':>6}  host syncs "
-             "(unsharded | rank)   graph breaks (unsharded | rank)"]
+    lines = [header(COLUMNS)]
     for row in rows:
-        breaks = ""
-        if "rank_compile" in row:
-            u, r = row["unsharded_compile"], row["rank_compile"]
-            breaks = f"{u['graph_breaks']} ({u['graphs']} graphs) | " \
-                     f"{r['graph_breaks']} ({r['graphs']} graphs)"
-        lines.append(f"{row['case']:<12} {row['unsharded_ops']:>9} {row['rank_ops']:>7} "
-                     f"{row['ratio']:>5.2f}x  {_syncs(row['unsharded_syncs']):<12} | "
-                     f"{_syncs(row['rank_syncs']):<14}   {breaks}")
+        lines.append(line(COLUMNS, row))
         excess = list(row["excess"].items())[:top]
         lines.append("    more: " + ", ".join(f"{k.split('::')[-1]} +{v}" for k, v in excess))
         fewer = list(row["fewer"].items())[:top]
@@ -193,8 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              args.batch, args.seq, args.compile, timeout=1800.0)
     print(report(per_rank[0], args.top))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([row for rows in per_rank for row in rows], f, indent=1)
+        write_json(args.json, [row for rows in per_rank for row in rows])
     return 0
 
 
