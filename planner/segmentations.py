@@ -6,6 +6,7 @@ concatenation joins, the periods heads or sequences take across reshapes. The pr
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -71,8 +72,13 @@ def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
             if len(sizes) == len(val) and all(isinstance(size, int) for size in sizes):
                 counts.add(proportions(sizes))
                 counts.add(smaller_whole(proportions(sizes)))
+                counts.update(smallest_whole(proportions(sizes)))
             else:
                 counts.add(len(val))
+            resplit = _resplit_sizes(node)
+            if resplit:
+                counts.add(proportions(resplit))
+                counts.update(smallest_whole(proportions(resplit)))
         tiling = _sliced_segments(node)
         if tiling:
             counts.add(proportions(tiling))
@@ -97,6 +103,48 @@ def block_counts(gm: fx.GraphModule, sequences: frozenset = frozenset()
     return tuple(sorted(counts, key=lambda b: (
         isinstance(b, Period), isinstance(b, tuple),
         (isinstance(b.length, str), b.length) if isinstance(b, Period) else b)))
+
+
+def smallest_whole(blocks: Blocks) -> list[Blocks]:
+    """Unequal proportions with the smallest segments held whole, for each size they may go
+    up to short of the largest: PaLM's q|k|v|ff with its single k/v head whole and q sliced
+    by heads, beside ``smaller_whole``'s q whole as well."""
+    if not isinstance(blocks, tuple) or min(blocks) < 0:
+        return []
+    return [tuple(-w if w <= limit else w for w in blocks)
+            for limit in sorted(set(blocks))[:-1]]
+
+
+def _static_split(node: fx.Node) -> Optional[tuple[int, list[int]]]:
+    """(dim, the parts' sizes) of a split or chunk into static parts; None otherwise."""
+    if node.op != "call_function" or node.target not in (
+            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return None
+    val, src = node.meta.get("val"), node.args[0]
+    if not isinstance(val, (list, tuple)) or len(val) < 2 or not isinstance(src, fx.Node) \
+            or not isinstance(src.meta.get("val"), torch.Tensor):
+        return None
+    dim = node_arg(node, "dim", 0) % src.meta["val"].ndim
+    sizes = [v.shape[dim] for v in val if isinstance(v, torch.Tensor)]
+    if len(sizes) != len(val) or not all(isinstance(size, int) and size > 0 for size in sizes):
+        return None
+    return dim, [int(size) for size in sizes]
+
+
+def _resplit_sizes(node: fx.Node) -> list[int]:
+    """A part of a split split again along the same dim (PaLM's fused q|k|v|ff, whose ff
+    part SwiGLU halves): the first split's sizes with that part's replaced by the second's,
+    the segments a blocked shard of the fused output needs; [] otherwise."""
+    inner = _static_split(node)
+    part = node.args[0]
+    if inner is None or not isinstance(part, fx.Node) or part.target is not operator.getitem \
+            or not isinstance(part.args[0], fx.Node) or not isinstance(part.args[1], int):
+        return []
+    outer = _static_split(part.args[0])
+    if outer is None or outer[0] != inner[0]:
+        return []
+    index = part.args[1]
+    return outer[1][:index] + inner[1] + outer[1][index + 1:]
 
 
 def _selected_parts(node: fx.Node) -> Optional[int]:

@@ -16,12 +16,14 @@ import torch
 
 from autotp.layout import (
     Blocks,
+    Layout,
     P,
     R,
     R_STAR,
     ROUTED,
     Period,
     Shard,
+    block_weights,
     proportions,
     segment_sizes,
     smaller_whole,
@@ -349,6 +351,42 @@ def split_rule(call: OpCall) -> Iterator[Strategy]:
             yield Strategy((Shard(dim, mixed),),
                            tuple(R_STAR if whole else Shard(dim)
                                  for whole in whole_segments(mixed)), name="split blocks")
+        # Finer blocks whose segments tile every piece (PaLM's fused q|k|v|ff with the ff
+        # part halved again by SwiGLU, its single k/v head whole): each piece takes the
+        # segments it covers, as blocks of its own.
+        size = src.static(dim)
+        for finer in call.blocks:
+            if size is None or not isinstance(finer, tuple) or finer in (blocks, mixed) or \
+                    not src.shardable(dim, call.tp, finer):
+                continue
+            pieces = _pieces(size, finer, sizes, dim)
+            if pieces is not None:
+                yield Strategy((Shard(dim, finer),), pieces, name="split blocks")
+
+
+def _pieces(size: int, blocks: Blocks, sizes: list[int], dim: int
+            ) -> Optional[tuple[Layout, ...]]:
+    """The layout of each piece of ``sizes`` cut from a dim of ``size`` sharded in
+    ``blocks``, where the segments tile every piece; None where one straddles two."""
+    segments = list(zip(segment_sizes(size, blocks), whole_segments(blocks)))
+    out: list[Layout] = []
+    for piece in sizes:
+        taken: list[tuple[int, bool]] = []
+        while segments and sum(s for s, _ in taken) < piece:
+            taken.append(segments.pop(0))
+        if sum(s for s, _ in taken) != piece:
+            return None
+        if all(whole for _, whole in taken):
+            out.append(R_STAR)
+        elif len(taken) == 1:
+            out.append(Shard(dim))
+        else:
+            weights = proportions([s for s, _ in taken])
+            if any(whole for _, whole in taken):
+                units = block_weights(weights)
+                weights = tuple(-w if whole else w for w, (_, whole) in zip(units, taken))
+            out.append(Shard(dim, weights))
+    return tuple(out)
 
 
 @rules.register(aten.unbind.int)

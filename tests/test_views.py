@@ -10,12 +10,14 @@ from typing import Any, Optional
 import pytest
 import sympy
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autotp
 from autotp.features.testing import check_op
 from autotp.features.verify import assert_equivalent, layer_counts
 from autotp.layout import Period, Shard, shard_tensor
+from autotp.planner.bound import megatron_verdict
 from autotp.rules.registry import TensorMeta
 from autotp.rules.view_algebra import (
     map_shard_through_view,
@@ -271,3 +273,58 @@ def test_a_split_the_algebra_cannot_prove_keeps_the_shard_around_it() -> None:
                       atol=1e-4, grad_rtol=1e-4)
     kinds = [(c.phase, c.kind) for c in sim.plan.collectives]  # x needs no gradient
     assert kinds == [("forward", "all_reduce")], kinds
+
+
+class FusedParallel(nn.Module):
+    """PaLM's parallel block: one projection for q | k | v | ff (one k/v head), the ff part
+    halved again by SwiGLU, the attention and MLP outputs summed."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.sizes = [heads * d, d, d, 8 * dim]
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, sum(self.sizes), bias=False)
+        self.attn_out = nn.Linear(heads * d, dim, bias=False)
+        self.ff_out = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v, ff = self.proj(self.norm(x)).split(self.sizes, dim=-1)
+        q = q.reshape(b, t, self.heads, self.d).transpose(1, 2)
+        k, v = (y.unsqueeze(1).expand(b, self.heads, t, self.d) for y in (k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a, gate = ff.chunk(2, dim=-1)
+        mlp = self.ff_out(a * F.silu(gate))
+        return x + self.attn_out(attn.transpose(1, 2).reshape(b, t, -1)) + mlp
+
+
+class FusedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(FusedParallel() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_fused_projection_split_unequally_and_split_again_stays_sharded() -> None:
+    """q | k | v | ff with the ff part halved: the fused matrix sharded in the segments of
+    both splits (q and both ff halves sliced, the single k/v head whole on every rank), both
+    outputs row-parallel, one all-reduce per layer each way; exact."""
+    torch.manual_seed(0)
+    model = FusedStack()
+    x = torch.randn(2, 8, 64)
+    sim = autotp.simulate(model, 2, example_args=(x,))
+    params = sim.plan.params
+    assert params["layers.0.proj.weight"].layout == "S(0)x4:1*:1*:16:16"
+    assert params["layers.0.attn_out.weight"].layout == "S(1)"
+    assert params["layers.0.ff_out.weight"].layout == "S(1)"
+    assert megatron_verdict(sim.plan).met
+    assert_equivalent(model, sim, args=(torch.randn(3, 5, 64),),
+                      loss_fn=lambda out: out.square().mean(), atol=1e-4, grad_rtol=1e-4)
+    counts = layer_counts(sim.ranks[0].comm.log)  # (None: the whole k/v rows' gradient sum)
+    assert sorted((c["forward"], c["backward"]) for layer, c in counts.items()
+                  if layer is not None) == [(1, 0), (1, 1)]

@@ -319,10 +319,17 @@ def localize_split_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     if layout.dim != dim:
         return
     sizes = node.args[1]
-    if isinstance(sizes, (list, tuple)):
+    outs = strategy.output if isinstance(strategy.output, tuple) else ()
+    if isinstance(sizes, (list, tuple)) and len(outs) == len(sizes):
+        # each piece as its layout holds it: whole, sliced, or in blocks of its own with
+        # some whole (a fused q|k|v|ff's ff part in two halves beside a whole k/v head)
+        local: Any = [s if not isinstance(o, Shard) else
+                      sum(local_segment_sizes(s, o.blocks, ctx.tp)) if is_mixed(o.blocks)
+                      else ctx.local_size_arg(s, node) for s, o in zip(sizes, outs)]
+    elif isinstance(sizes, (list, tuple)):
         whole = whole_segments(layout.blocks) if len(sizes) == len(block_weights(layout.blocks)) \
             else (False,) * len(sizes)
-        local: Any = [s if held else ctx.local_size_arg(s, node) for s, held in zip(sizes, whole)]
+        local = [s if held else ctx.local_size_arg(s, node) for s, held in zip(sizes, whole)]
     else:
         local = ctx.local_size_arg(sizes, node)
     node.args = (node.args[0], local, *node.args[2:])
