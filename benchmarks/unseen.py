@@ -60,6 +60,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import math
 import os
 import re
 import sys
@@ -287,6 +288,9 @@ def whisper(dim, heads, meta=False, sdpa=True):
                 n_mels=16, n_audio_ctx=T_AUDIO, n_audio_state=dim, n_audio_head=heads,
                 n_audio_layer=2, n_vocab=128, n_text_ctx=T_TEXT, n_text_state=dim,
                 n_text_head=heads, n_text_layer=2))
+            if not meta:  # the decoder's positions are torch.empty until a checkpoint loads:
+                # whatever memory held (NaN after another model's run), drawn here instead
+                nn.init.normal_(model.decoder.positional_embedding, std=0.02)
         if sdpa:
             return ready(Call(model, lambda m, mel, tokens: m(mel, tokens)), meta)
         return ready(Call(model, no_sdpa), meta)
@@ -686,7 +690,11 @@ def large_replicated(plan, h: int, whole_ok=lambda n, s, tp: False,
                      in_stacks=lambda n: True) -> list[dict]:
     out = []
     for name, p in plan.params.items():
-        if not (p.layout.startswith("R") or "*" in p.layout):
+        # held whole, or in segments some held whole (a fused q|k|v's single k/v head) where
+        # a rank holds more than 1.25/tp of the matrix (the slack of the plan's own verdict)
+        mixed_heavy = "*" in p.layout and \
+            math.prod(p.local_shape) > 1.25 * math.prod(p.global_shape) / plan.tp
+        if not (p.layout.startswith("R") or mixed_heavy):
             continue
         if not large(tuple(p.global_shape), h):
             continue
