@@ -59,6 +59,8 @@ class CausalWhereMasked(nn.Module):
     unchanged. ``causal_calls`` and ``masked_calls`` count which path each call took,
     ``checks`` the comparisons made."""
 
+    recipe: Optional[fx.GraphModule]
+
     def __init__(self, recipe: Optional[fx.GraphModule] = None) -> None:
         super().__init__()
         object.__setattr__(self, "recipe", recipe)  # no submodule: it holds no state

@@ -314,7 +314,9 @@ def scope_saves(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
                 return 0
     for node in readers:
         name = f"autotp_kept_{node.name}"
-        root.add_module(name, KeptReads(keeper, node.target))
+        op = node.target
+        assert callable(op), node.format_node()  # a call_function's target
+        root.add_module(name, KeptReads(keeper, op))
         node.op, node.target = "call_module", name
     keeper.scoped = bool(readers)
     return len(readers)
