@@ -9,7 +9,8 @@ docs/*.md means the same thing:
   repetition times each of them once, so a slow minute of the machine falls on all of them;
 - a **ratio** is of two times from the same run, never of a number recorded earlier: where
   both have the same repetitions, the median of the per-repetition ratios (each pair ran
-  seconds apart, so the machine's drift cancels), else the ratio of the medians;
+  seconds apart, so the machine's drift cancels), else (or where a benchmark's rows have
+  always held it so: tp_bench's ``time_vs_*``) the ratio of the medians;
 - a run's **rows** are flat JSON objects, kept in one file: JSON lines (a row a line, written
   as they come) or one JSON document (a list of rows, or a record holding them);
 - a **table** is fixed-width columns, a title and a format for each.
