@@ -36,13 +36,13 @@ def test_degrees_make_the_mesh_and_its_plan_axis() -> None:
 
 
 @pytest.mark.parametrize("mesh,sequence_parallel,words", [
-    (Mesh.of(cp=Axis("cp", 2), ep=Axis("ep", 2)), False,
+    (Mesh.of({"cp": Axis("cp", 2), "ep": Axis("ep", 2)}), False,
      "cp=2 with ep=2: expert parallelism across context-parallel ranks is not there yet; "
      "pass no ep with cp"),
-    (Mesh.of(cp=Axis("cp", 2)), True,
+    (Mesh.of({"cp": Axis("cp", 2)}), True,
      "cp=2 with sequence_parallel at tp=1: context parallelism shards the sequence itself; "
      "pass sequence_parallel only with tp > 1"),
-    (Mesh.of(pp=Axis("pp", 2), tp=Axis("tp", 2)), False,
+    (Mesh.of({"pp": Axis("pp", 2), "tp": Axis("tp", 2)}), False,
      "the mesh has a pp axis of 2 ranks, and parallelize builds the whole model on every "
      "rank: build the stages with autotp.pipeline_stages"),
 ])
