@@ -17,7 +17,7 @@ stored [in, out] and its column is dim 1; ``linear``'s weight is [out, in] and i
 from __future__ import annotations
 
 import string
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -82,6 +82,30 @@ def einsum_strategies(equation: str, call: OpCall) -> Iterator[Strategy]:
             yield Strategy(tuple(inputs), P, name="linear")
 
 
+def _without_ellipsis(equation: str, call: OpCall) -> Optional[str]:
+    """``... i j, ... j d -> ... i d`` with the ellipsis spelled as letters of its own, where
+    every operand's ellipsis stands for the same dims (same count, same sizes); None where
+    they broadcast against each other."""
+    lhs, _, out = equation.partition("->")
+    specs = lhs.split(",")
+    if not out or len(specs) != len(call.inputs):
+        return None
+    spans = []
+    for spec, meta in zip(specs, call.inputs):
+        explicit = len(spec.replace("...", ""))
+        spans.append(tuple(meta.shape[:meta.ndim - explicit]) if "..." in spec else None)
+    shapes = {span for span in spans if span is not None}
+    if len(shapes) != 1:
+        return None
+    count = len(next(iter(shapes)))
+    free = [c for c in string.ascii_letters if c not in equation][:count]
+    if len(free) < count:
+        return None
+    dots = "".join(free)
+    return ",".join(spec.replace("...", dots) for spec in specs) + "->" + \
+        out.replace("...", dots)
+
+
 def _letters(n: int) -> str:
     return string.ascii_lowercase[:n]
 
@@ -141,7 +165,9 @@ def matmul_rule(call: OpCall) -> Iterator[Strategy]:
 def einsum_rule(call: OpCall) -> Iterator[Strategy]:
     equation = call.arg("equation").replace(" ", "")
     if "..." in equation:
-        return  # broadcast ellipses: computed replicated
+        equation = _without_ellipsis(equation, call)
+        if equation is None:
+            return  # ellipses that broadcast: computed replicated
     if "->" not in equation:  # implicit output: the letters used once, sorted
         letters = equation.replace(",", "")
         equation += "->" + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))

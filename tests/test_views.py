@@ -328,3 +328,37 @@ def test_a_fused_projection_split_unequally_and_split_again_stays_sharded() -> N
     counts = layer_counts(sim.ranks[0].comm.log)  # (None: the whole k/v rows' gradient sum)
     assert sorted((c["forward"], c["backward"]) for layer, c in counts.items()
                   if layer is not None) == [(1, 0), (1, 1)]
+
+
+class GroupedSequence(nn.Module):
+    """FLASH's grouped attention: the sequence cut into groups of g (``'b (n g) d -> b n g
+    d'``), attention inside each group by einsums over a broadcast ellipsis, on values a
+    column-parallel projection shards."""
+
+    def __init__(self, dim: int = 32, g: int = 4) -> None:
+        super().__init__()
+        self.g = g
+        self.qk, self.v = nn.Linear(dim, 16), nn.Linear(dim, 4 * dim)
+        self.o = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qk = self.qk(x).reshape(b, t // self.g, self.g, 16)
+        v = self.v(x).reshape(b, t // self.g, self.g, -1)
+        sim = torch.einsum("... i d, ... j d -> ... i j", qk, qk) / self.g
+        out = torch.einsum("... i j, ... j d -> ... i d", sim.softmax(-1), v)
+        return x + self.o(out.reshape(b, t, -1))
+
+
+def test_a_sequence_cut_into_groups_keeps_the_features_sharded_through_ellipsis_einsums(
+        ) -> None:
+    """The group's size proved by the trace (the sequence a multiple of g) and the einsums'
+    ellipsis spelled out: v column-parallel, o row-parallel, one all-reduce each way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(GroupedSequence(), GroupedSequence())
+    sim = autotp.simulate(model, 2, example_args=(torch.randn(2, 8, 32),))
+    assert sim.plan.params["0.v.weight"].layout == "S(0)"
+    assert sim.plan.params["0.o.weight"].layout == "S(1)"
+    assert sim.plan.fallbacks == [], sim.plan.fallbacks
+    assert_equivalent(model, sim, args=(torch.randn(3, 12, 32),),
+                      loss_fn=lambda out: out.square().mean(), atol=1e-4, grad_rtol=1e-4)

@@ -52,8 +52,9 @@ from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.capture.shared_buffers import merge_shared_buffers, name_shared_buffers
 from autotp.capture.traceable import traceable_calls
+from autotp.capture.op_calls import (  # noqa: F401 (re-exported)
+    is_tensor_node, make_call, size_expr, tensor_inputs, tensor_meta)
 from autotp.errors import ConfigError, TraceError
-from autotp.rules.registry import OpCall, TensorMeta
 
 aten = torch.ops.aten
 _log = logging.getLogger("autotp")
@@ -606,30 +607,6 @@ def _aliases(model: torch.nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]
 # ---- graph facts the planner and rewriter share ----------------------------------------
 
 
-def size_expr(size: Any) -> Any:
-    if isinstance(size, torch.SymInt):
-        expr = size.node.expr
-        return int(expr) if isinstance(expr, sympy.Integer) else expr
-    return int(size)
-
-
-def tensor_meta(val: Any, split: frozenset = frozenset()) -> Optional[TensorMeta]:
-    if isinstance(val, torch.Tensor):
-        shape = tuple(size_expr(s) for s in val.shape)
-        return TensorMeta(shape, val.dtype, split & frozenset(shape) if split else frozenset())
-    return None
-
-
-def is_tensor_node(arg: Any) -> bool:
-    return isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The tensor-valued nodes ``node`` reads, in flatten order (args, then kwargs)."""
-    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if is_tensor_node(a)]
-
-
 def _decomposed(ep: Any, table: dict, model: torch.nn.Module,
                 stacks: list) -> tuple[Any, fx.GraphModule]:
     """``ep`` run through ``table``'s decompositions and functionalized, and its graph (a
@@ -638,28 +615,6 @@ def _decomposed(ep: Any, table: dict, model: torch.nn.Module,
     gm = _normalized(ep, model, stacks)
     name_shared_buffers(gm, model)
     return ep, gm
-
-
-def make_call(node: fx.Node, tp: int, blocks: tuple[int, ...],
-              split: frozenset = frozenset()) -> OpCall:
-    """The op call as the rules see it; ``split``: symbolic sizes that may be sharded."""
-    def convert(arg: Any) -> Any:
-        if is_tensor_node(arg):
-            return tensor_meta(arg.meta["val"], split)
-        return arg
-
-    args = tuple(pytree.tree_map(convert, list(node.args)))
-    kwargs = {k: pytree.tree_map(convert, v) for k, v in node.kwargs.items()}
-    inputs = tuple(tensor_meta(n.meta["val"], split) for n in tensor_inputs(node))
-    val = node.meta.get("val")
-    output: Any
-    if isinstance(val, torch.Tensor):
-        output = tensor_meta(val, split)
-    elif isinstance(val, (tuple, list)):
-        output = tuple(tensor_meta(v, split) for v in val)
-    else:
-        output = None
-    return OpCall(node.target, args, kwargs, inputs, output, tp, blocks)  # type: ignore[arg-type]
 
 
 def source_of(node: fx.Node) -> Optional[str]:
