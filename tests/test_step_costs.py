@@ -209,3 +209,25 @@ def test_other_families_stay_exact(name: str) -> None:
     for sp in (False, True):
         assert_equivalent(model, 2, kwargs=kwargs, loss_fn=lambda out: out.loss,
                           pick=lambda out: out.loss, sequence_parallel=sp)
+
+
+def test_a_compiled_program_reads_a_decided_causal_mask_inside_its_graphs() -> None:
+    """compile=: once a size's mask is known causal, the attention is traced into the
+    compiled graph (no break at it); exact against the unsharded model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = BUILDERS["llama"]().train()
+    ids = _ids()
+    kwargs = {"input_ids": ids, "labels": ids}
+    torch._dynamo.reset()
+    sim = autotp.simulate(model, 2, example_kwargs=kwargs, compile={"backend": "eager"})
+    sim.run(lambda m: m(**kwargs).loss.backward())
+    (checker,) = {m for m in sim.ranks[0].program.modules() if isinstance(m, CausalWhereMasked)}
+    eager_calls = checker.causal_calls  # the first step's, before the size was known
+    counters.clear()
+    assert_equivalent(model, sim, kwargs=kwargs, loss_fn=lambda out: out.loss,
+                      pick=lambda out: out.logits, atol=1e-4)
+    assert checker.causal_calls == eager_calls  # every later call ran compiled
+    reasons = " ".join(str(k) for k in counters["graph_break"])
+    assert "CausalWhereMasked" not in reasons, reasons

@@ -15,7 +15,8 @@ mask and forward, and not at all where the mask is a function of sizes alone:
   transformers' causal mask of a call without ``attention_mask``) is the same for every
   input of those sizes. Its ops leave the program: ``CausalWhereMasked`` builds it from the
   sizes the first time it meets them and keeps the answer (causal, or the mask to apply),
-  so later steps run no mask op and no check;
+  so later steps run no mask op and no check. In a compiled program the call at sizes
+  known causal is traced into the graph (no graph break at it);
 * a mask that reads an input (a padding mask) is compared with the causal one once per
   forward, by the first attention that reads it; the others reuse the answer.
 
@@ -67,15 +68,31 @@ class CausalWhereMasked(nn.Module):
         self._seen: Optional[tuple[Any, int, tuple[int, ...], bool]] = None
         # sizes -> None where the mask is causal, else the mask itself
         self._known: OrderedDict[tuple, Optional[torch.Tensor]] = OrderedDict()
+        # (sizes, queries, keys) whose mask is the causal one: what a compiled program reads
+        # (a new object at each change, which its guards see)
+        self._causal_sizes: frozenset[tuple] = frozenset()
         self.causal_calls = 0
         self.masked_calls = 0
         self.checks = 0
 
-    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                 is_causal: bool = False, *, scale: Optional[float] = None,
                 enable_gqa: bool = False, sizes: Sequence[int] = ()) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.recipe is not None and attn_mask is None \
+                and not is_causal and (tuple(int(s) for s in sizes), q.shape[-2],
+                                       k.shape[-2]) in self._causal_sizes:
+            # compiled, at sizes met before whose mask is the causal one: traced into the
+            # graph (no break; the counters count eager calls)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                  scale=scale, enable_gqa=enable_gqa)
+        return self._call(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                          enable_gqa=enable_gqa, sizes=sizes)
+
+    @torch.compiler.disable
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, *,
+              scale: Optional[float], enable_gqa: bool, sizes: Sequence[int]) -> torch.Tensor:
         causal = False
         if self.recipe is not None and attn_mask is None and not is_causal:
             attn_mask = self._mask_of_sizes(tuple(int(s) for s in sizes), q, k)
@@ -105,6 +122,7 @@ class CausalWhereMasked(nn.Module):
         self._known[key] = found
         while len(self._known) > KNOWN_SIZES:
             self._known.popitem(last=False)
+        self._causal_sizes = frozenset(known[:3] for known, m in self._known.items() if m is None)
         return found
 
     def is_causal(self, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
