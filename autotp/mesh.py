@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autotp.errors import ConfigError
 from autotp.ops import positive_int
 from autotp.runtime.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
-from autotp.runtime.context import SequenceLayout
+from autotp.runtime.context import SequenceLayout, held_sequence
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
 # what autotp does on each axis
@@ -50,9 +50,7 @@ class Axis:
     def layout(self) -> Optional[SequenceLayout]:
         """On the sequence axis ("cp"): rank r holds chunks r and 2 cp - 1 - r of 2 cp, the
         same causal work on every rank. None on the others."""
-        if self.name != "cp" or self.degree == 1:
-            return None
-        return SequenceLayout(self.degree, balanced=True)
+        return held_sequence(self.degree) if self.name == "cp" else None
 
     def process_group(self) -> Any:
         """The torch process group (the group of a 1-D DeviceMesh)."""
@@ -176,13 +174,11 @@ class Mesh:
         return meshes
 
     def _with_comms(self, comms: dict[str, Communicator]) -> "Mesh":
-        """This mesh with ``comms`` (axis name -> communicator); the sequence axis's cuts
-        the sequence as its ``layout`` says."""
+        """This mesh with ``comms`` (axis name -> communicator)."""
         axes = []
         for axis in self.axes:
             comm = comms.get(axis.name)
             if comm is not None:
-                comm.sequence = axis.layout
                 axis = replace(axis, comm=comm)
             axes.append(axis)
         return Mesh(tuple(axes), self.distributed)

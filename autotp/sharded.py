@@ -28,7 +28,7 @@ from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.collectives import GradBucket, GradSync, gather
-from autotp.runtime.context import SequenceLayout
+from autotp.runtime.context import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
                                   held_tensors, sequence_dims, significant, structure)
 from autotp.runtime.comm import Communicator
@@ -66,7 +66,8 @@ class ShardedModule(nn.Module):
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
                  seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None,
                  ep_comm: Optional[Communicator] = None,
-                 cp_comm: Optional[Communicator] = None):
+                 cp_comm: Optional[Communicator] = None,
+                 sequence: Optional[SequenceLayout] = None):
         super().__init__()
         # the program's modules and tensors are this module's, under the model's paths
         object.__setattr__(self, "program", program)
@@ -77,6 +78,9 @@ class ShardedModule(nn.Module):
         self.cp_comm = cp_comm
         # expert parallelism: the ranks the experts are split over besides the tp group
         self.ep_comm = ep_comm
+        # context parallelism: how the cp group holds the sequence (``held_sequence``),
+        # passed to the collectives of every program this module builds
+        self.sequence = sequence
         self._compile = compile
         self.plan = plan
         self.comm = comm
@@ -306,7 +310,8 @@ class ShardedModule(nn.Module):
         weights = HeldWeights(retracer.skeleton, held, buffers, device)
         program, bucket, keeper = rank_program(
             captured, plan, self.comm.rank, self.comm, weights=weights, device=device,
-            seed=self.seed, ep_comm=self.ep_comm, cp_comm=self.cp_comm, **self._rebuild)
+            seed=self.seed, ep_comm=self.ep_comm, cp_comm=self.cp_comm,
+            sequence=self.sequence, **self._rebuild)
         adopt(program, plan, bucket, held, buffers)
         program.train(self.training)
         traced = Traced(program, plan, _compiled(program, self._compile), bucket, keeper,
@@ -317,7 +322,7 @@ class ShardedModule(nn.Module):
 
     def _sequence_multiple(self, plan: Optional[Plan] = None) -> tuple[int, str]:
         """What every sequence length must divide by, and why."""
-        plan, order = plan or self.plan, (self.cp_comm or self.comm).sequence
+        plan, order = plan or self.plan, self.sequence
         if order is None:
             return plan.tp, f"sequence parallelism needs the sequence length divisible by " \
                             f"tp={plan.tp}"
@@ -452,19 +457,18 @@ def rank_program(captured: Captured, plan: Plan, rank: int, comm: Communicator,
                  registry: Optional[Registry] = None, seed: Optional[int] = None,
                  grad_sync: str = "bucket", weights: Optional[Weights] = None,
                  device: Optional[torch.device] = None, keep_gathered: bool = False,
-                 ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None
+                 ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None,
+                 sequence: Optional[SequenceLayout] = None
                  ) -> tuple[torch.fx.GraphModule, GradBucket, Optional[ShardKeeper]]:
     """This rank's program of a planned capture, split by layer; its gradient bucket and,
-    with sequence parallelism, its keeper of gathered inputs."""
+    with sequence parallelism, its keeper of gathered inputs. ``sequence``: with context
+    parallelism, how the cp group holds the sequence (``held_sequence(plan.cp)``)."""
     seed = torch.initial_seed() if seed is None else seed
     keeper = ShardKeeper() if plan.sequence_parallel and not keep_gathered else None
-    sequence_comm = cp_comm if plan.context is not None else comm
-    if plan.cp > 1 and sequence_comm is not None and sequence_comm.sequence is None:
-        # each rank two chunks of 2 x cp, head and tail: the same causal work on every rank
-        sequence_comm.sequence = SequenceLayout(sequence_comm.world_size, balanced=True)
     program, bucket = rewrite(captured, plan, rank, comm, registry, seed=seed,
                               grad_sync=_grad_sync(grad_sync), weights=weights, device=device,
-                              keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
+                              keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm,
+                              sequence=sequence)
     split_layers(program)
     return program, bucket, keeper
 
@@ -481,13 +485,15 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     if not isinstance(compile, (bool, dict)):
         raise ConfigError(f"compile= takes a bool or a dict of torch.compile options, got "
                           f"{type(compile).__name__}")
+    sequence = held_sequence(plan.cp)
     program, bucket, keeper = rank_program(
         captured, plan, rank, comm, registry, seed=seed, grad_sync=grad_sync, weights=weights,
-        device=device, keep_gathered=keep_gathered, ep_comm=ep_comm, cp_comm=cp_comm)
+        device=device, keep_gathered=keep_gathered, ep_comm=ep_comm, cp_comm=cp_comm,
+        sequence=sequence)
     cls = sharded_class(model_class, captured.signature) if model_class is not None else \
         ShardedModule
     sharded = cls(program, plan, captured, comm, bucket, check_plan, seed, compile,
-                  keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm)
+                  keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm, sequence=sequence)
     # what a program of another input structure is built with (runtime.calls)
     sharded._rebuild = {"registry": registry, "grad_sync": grad_sync,
                         "keep_gathered": keep_gathered}

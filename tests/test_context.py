@@ -601,7 +601,7 @@ def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) ->
 
     inputs = cc.model_inputs(name, False)
     sim = autotp.simulate(models.BUILDERS[name]().eval(), 1, cp=cp, example_kwargs=inputs)
-    assert all(m.comm.sequence.balanced and m.comm.sequence.chunks_of(m.comm.rank) ==
+    assert all(m.sequence.balanced and m.sequence.chunks_of(m.comm.rank) ==
                (m.comm.rank, 2 * cp - 1 - m.comm.rank) for m in sim.ranks)
     assert all(c.strategy.endswith("[ring]") for c in sim.plan.choices.values()
                if "scaled_dot_product" in c.op)

@@ -45,6 +45,7 @@ from autotp.planner.plan import Plan
 from autotp.runtime.collectives import (Redistribute, _rank_major, _segment_major, local_slice,
                                         sequence_order)
 from autotp.runtime.comm import Communicator
+from autotp.runtime.context import SequenceLayout
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
 _Source = TypeVar("_Source", Shard, Partial)
@@ -69,12 +70,13 @@ class JoinedRedistribute(nn.Module):
     all-reduce of the partial sums."""
 
     def __init__(self, comm: Communicator, layouts: list[tuple[Layout, Replicate]],
-                 labels: list[str]):
+                 labels: list[str], sequence: Optional[SequenceLayout] = None):
         super().__init__()
         for src, _ in layouts:
             assert isinstance(src, Shard) or (isinstance(src, Partial) and src.reduce == "sum"), \
                 src
         self.comm = comm
+        self.sequence = sequence  # context parallelism: how the group holds the sequence
         self.layouts = layouts
         self.labels = labels
 
@@ -104,7 +106,7 @@ class JoinedRedistribute(nn.Module):
                 start += x.numel()
                 whole = torch.cat(pieces.unbind(0), dim=src.dim).to(x.dtype)
                 out[i] = _segment_major(whole, src.dim, src.blocks, tp,
-                                        sequence_order(self.comm, src))
+                                        sequence_order(self.sequence, src))
         if summed:
             out_summed = self._all_reduce([xs[i] for i in summed], "forward")
             for i, x in zip(summed, out_summed):
@@ -124,13 +126,13 @@ class JoinedRedistribute(nn.Module):
         for i, (src, dst) in enumerate(self.layouts):
             if not dst.grad_partial:
                 out[i] = local_slice(grads[i], src, rank, tp,
-                                     sequence_order(self.comm, src)).contiguous() \
+                                     sequence_order(self.sequence, src)).contiguous() \
                     if isinstance(src, Shard) else grads[i]
         if scattered:
             rows = []
             for i, src in scattered.items():
                 ordered = _rank_major(grads[i], src.dim, src.blocks, tp,
-                                      sequence_order(self.comm, src))
+                                      sequence_order(self.sequence, src))
                 rows.append(torch.stack([p.reshape(-1) for p in ordered.chunk(tp, src.dim)]))
             buffer = torch.cat(rows, dim=1)  # [tp, all values' pieces]
             self._log("reduce_scatter", "backward", buffer)
@@ -174,9 +176,11 @@ class _JoinedFn(torch.autograd.Function):
         return (None, *module.scatter(full))
 
 
-def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
+def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
+               sequence: Optional[SequenceLayout] = None) -> int:
     """The plan's batched redistributions as ``JoinedRedistribute`` calls ahead of the first
-    layer, one per stage; returns how many values they make whole."""
+    layer, one per stage; returns how many values they make whole. ``sequence``: how the
+    group holds the sequence (context parallelism)."""
     edges = [e for e in plan.edges if e.batched]
     if not edges or plan.tp == 1:
         return 0
@@ -205,7 +209,7 @@ def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module)
         name = "autotp_joined" if len(levels) == 1 else f"autotp_joined_{stage}"
         root.add_module(name, JoinedRedistribute(
             comm, [(parse_layout(have[v]), cast(Replicate, parse_layout(d))) for v, d in staged],
-            [f"{v} {have[v]}->{d}" for v, d in staged]))
+            [f"{v} {have[v]}->{d}" for v, d in staged], sequence))
         with graph.inserting_before(where):
             call = graph.call_module(name, tuple(nodes[v] for v, _ in staged))
             call.meta[HOISTED] = True

@@ -44,6 +44,7 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
+from autotp.runtime.context import SequenceLayout
 from autotp.runtime.regather import ShardKeeper
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------
@@ -57,23 +58,24 @@ def _swap_groups(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Ten
     return y.reshape(shape)
 
 
-def sequence_order(comm: Communicator, layout: Any) -> Any:
+def sequence_order(sequence: Optional[SequenceLayout], layout: Layout
+                   ) -> Optional[SequenceLayout]:
     """The token order of a context-parallel group whose ranks hold the sequence balanced
-    (``comm.sequence``: rank r the chunks r and 2 cp - 1 - r of 2 cp) where ``layout`` is a
-    plain shard (under context parallelism every shard is along a sequence); else None."""
-    order = getattr(comm, "sequence", None)
-    if order is None or not order.balanced or not isinstance(layout, Shard) or \
+    (``sequence``, the rank program's: rank r the chunks r and 2 cp - 1 - r of 2 cp) where
+    ``layout`` is a plain shard (under context parallelism every shard is along a
+    sequence); else None."""
+    if sequence is None or not sequence.balanced or not isinstance(layout, Shard) or \
             layout.blocks != 1:
         return None
-    return order
+    return sequence
 
 
 def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
-                order: Any = None) -> torch.Tensor:
+                order: Optional[SequenceLayout] = None) -> torch.Tensor:
     """[seg0 | seg1 | ...] of the global dim -> [rank0 pieces | rank1 pieces | ...];
     ``order``: a balanced sequence (``sequence_order``), its ranks' tokens end to end."""
     if order is not None:
-        return x.index_select(dim, order._rank_order(x.shape[dim], x.device))
+        return x.index_select(dim, order.rank_order(x.shape[dim], x.device))
     blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
@@ -85,10 +87,10 @@ def _rank_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
 
 
 def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
-                   order: Any = None) -> torch.Tensor:
+                   order: Optional[SequenceLayout] = None) -> torch.Tensor:
     """Inverse of ``_rank_major``."""
     if order is not None:
-        return x.index_select(dim, order._to_global(x.shape[dim], x.device))
+        return x.index_select(dim, order.to_global(x.shape[dim], x.device))
     blocks = counted(x.shape[dim], blocks)
     if blocks == 1:
         return x
@@ -100,28 +102,32 @@ def _segment_major(x: torch.Tensor, dim: int, blocks: Blocks, tp: int,
 
 
 def local_slice(x: torch.Tensor, layout: Shard, rank: int, tp: int,
-                order: Any = None) -> torch.Tensor:
+                order: Optional[SequenceLayout] = None) -> torch.Tensor:
     if is_mixed(layout.blocks):
         return shard_tensor(x, layout, rank, tp)
     return _rank_major(x, layout.dim, layout.blocks, tp, order).chunk(tp, dim=layout.dim)[rank]
 
 
-def gather(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
+def gather(comm: Communicator, x: torch.Tensor, layout: Shard,
+           sequence: Optional[SequenceLayout] = None) -> torch.Tensor:
+    """The whole tensor of every rank's shard ``x``; ``sequence``: how the group holds the
+    sequence, where the shards are its pieces (context parallelism)."""
     full = comm.all_gather(x.contiguous(), layout.dim)
     if is_mixed(layout.blocks):  # segments held whole: rank 0's copy of each
         return unshard_tensor(full.chunk(comm.world_size, dim=layout.dim), layout)
     return _segment_major(full, layout.dim, layout.blocks, comm.world_size,
-                          sequence_order(comm, layout))
+                          sequence_order(sequence, layout))
 
 
-def reduce_scatter(comm: Communicator, x: torch.Tensor, layout: Shard) -> torch.Tensor:
+def reduce_scatter(comm: Communicator, x: torch.Tensor, layout: Shard,
+                   sequence: Optional[SequenceLayout] = None) -> torch.Tensor:
     ordered = _rank_major(x, layout.dim, layout.blocks, comm.world_size,
-                          sequence_order(comm, layout))
+                          sequence_order(sequence, layout))
     return comm.reduce_scatter(ordered.contiguous(), layout.dim)
 
 
 def zero_pad(x: torch.Tensor, layout: Shard, rank: int, tp: int,
-             order: Any = None) -> torch.Tensor:
+             order: Optional[SequenceLayout] = None) -> torch.Tensor:
     """The full-size tensor holding ``x`` at this rank's position and zeros elsewhere."""
     shape = list(x.shape)
     shape[layout.dim] *= tp
@@ -138,9 +144,12 @@ class Redistribute(nn.Module):
     """Changes the layout of one value, with the conjugate collective in backward."""
 
     def __init__(self, comm: Communicator, src: Layout, dst: Layout, *, layer: Optional[int],
-                 bwd_layer: Optional[int], label: str):
+                 bwd_layer: Optional[int], label: str,
+                 sequence: Optional[SequenceLayout] = None):
         super().__init__()
         self.comm = comm
+        # context parallelism: how the group holds the sequence its shards are pieces of
+        self.sequence = sequence
         self.src = src
         self.dst = dst
         self.layer = layer
@@ -168,7 +177,7 @@ class Redistribute(nn.Module):
     def regather(self, shard: torch.Tensor) -> torch.Tensor:
         """The forward all-gather of ``shard`` again, for a backward that reads its output."""
         assert isinstance(self.src, Shard), self
-        out = gather(self.comm, shard, self.src)
+        out = gather(self.comm, shard, self.src, self.sequence)
         self.comm.log.record("all_gather", "backward", self.layer,
                              out.numel() * out.element_size(), f"{self.label}, re-gathered")
         return out
@@ -176,7 +185,7 @@ class Redistribute(nn.Module):
     # forward and backward programs, by (src, dst) kind
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
-        src, dst, comm = self.src, self.dst, self.comm
+        src, dst, comm, sequence = self.src, self.dst, self.comm, self.sequence
         tp, rank = comm.world_size, comm.rank
         if isinstance(src, Partial) and src.reduce == "logsumexp":
             pieces = comm.all_gather(x.unsqueeze(0).contiguous(), 0)
@@ -185,19 +194,20 @@ class Redistribute(nn.Module):
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             return x.view_as(x)
         if isinstance(src, Replicate) and isinstance(dst, Shard):
-            return local_slice(x, dst, rank, tp, sequence_order(comm, dst)).contiguous()
+            return local_slice(x, dst, rank, tp, sequence_order(sequence, dst)).contiguous()
         if isinstance(src, Partial) and isinstance(dst, Replicate):
             own = self.reduce_in_place and _owns_storage(x)
             return self._log("all_reduce", "forward", x, comm.all_reduce(x, in_place=own))
         if isinstance(src, Partial) and isinstance(dst, Shard):
-            return self._log("reduce_scatter", "forward", x, reduce_scatter(comm, x, dst))
+            return self._log("reduce_scatter", "forward", x,
+                             reduce_scatter(comm, x, dst, sequence))
         if isinstance(src, Shard) and isinstance(dst, Replicate):
-            out = gather(comm, x, src)
+            out = gather(comm, x, src, sequence)
             return self._log("all_gather", "forward", out, out)
         raise AssertionError(f"no redistribution {src} -> {dst}")
 
     def run_backward(self, g: torch.Tensor) -> torch.Tensor:
-        src, dst, comm = self.src, self.dst, self.comm
+        src, dst, comm, sequence = self.src, self.dst, self.comm, self.sequence
         tp, rank = comm.world_size, comm.rank
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             if dst.grad_partial and not src.grad_partial:  # f: sum the partial gradients
@@ -208,8 +218,8 @@ class Redistribute(nn.Module):
             return g
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             if src.grad_partial:
-                return zero_pad(g, dst, rank, tp, sequence_order(comm, dst))
-            out = gather(comm, g, dst)
+                return zero_pad(g, dst, rank, tp, sequence_order(sequence, dst))
+            out = gather(comm, g, dst, sequence)
             return self._log("all_gather", "backward", out, out)
         if isinstance(src, Partial) and isinstance(dst, Replicate):
             if dst.grad_partial:
@@ -217,12 +227,13 @@ class Redistribute(nn.Module):
                                  comm.all_reduce(g, in_place=self.grad_in_place))
             return g
         if isinstance(src, Partial) and isinstance(dst, Shard):
-            out = gather(comm, g, dst)
+            out = gather(comm, g, dst, sequence)
             return self._log("all_gather", "backward", out, out)
         if isinstance(src, Shard) and isinstance(dst, Replicate):
             if dst.grad_partial:
-                return self._log("reduce_scatter", "backward", g, reduce_scatter(comm, g, src))
-            return local_slice(g, src, rank, tp, sequence_order(comm, src)).contiguous()
+                return self._log("reduce_scatter", "backward", g,
+                                 reduce_scatter(comm, g, src, sequence))
+            return local_slice(g, src, rank, tp, sequence_order(sequence, src)).contiguous()
         raise AssertionError(f"no redistribution {src} -> {dst}")
 
     def _log(self, kind: str, phase: str, sized: torch.Tensor,

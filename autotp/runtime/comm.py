@@ -84,10 +84,6 @@ class Communicator:
     rank: int
     world_size: int
     log: CollectiveLog
-    # context parallelism: how the group holds the sequence (a ``runtime.context.
-    # SequenceLayout``; balanced, each rank two chunks of 2 x cp), which every slice and
-    # gather of a sequence shard follows; None: contiguous shards
-    sequence: Any = None
 
     def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """The sum over ranks of ``tensor``. ``in_place``: the caller's tensor is a fresh

@@ -111,14 +111,23 @@ class SequenceLayout:
     def unshard(self, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Every rank's shard (in rank order) -> the tensor in the global order."""
         joined = torch.cat(shards, dim=dim)
-        return joined.index_select(dim, self._to_global(joined.shape[dim], joined.device))
+        return joined.index_select(dim, self.to_global(joined.shape[dim], joined.device))
 
-    def _rank_order(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
+    def rank_order(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
         """The global positions of the ranks' tokens laid end to end, rank after rank."""
         return torch.cat([self.positions(r, length, device) for r in range(self.cp)])
 
-    def _to_global(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
-        return torch.argsort(self._rank_order(length, device))
+    def to_global(self, length: int, device: Optional[torch.device]) -> torch.Tensor:
+        """The inverse of ``rank_order``: where each global position sits among the ranks'
+        tokens laid end to end."""
+        return torch.argsort(self.rank_order(length, device))
+
+
+def held_sequence(cp: int) -> Optional[SequenceLayout]:
+    """How a context-parallel group of ``cp`` ranks holds the sequence: balanced, each rank
+    two chunks of 2 x cp, head and tail (the same causal work on every rank); None at cp 1,
+    where no group splits it."""
+    return SequenceLayout(cp, balanced=True) if cp > 1 else None
 
 
 # ---- what a mask keeps of a pair of chunks ---------------------------------------------------
@@ -565,7 +574,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
             f"Ulysses attention splits the heads over cp={layout.cp}: {q.shape[1]} query and "
             f"{k.shape[1]} key/value heads do not divide by it; use ring attention")
     length = q.shape[2] * layout.cp
-    to_global = layout._to_global(length, q.device)
+    to_global = layout.to_global(length, q.device)
     qh, kh, vh = (_AllToAll.apply(x, comm, True, label).index_select(2, to_global)
                   for x in (q, k, v))
     gqa = qh.shape[1] != kh.shape[1]
@@ -583,7 +592,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed | empty,
                                              scale=scale, enable_gqa=gqa)
         out = out.masked_fill(empty, 0.0)
-    back = _AllToAll.apply(out.index_select(2, layout._rank_order(length, q.device)), comm,
+    back = _AllToAll.apply(out.index_select(2, layout.rank_order(length, q.device)), comm,
                            False, label)
     result: torch.Tensor = back
     return result
@@ -591,16 +600,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
 
 class RingAttention(nn.Module):
     """``aten.scaled_dot_product_attention`` of a rank program whose plan shards q, k and v
-    along the sequence over the group (as ``comm.sequence`` lays it out: balanced, or
-    contiguous where it is None): the same arguments, computed by ``ring_attention``. The
-    mask arrives with this rank's query rows and every key column, or (``mask``: the program
-    that makes it) as its factors, ``mask_factors``."""
+    along the sequence over the group (as ``sequence``, the rank program's, lays it out:
+    balanced, or contiguous where it is None): the same arguments, computed by
+    ``ring_attention``. The mask arrives with this rank's query rows and every key column,
+    or (``mask``: the program that makes it) as its factors, ``mask_factors``."""
 
-    def __init__(self, comm: Communicator, label: str, mask: Optional[MaskProgram] = None):
+    def __init__(self, comm: Communicator, label: str, mask: Optional[MaskProgram] = None, *,
+                 sequence: Optional[SequenceLayout] = None):
         super().__init__()
         self.comm = comm
         self.label = label
-        self.layout = comm.sequence or SequenceLayout(comm.world_size, balanced=False)
+        self.layout = sequence or SequenceLayout(comm.world_size, balanced=False)
         self.mask = mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -35,7 +35,7 @@ from autotp.runtime.collectives import (
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.causal import causal_attention_calls
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import MaskProgram, RingAttention, UlyssesAttention
+from autotp.runtime.context import MaskProgram, RingAttention, SequenceLayout, UlyssesAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_layout, \
     whole_slices
@@ -136,8 +136,11 @@ def place_on_device(graph: fx.Graph, root: nn.Module, device: Optional[torch.dev
 
 def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
                        bucket: GradBucket, grad_sync: GradSync = GradSync.BUCKET, *,
-                       axis: str = "", originals: Optional[set[str]] = None) -> int:
+                       axis: str = "", originals: Optional[set[str]] = None,
+                       sequence: Optional[SequenceLayout] = None) -> int:
     """Redistribute each value once per target layout; returns the modules inserted.
+    ``sequence``: how ``comm``'s ranks hold the sequence (context parallelism), which
+    every slice and gather of a sequence shard follows.
 
     ``originals`` (the captured program's node names): a second axis's plan applied to a
     program another plan's collectives are already in (context parallelism inside tp,
@@ -181,7 +184,7 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
                 # sum's maker's, and its conjugate is counted there too
                 module = Redistribute(comm, src, dst, layer=edge.layer, bwd_layer=edge.layer,
                                       label=f"{axis}{' ' if axis else ''}{edge.value} "
-                                            f"{edge.src}->{edge.dst}")
+                                            f"{edge.src}->{edge.dst}", sequence=sequence)
             root.add_module(name, module)
             anchor = value if value.op != "placeholder" else _last_placeholder(graph)
             with graph.inserting_after(anchor):
@@ -341,12 +344,14 @@ def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
 
 
 def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Communicator,
-                         tp_plan: Optional[Plan] = None) -> dict[str, str]:
+                         tp_plan: Optional[Plan] = None,
+                         sequence: Optional[SequenceLayout] = None) -> dict[str, str]:
     """Context parallelism: attention whose plan takes q, k, v sharded along the sequence
     (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group,
     or as ``ulysses_attention`` where the plan chose it (``[ulysses]``); returns original
     node -> the node now holding its value. ``tp_plan``: the tp plan the context-parallel
-    ``plan`` runs inside (its heads split over tp). A mask made by elementwise ops
+    ``plan`` runs inside (its heads split over tp); ``sequence``: how the group holds the
+    sequence (contiguous shards where None). A mask made by elementwise ops
     (``planner.masks.mask_region``) goes to the ring as their program and its factors,
     and its [s/cp, s] rows are no longer computed."""
     renamed: dict[str, str] = {}
@@ -379,8 +384,7 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
                 args = args[:3] + (None,) + args[4:] if len(args) > 3 else args
                 kwargs = {**{k: v for k, v in kwargs.items() if k != "attn_mask"},
                           "mask_factors": region.factors}
-        root.add_module(name, module(comm, node.name, program) if program is not None
-                        else module(comm, node.name))
+        root.add_module(name, module(comm, node.name, program, sequence=sequence))
         with graph.inserting_before(node):
             new = graph.call_module(name, args, kwargs)
         new.meta.update(node.meta)
@@ -541,15 +545,19 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             registry: Optional[Registry] = None, seed: int = 0,
             grad_sync: GradSync = GradSync.BUCKET, weights: Optional[Weights] = None,
             device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None,
-            ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None
-            ) -> tuple[fx.GraphModule, GradBucket]:
+            ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None,
+            sequence: Optional[SequenceLayout] = None) -> tuple[fx.GraphModule, GradBucket]:
     """This rank's program. ``keeper``: with sequence parallelism, where the sequence
     all-gathers record their outputs so that backward re-gathers what it saved of them.
     ``ep_comm``: with expert parallelism (``plan.ep`` > 1), the group of ranks the experts
     are split over besides the tp group, whose tokens differ. ``cp_comm``: with a context
     plan inside the tp plan (``plan.context``), the cp group: the context plan's collectives
-    go in after the tp plan's, each over its own group (``planner/context.py``)."""
+    go in after the tp plan's, each over its own group (``planner/context.py``).
+    ``sequence``: with context parallelism, how the cp group holds the sequence
+    (``held_sequence``): the collectives over that group (``comm`` at tp 1, else
+    ``cp_comm``) and the ring attention follow it."""
     context = plan.context
+    tp_sequence = sequence if context is None else None  # tp's group holds it whole
     if (context is None) != (cp_comm is None):
         raise PlanError("a plan with a context plan needs cp_comm=, the cp group, and only "
                         "such a plan takes one")
@@ -562,23 +570,25 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
     routes = route_rows(graph, plan, comm, root, ep_comm)
-    insert_collectives(graph, plan, comm, root, bucket, grad_sync)
+    insert_collectives(graph, plan, comm, root, bucket, grad_sync, sequence=tp_sequence)
     join_siblings(graph, plan, comm, root)
-    join_ahead(graph, plan, comm, root)
+    join_ahead(graph, plan, comm, root, tp_sequence)
     if context is not None and cp_comm is not None:
         insert_collectives(graph, context, cp_comm, root, GradBucket(cp_comm), grad_sync,
-                           axis="cp_", originals={n.name for n in captured.gm.graph.nodes})
+                           axis="cp_", originals={n.name for n in captured.gm.graph.nodes},
+                           sequence=sequence)
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank, routes)
     tracker = RngTracker(seed, rank)
     if context is not None and cp_comm is not None:
         lowered.update(lower_ops(graph, context, registry, cp_comm.rank))
-        lowered.update(ring_attention_calls(graph, context, root, cp_comm, tp_plan=plan))
+        lowered.update(ring_attention_calls(graph, context, root, cp_comm, tp_plan=plan,
+                                            sequence=sequence))
         cp_tracker = RngTracker(seed + 7_919 * (cp_comm.rank + 1), rank)
         lowered.update(track_randomness(graph, plan, root, tracker, (context, cp_tracker)))
     else:
-        lowered.update(ring_attention_calls(graph, plan, root, comm))
+        lowered.update(ring_attention_calls(graph, plan, root, comm, sequence=sequence))
         lowered.update(track_randomness(graph, plan, root, tracker))
     lowered.update(causal_attention_calls(graph, root, plan))
     lowered.update(drop_full_slices(graph))
