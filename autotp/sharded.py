@@ -2,7 +2,8 @@
 ``simulate`` build it (``build_rank``): its program, its plan, its communicators, and what
 it offers beyond the original model's calls: the plan check across ranks, its local and
 expert parameters, the experts' gradients summed over the expert-parallel group, and the
-whole state gathered back (``full_state_dict``)."""
+whole state gathered back (``full_state_dict``); and what a pipeline stage holds of it
+(``StagePart``, which the stages of ``autotp.pipeline_stages`` are built with)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import inspect
 import math
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -390,6 +391,30 @@ class ShardedModule(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class StagePart:
+    """What one pipeline stage (``autotp.pipeline_stages``) holds of a sharded model, read by
+    ``expert_parameters``, ``finish_expert_gradients`` and ``autotp.clip_grad_norm_``: the
+    plan its parameters follow, the groups their gradients are spread over, and which
+    stage counts each parameter several stages read (tied: every stage holding it has a
+    copy with the same summed gradient, counted in the first of them only)."""
+
+    plan: Plan
+    comm: Communicator  # the tensor-parallel group
+    ep_comm: Optional[Communicator]  # the expert-parallel group, with ep > 1
+    pp_group: Any  # the pipeline ranks' process group
+    first_holder: Mapping[str, int]  # tied parameter -> the first stage holding a copy
+
+
+class ShardedStage:
+    """The base autotp's pipeline stages take beside torch's ``PipelineStage``
+    (``features.pipeline``): each is built with its ``part`` of the sharded model."""
+
+    part: StagePart
+    submod: nn.Module  # PipelineStage's: the stage's program
+    stage_index: int  # PipelineStage's
+
+
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
@@ -513,11 +538,10 @@ def expert_parameters(module: Any) -> dict[str, nn.Parameter]:
     if isinstance(module, ShardedModule):
         params = module.local_parameters()
         return {target: params[target] for target in module.plan.expert_params}
-    plan = getattr(module, "_autotp_plan", None)
-    if plan is None:
+    if not isinstance(module, ShardedStage):
         raise ConfigError(f"expert_parameters takes the module autotp.parallelize returned or "
                           f"a stage of autotp.pipeline_stages, got {type(module).__name__}")
-    wanted = set(plan.expert_params)
+    wanted = set(module.part.plan.expert_params)
     out = {}
     for name, param in module.submod.named_parameters():
         plain = name.replace("_checkpoint_wrapped_module.", "")
@@ -540,9 +564,11 @@ def finish_expert_gradients(module: Any, data_parallel: Optional[int] = None,
         for stage in module:
             finish_expert_gradients(stage, data_parallel, group)
         return
-    plan = module.plan if isinstance(module, ShardedModule) else \
-        getattr(module, "_autotp_plan", None)
-    if plan is None:
+    if isinstance(module, ShardedModule):
+        plan = module.plan
+    elif isinstance(module, ShardedStage):
+        plan = module.part.plan
+    else:
         raise ConfigError(f"finish_expert_gradients takes the module autotp.parallelize "
                           f"returned or stages of autotp.pipeline_stages, got "
                           f"{type(module).__name__}")

@@ -314,8 +314,8 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
     from autotp.layout import Shard, shard_tensor
 
     autotp.features.pipeline.wait_tied_grads()  # before reading gradients by hand
-    plan = stages[0]._autotp_plan
-    tied = {name for name, _, _ in stages[0]._autotp_ties.ties}
+    plan = stages[0].part.plan
+    tied = set(stages[0].part.first_holder)
     worst: dict[str, float] = {"untied": 0.0}
     for stage in stages:
         for name, p in stage.submod.named_parameters():
@@ -580,7 +580,7 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
     schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=_next_token_loss)
     losses, grad_diffs, norm_diffs = _train_stages(schedule, stages, mesh, ids, labels,
                                                    ref_grads)
-    context = stages[0]._autotp_plan.context or stages[0]._autotp_plan
+    context = stages[0].part.plan.context or stages[0].part.plan
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "norm_diffs": norm_diffs, "rings": sum(
                 c.strategy.endswith("[ring]") for c in context.choices.values()),

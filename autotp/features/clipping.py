@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autotp.sharded import ShardedModule
+from autotp.sharded import ShardedModule, ShardedStage
 from autotp.runtime.comm import sharded_groups, spans_group
 from autotp.errors import ConfigError
 from autotp.features.pipeline import wait_tied_grads
@@ -85,16 +85,16 @@ def _holder(module: Any) -> _Holder:
     if isinstance(module, ShardedModule):
         return _Holder(_module_pieces(module), module.comm, module.ep_comm, None)
     stages = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not stages or any(getattr(s, "_autotp_plan", None) is None for s in stages):
+    if not stages or not all(isinstance(s, ShardedStage) for s in stages):
         found = ", ".join(sorted({type(s).__name__ for s in stages})) or "an empty list"
         raise ConfigError(
             f"autotp.clip_grad_norm_ takes the module autotp.parallelize returned or this "
             f"rank's stages of autotp.pipeline_stages, got {found}; for an unsharded model "
             "use torch.nn.utils.clip_grad_norm_")
     wait_tied_grads()  # the tied copies' sums over the pipeline ranks (gloo) must be in
-    first = stages[0]
+    part = stages[0].part  # the same for every stage of this rank
     pieces = [piece for stage in stages for piece in _stage_pieces(stage)]
-    return _Holder(pieces, first._autotp_comm, first._autotp_ep_comm, first._autotp_pp_group)
+    return _Holder(pieces, part.comm, part.ep_comm, part.pp_group)
 
 
 def _module_pieces(module: ShardedModule) -> list[_Piece]:
@@ -104,15 +104,15 @@ def _module_pieces(module: ShardedModule) -> list[_Piece]:
     return _pieces(module.plan, params, module.ep_comm is not None)
 
 
-def _stage_pieces(stage: Any) -> list[_Piece]:
+def _stage_pieces(stage: ShardedStage) -> list[_Piece]:
     """A stage's parameters, a tied one only in the first stage that holds a copy."""
-    first_holder = stage._autotp_ties.first_holder
+    part = stage.part
     params = []
     for name, param in stage.submod.named_parameters():
         plain = name.replace("_checkpoint_wrapped_module.", "")
-        if first_holder.get(plain, stage.stage_index) == stage.stage_index:
+        if part.first_holder.get(plain, stage.stage_index) == stage.stage_index:
             params.append((plain, param))
-    return _pieces(stage._autotp_plan, params, stage._autotp_ep_comm is not None)
+    return _pieces(part.plan, params, part.ep_comm is not None)
 
 
 def _pieces(plan: Any, params: list[tuple[str, nn.Parameter]], ep: bool) -> list[_Piece]:

@@ -37,7 +37,8 @@ the stages where they live.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+import functools
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,8 @@ from autotp.api import parallelize
 from autotp.errors import ConfigError
 from autotp.features.cut import cut, layer_calls, stage_bounds
 from autotp.ops import path_attr
+from autotp.sharded import ShardedStage, StagePart
 from autotp.weights.materialize import DeferredWeights, deferred_weights, has_meta_parameters
-
-if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
 
 
 def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
@@ -77,9 +76,6 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
     ``parallelize_options`` go to ``autotp.parallelize`` (default ``grad_sync="per_use"``:
     partial gradients are summed inside autograd, which pipelining's backward runs).
     """
-    # start-up: torch.distributed.pipelining is not loaded by torch (0.05 s on import autotp)
-    from torch.distributed.pipelining import PipelineStage
-
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if "pp" not in names or "tp" not in names:
         raise ConfigError(f"pipeline_stages needs a DeviceMesh with dims 'pp' and 'tp', got "
@@ -121,21 +117,14 @@ def pipeline_stages(model: nn.Module, mesh: Any, *, stages_per_rank: int = 1,
         else:
             metas = _check_and_measure(sharded, parts)
     ties = _TiedGrads(parts, mine, mesh, rank_of)
-    device = sharded._device()
-    stages = []
-    for index in mine:
-        inputs, outputs = metas[index]
-        # its class becomes _stage_class's, which carries the attributes set below
-        stage: Any = PipelineStage(parts[index], index, count, device, input_args=inputs,
-                                   output_args=outputs, group=pp_mesh.get_group())
-        stage.__class__ = _stage_class(type(stage))
-        stage._autotp_ties = ties
-        stage._autotp_plan = sharded.plan
-        # the groups its gradients are spread over (autotp.clip_grad_norm_)
-        stage._autotp_comm, stage._autotp_ep_comm = sharded.comm, sharded.ep_comm
-        stage._autotp_pp_group = pp_mesh.get_group()
-        stages.append(stage)
-    return stages
+    # what every stage holds of the sharded model (autotp.clip_grad_norm_, expert_parameters)
+    part = StagePart(sharded.plan, sharded.comm, sharded.ep_comm, pp_mesh.get_group(),
+                     ties.first_holder)
+    device, stage_class = sharded._device(), _stage_class()
+    return [stage_class(parts[index], index, count, device, input_args=metas[index][0],
+                        output_args=metas[index][1], group=pp_mesh.get_group(), part=part,
+                        ties=ties)
+            for index in mine]
 
 
 def stage_layers(stage: Any) -> list[nn.Module]:
@@ -390,9 +379,7 @@ def _copy_sum(total: torch.Tensor, copies: list[torch.Tensor]) -> None:
         grad.copy_(total)
 
 
-_CLASSES: dict[type, type] = {}
 _PENDING: list[Any] = []  # tied-gradient sums still running (gloo)
-_HOOKED: list[Any] = []
 
 
 def wait_tied_grads() -> None:
@@ -406,32 +393,41 @@ def wait_tied_grads() -> None:
         _copy_sum(total, copies)
 
 
-def _stage_class(base: type[PipelineStage]) -> type:
-    """``base`` with the sum of tied parameters' gradients after a step's last backward
-    (``_TiedGrads``).
+@functools.cache
+def _stage_class() -> type:
+    """torch's ``PipelineStage`` (loaded only once stages are built) built with its ``part``
+    of the sharded model (``ShardedStage``) and the rank's ``_TiedGrads``, whose sum of tied
+    parameters' gradients it starts after a step's last backward.
 
     The sum is started without waiting: the last stage reaches its last backward while the
     first still waits for gradients the last has yet to send, and a blocking collective
     there would never return. NCCL orders it on the stream; with gloo it completes in the
     background and ``wait_tied_grads`` (run before every optimizer step) waits for it."""
-    if not _HOOKED:
-        _HOOKED.append(register_optimizer_step_pre_hook(
-            lambda *_: wait_tied_grads()))
-    if base not in _CLASSES:
-        def perform_reduce_grad(self: Any, grad_scale_factor: int) -> None:
-            base.perform_reduce_grad(self, grad_scale_factor)
-            self._autotp_ties.reduced()
+    # start-up: torch.distributed.pipelining is not loaded by torch (0.05 s on import autotp)
+    from torch.distributed.pipelining import PipelineStage
 
-        def backward_weight_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_autotp_fsdp_checked", False):
+    register_optimizer_step_pre_hook(lambda *_: wait_tied_grads())
+
+    class AutotpPipelineStage(ShardedStage, PipelineStage):
+        def __init__(self, *args: Any, part: StagePart, ties: _TiedGrads,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.part = part
+            self._ties = ties
+            self._fsdp_checked = False
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            super().perform_reduce_grad(grad_scale_factor)
+            self._ties.reduced()
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            if not self._fsdp_checked:
                 _refuse_nested_fsdp(self.submod)
-                self._autotp_fsdp_checked = True
-            return base.backward_weight_one_chunk(self, *args, **kwargs)
+                self._fsdp_checked = True
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
-        _CLASSES[base] = type(f"Autotp{base.__name__}", (base,),
-                              {"perform_reduce_grad": perform_reduce_grad,
-                               "backward_weight_one_chunk": backward_weight_one_chunk})
-    return _CLASSES[base]
+    AutotpPipelineStage.__qualname__ = AutotpPipelineStage.__name__
+    return AutotpPipelineStage
 
 
 def _refuse_nested_fsdp(module: nn.Module) -> None:
