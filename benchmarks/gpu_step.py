@@ -72,6 +72,7 @@ TINY = Sizes(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, batch=2, seq=3
              ring_repeats=1)
 BUDGETS = {"step": 220.0, "ring": 60.0, "syncs": 90.0}  # seconds per part, on a device
 PARTS = tuple(BUDGETS)
+RANK_TIMEOUT = 600.0  # seconds a simulated rank waits for the other at a collective
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,10 @@ def step_target(run: Run, impl: str, tp: int, how: str, inputs: dict[str, torch.
     compile_option: Any = False
     if how == "compile=True":
         compile_option = True if run.backend == "inductor" else {"backend": run.backend}
-    return autotp.simulate(model, tp, example_kwargs=inputs, compile=compile_option)
+    # a rank compiling a segment keeps the other waiting at the next collective: a long
+    # timeout, so that inductor's first compilations on a fresh machine fit in it
+    return autotp.simulate(model, tp, example_kwargs=inputs, compile=compile_option,
+                           timeout=RANK_TIMEOUT)
 
 
 def measure_step(run: Run, impl: str, tp: int, how: str,
@@ -365,7 +369,8 @@ def synced_step(run: Run, case: str, options: dict[str, Any]) -> dict[str, Any]:
 
     inputs = batch(run)
     model = build_model(run.sizes, run.device)
-    target = autotp.simulate(model, example_kwargs=inputs, **options) if options else model
+    target = (autotp.simulate(model, example_kwargs=inputs, timeout=RANK_TIMEOUT, **options)
+              if options else model)
     steps = {id(r): Stepper(r, inputs) for r in getattr(target, "ranks", [target])}
 
     def one(module: torch.nn.Module, checked: bool) -> None:

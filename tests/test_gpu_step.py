@@ -71,3 +71,30 @@ def test_the_first_host_sync_is_named_by_its_source_line() -> None:
     where = gpu_step.where(caught.value)
     assert "tests/test_gpu_step.py:" in where
     assert "if y.sum() > 0" in where
+
+
+class _ReadsOnTheHost(torch.nn.Module):
+    """The model, after a branch on a value of its input (a host sync on a device)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: torch.Tensor) -> object:
+        if inputs["input_ids"].min() >= 0:
+            return self.model(**inputs)
+        raise AssertionError("token ids are never negative")
+
+
+def test_a_step_that_reads_a_value_fails_at_that_line(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The syncs part's step reports the branch as the first host sync, the warm-up step
+    (outside the check) having run through it."""
+    build = gpu_step.build_model
+    monkeypatch.setattr(gpu_step, "build_model",
+                        lambda sizes, device="cpu": _ReadsOnTheHost(build(sizes, device)))
+    run = gpu_step.make_run(True, str(tmp_path / "rows.jsonl"))
+    row = gpu_step.synced_step(run, "unsharded", {})
+    assert row["first_sync"] is not None
+    assert "tests/test_gpu_step.py:" in row["first_sync"], row
+    assert 'if inputs["input_ids"].min() >= 0' in row["first_sync"], row
