@@ -36,6 +36,7 @@ import sys
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -72,6 +73,9 @@ TINY = Sizes(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, batch=2, seq=3
              ring_repeats=1)
 BUDGETS = {"step": 220.0, "ring": 60.0, "syncs": 90.0}  # seconds per part, on a device
 PARTS = tuple(BUDGETS)
+# the estimator's preset for a device whose name holds the key (else h100)
+PRESETS = [("H200", "h200"), ("H100", "h100"), ("A100-SXM4-40GB", "a100-40gb"),
+           ("A100", "a100-80gb"), ("V100", "v100")]
 RANK_TIMEOUT = 600.0  # seconds a simulated rank waits for the other at a collective
 
 
@@ -202,10 +206,18 @@ def predicted(run: Run, tp: int) -> dict[str, Any]:
             "pred_fits": config.fits}
 
 
+class How(Enum):
+    """How a step row's program runs."""
+
+    EAGER = "eager"
+    TORCH_COMPILE = "torch.compile"  # of the unsharded model
+    AUTOTP_COMPILE = "compile=True"  # autotp's option: each rank's program compiled
+
+
 STEP_ROWS = [  # (name, tp, how): eager rows first, the compiled ones (slow to start) last
-    ("unsharded", 1, "eager"), ("autotp", 1, "eager"), ("autotp", 2, "eager"),
-    ("unsharded", 1, "torch.compile"), ("autotp", 1, "compile=True"),
-    ("autotp", 2, "compile=True"),
+    ("unsharded", 1, How.EAGER), ("autotp", 1, How.EAGER), ("autotp", 2, How.EAGER),
+    ("unsharded", 1, How.TORCH_COMPILE), ("autotp", 1, How.AUTOTP_COMPILE),
+    ("autotp", 2, How.AUTOTP_COMPILE),
 ]
 COMPILE_SECONDS = 45.0  # a compiled row is not started with less of the part's time left
 STEP_COLUMNS = [
@@ -216,14 +228,15 @@ STEP_COLUMNS = [
 ]
 
 
-def step_target(run: Run, impl: str, tp: int, how: str, inputs: dict[str, torch.Tensor]) -> Any:
+def step_target(run: Run, impl: str, tp: int, how: How,
+                inputs: dict[str, torch.Tensor]) -> Any:
     import autotp
 
     model = build_model(run.sizes, run.device)
     if impl == "unsharded":
-        return torch.compile(model, backend=run.backend) if how == "torch.compile" else model
+        return torch.compile(model, backend=run.backend) if how is How.TORCH_COMPILE else model
     compile_option: Any = False
-    if how == "compile=True":
+    if how is How.AUTOTP_COMPILE:
         compile_option = True if run.backend == "inductor" else {"backend": run.backend}
     # a rank compiling a segment keeps the other waiting at the next collective: a long
     # timeout, so that inductor's first compilations on a fresh machine fit in it
@@ -231,7 +244,7 @@ def step_target(run: Run, impl: str, tp: int, how: str, inputs: dict[str, torch.
                            timeout=RANK_TIMEOUT)
 
 
-def measure_step(run: Run, impl: str, tp: int, how: str,
+def measure_step(run: Run, impl: str, tp: int, how: How,
                  estimates: dict[int, dict[str, Any]]) -> dict[str, Any]:
     inputs = batch(run)
     base = torch.cuda.memory_allocated() / 2**20 if run.cuda else None  # left by earlier rows
@@ -246,7 +259,7 @@ def measure_step(run: Run, impl: str, tp: int, how: str,
     timing = time_call(step, warmup=0, repeats=run.sizes.repeats, after=sync)
     ranks = tp if impl == "autotp" else 1
     pred = estimates.get(tp, {})
-    row = {"part": "step", "impl": impl, "tp": tp, "how": how, "ranks": ranks,
+    row = {"part": "step", "impl": impl, "tp": tp, "how": how.value, "ranks": ranks,
            "step_ms": 1e3 * timing.median, **timing.stats_ms(),
            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if run.cuda else None,
            "base_mib": base,
@@ -273,9 +286,9 @@ def part_step(run: Run, budget: Budget) -> None:
             failure(run, "step", f"estimate tp {tp}", exc)
     print(header(STEP_COLUMNS), flush=True)
     for impl, tp, how in STEP_ROWS:
-        what = f"{impl} tp {tp} {how}"
+        what = f"{impl} tp {tp} {how.value}"
         try:
-            budget.check(what, needs=5.0 if how == "eager" else COMPILE_SECONDS)
+            budget.check(what, needs=5.0 if how is How.EAGER else COMPILE_SECONDS)
             row = measure_step(run, impl, tp, how, estimates)
             print(line(STEP_COLUMNS, row), flush=True)
             emit(run, row)
@@ -433,9 +446,8 @@ def make_run(dry: bool, out: Optional[str]) -> Run:
     if not dry and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run (or AUTOTP_GPU_CHECK_DRY=1)")
     device = torch.device("cpu") if dry else torch.device("cuda", 0)
-    hardware = "h100"
-    if not dry and "H200" in torch.cuda.get_device_name(device).upper():
-        hardware = "h200"
+    name = "" if dry else torch.cuda.get_device_name(device).upper()
+    hardware = next((preset for key, preset in PRESETS if key in name), "h100")
     return Run(device=device, sizes=TINY if dry else Sizes(), hardware=hardware,
                backend="eager" if dry else "inductor", out=Path(out) if out else default_out())
 

@@ -34,7 +34,8 @@ def test_dry_run_prints_every_part_and_writes_its_rows(tmp_path: Path) -> None:
     for case, _ in gpu_step.SYNC_CASES:
         assert f"  {case:<10} ok: no host sync" in text, (case, text)
     for impl, tp, how in gpu_step.STEP_ROWS:
-        assert any(row.split()[:3] == [impl, str(tp), how] for row in text.splitlines()), \
+        assert any(row.split()[:3] == [impl, str(tp), how.value]
+                   for row in text.splitlines()), \
             (impl, tp, how, text)
 
     rows = [json.loads(r) for r in out.read_text().splitlines()]
