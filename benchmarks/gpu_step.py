@@ -68,7 +68,7 @@ class Sizes:
     ring_repeats: int = 5
 
 
-TINY = Sizes(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, batch=2, seq=32, warmup=1,
+TINY = Sizes(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, batch=2, seq=32, warmup=2,
              repeats=2, ring_seq=256, ring_heads=4, ring_kv_heads=2, ring_dim=16,
              ring_repeats=1)
 BUDGETS = {"step": 220.0, "ring": 60.0, "syncs": 90.0}  # seconds per part, on a device
