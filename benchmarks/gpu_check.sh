@@ -47,7 +47,7 @@ python3 -c "import autotp" 2>/dev/null || python3 -m pip install -q --no-deps \
 
 # training steps (eager, compile=True, torch.compile; tp 1 and simulated tp 2), ring
 # attention at 16k tokens and host syncs, each beside the estimate; tracebacks in .err
-TAIL=80 step gpu_step 400 bash -c 'python3 -m benchmarks.gpu_step --out "$1" 2>"$2"' _ \
+TAIL=80 step gpu_step 400 bash -c 'exec python3 -m benchmarks.gpu_step --out "$1" 2>"$2"' _ \
   "$LOG/gpu_step.jsonl" "$LOG/gpu_step.err"
 step tests 300 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" -k "cuda or nccl" \
   tests/test_distributed.py tests/test_equivalence.py tests/test_robustness.py \
