@@ -34,8 +34,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.capture.passes import (broadcast_to_as_expand, constant_index_to_slice,
                                    copies_as_values,
-                                   decompose_cross_entropy, decompose_feature_norms,
-                                   decompose_feature_statistics,
+                                   decompose_cross_entropy,
                                    detach_factories, drop_metadata_asserts,
                                    histogram_of_floats, inline_autocast,
                                    merge_tied_parameters, out_of_place, sink_bias_adds,
@@ -52,6 +51,7 @@ from autotp.capture.sums import products_summed_first
 from autotp.capture.repeat import Mismatch, Stack, every_layer, find_stacks, truncated, unroll
 from autotp.capture.shared_buffers import merge_shared_buffers, name_shared_buffers
 from autotp.capture.traceable import traceable_calls
+from autotp.capture.feature_norms import decompose_feature_norms, decompose_feature_statistics
 from autotp.capture.op_calls import (  # noqa: F401 (re-exported)
     is_tensor_node, make_call, size_expr, tensor_inputs, tensor_meta)
 from autotp.errors import ConfigError, TraceError
