@@ -232,7 +232,7 @@ def test_simulate_checks_the_plan_before_building(monkeypatch: pytest.MonkeyPatc
     """check_plan=True (the default) refuses a plan the check refuses; False builds it."""
     import autotp.api as api
 
-    real = api.prepare
+    real = api._prepare  # what simulate and parallelize call: the plan before building
 
     def corrupted(*args: Any, **kwargs: Any) -> Any:
         captured, plan = real(*args, **kwargs)
@@ -241,7 +241,7 @@ def test_simulate_checks_the_plan_before_building(monkeypatch: pytest.MonkeyPatc
                 plan.edges[i] = dataclasses.replace(edge, backward="all_reduce")
         return captured, plan
 
-    monkeypatch.setattr(api, "prepare", corrupted)
+    monkeypatch.setattr(api, "_prepare", corrupted)
     model = BUILDERS["nanogpt"]()
     args, _ = example("nanogpt")
     with pytest.raises(autotp.GradientFlowError, match="2 times the true gradient"):
