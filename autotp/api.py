@@ -159,7 +159,7 @@ def parallelize(model: nn.Module, tp: Optional[int] = None, *, mesh: Any = None,
     ``cp``, ``cp_group`` (or a "cp" dim): context parallelism. Every rank of the cp group
     takes the same whole inputs and computes 1/cp of the sequence, chunks r and 2 cp - 1 - r
     of 2 cp on rank r; attention passes the key/value blocks around the group (ring
-    attention, or Ulysses' all-to-alls where the plan says so: ``autotp.runtime.context``);
+    attention, or Ulysses' all-to-alls where the plan says so: ``autotp.runtime.ring``);
     parameters are held as the tp plan holds them (whole at tp 1), their gradients summed
     over the group. Every sequence length must divide by 2 x cp. Not with ep, nor with
     sequence parallelism at tp 1.

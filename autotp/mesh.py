@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autotp.errors import ConfigError
 from autotp.ops import positive_int
 from autotp.runtime.comm import Communicator, ProcessGroupComm, ThreadComm, ThreadHub
-from autotp.runtime.context import SequenceLayout, held_sequence
+from autotp.runtime.ring import SequenceLayout, held_sequence
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
 # what autotp does on each axis

@@ -29,7 +29,7 @@ from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.collectives import GradBucket, GradSync, gather
-from autotp.runtime.context import SequenceLayout, held_sequence
+from autotp.runtime.ring import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
                                   held_tensors, sequence_dims, significant, structure)
 from autotp.runtime.comm import Communicator

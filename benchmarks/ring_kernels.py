@@ -9,7 +9,7 @@ One causal GQA attention (batch 1), forward and backward:
 
 - ``sdpa``: the unsharded ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
   enable_gqa=True)`` on the whole sequence;
-- ``ring``: ``autotp.runtime.context.ring_attention`` at cp 2 on the balanced layout (rank r
+- ``ring``: ``autotp.runtime.ring.ring_attention`` at cp 2 on the balanced layout (rank r
   holds chunks r and 3 - r of 4), the two ranks simulated as threads of this process
   (``ThreadComm``), each rank's CPU time (``time.thread_time``) summed over the ranks.
 
@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.runtime.comm import ThreadComm, ThreadHub
 from benchmarks.harness import Column, Timing, header, line, ratio, round_robin
-from autotp.runtime.context import SequenceLayout, ring_attention
+from autotp.runtime.ring import SequenceLayout, ring_attention
 
 aten = torch.ops.aten
 SYNCS = (aten.equal.default, aten._local_scalar_dense.default, aten.is_nonzero.default)

@@ -94,7 +94,7 @@ class CostModel:
 
 def attention_strategy(heads: int, kv_heads: int, cp: int) -> tuple[str, str]:
     """("ulysses" or "ring", why): the one that sends fewer bytes per rank and layer (context
-    parallelism's attention, ``autotp.runtime.context``; the plan picks it where attention
+    parallelism's attention, ``autotp.runtime.ring``; the plan picks it where attention
     takes no mask tensor, ``planner/assemble.py``).
 
     Per rank and per layer, in units of one rank's query block: Ulysses sends (cp - 1)/cp of

@@ -5,7 +5,7 @@ elementwise ops from vectors of positions, each lined up with the queries or wit
 and materializes an [s, s] tensor. Elementwise ops commute with slicing, so a block of the
 mask for some queries and some keys is the same ops evaluated on those rows and columns of
 the vectors. ``mask_region`` finds the ops; context parallelism's ring
-(``runtime/context.BlockMask``) builds each block it meets from them, and the estimate
+(``runtime/ring.BlockMask``) builds each block it meets from them, and the estimate
 (``planner/job/profile.py``) keeps the vectors where the mask's rows were. ``ordered``
 recognizes a mask that keeps at most a causal half of the pairs.
 """

@@ -101,7 +101,7 @@ class PlanOptions:
     # grouped product holds its experts whole, tp * ep ways
     expert_parallel: int = 1
     # context parallelism: the group shards the sequence of every value that has one
-    # (attention by the ring, autotp.runtime.context); parameters are held whole, their
+    # (attention by the ring, autotp.runtime.ring); parameters are held whole, their
     # gradients summed over the group
     context_parallel: bool = False
     # context parallelism inside tensor parallelism: attention node -> the query and key/value

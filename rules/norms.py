@@ -15,7 +15,7 @@
   over them. With GQA (fewer k/v heads) the k/v heads must be divisible by tp as well; a
   single k/v head broadcast to every query head (Falcon's multi-query) is read whole.
   With context parallelism (``OpCall.context``) attention also takes q, k and v sharded
-  along the sequence: ring attention (autotp.runtime.context) passes the key/value blocks
+  along the sequence: ring attention (autotp.runtime.ring) passes the key/value blocks
   around the group; the mask is read by this rank's query rows, every key column whole.
 """
 

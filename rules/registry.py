@@ -167,7 +167,7 @@ class OpCall:
     # rows are dispatched to the ranks that own their experts, so experts are split tp * ep
     # ways and a routed row cannot read replicated data by its position (see _routed_variants)
     ep: int = 1
-    # context parallelism (autotp.runtime.context): the group shards the sequence of every
+    # context parallelism (autotp.runtime.ring): the group shards the sequence of every
     # activation, and attention may take its queries, keys and values sharded along it
     context: bool = False
 

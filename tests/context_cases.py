@@ -1,4 +1,4 @@
-"""Cases of context-parallel attention (autotp.runtime.context), run on every rank of a cp
+"""Cases of context-parallel attention (autotp.runtime.ring), run on every rank of a cp
 group (threads or gloo processes): each rank attends with its shard of one global q, k, v
 and returns its output and gradients beside the unsharded attention's, as the layout shards
 them."""
@@ -15,7 +15,7 @@ import autotp
 from autotp.features.verify import compare, main_output, max_difference, reference_step, \
     sharded_step
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import SequenceLayout, ring_attention, ulysses_attention
+from autotp.runtime.ring import SequenceLayout, ring_attention, ulysses_attention
 
 
 @dataclass(frozen=True)

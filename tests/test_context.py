@@ -1,4 +1,4 @@
-"""Context-parallel attention (autotp.runtime.context) against the unsharded
+"""Context-parallel attention (autotp.runtime.ring) against the unsharded
 scaled_dot_product_attention: output and the gradients of q, k and v, fp32, at most 1e-5 of
 each tensor's largest entry, on simulated ranks (threads) and on gloo processes."""
 
@@ -15,7 +15,7 @@ import autotp
 from autotp.errors import ConfigError
 from autotp.features.verify import max_difference
 from autotp.runtime.comm import ThreadComm, ThreadHub
-from autotp.runtime.context import SequenceLayout, attention_strategy, ring_attention, \
+from autotp.runtime.ring import SequenceLayout, attention_strategy, ring_attention, \
     ulysses_attention
 from autotp.runtime.launch import run_processes
 
@@ -70,7 +70,7 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     nothing is hidden; under the causal mask half of the 64 pairs are skipped, alike on every
     rank (the ring shifts 3 times forward either way); backward calls the kernels forward
     called, each once."""
-    import autotp.runtime.context as context
+    import autotp.runtime.ring as context
 
     pairs: list[int] = []
     kernels = {"forward": 0, "backward": 0}
@@ -115,7 +115,7 @@ def test_tiles_of_query_rows_match_whole_chunks(name: str, kernel: str,
     path (``Kernel.MATMUL``), the pairs with a mask on the fused kernels. With tiles of one
     query row at cp 2, the output and gradients are the unsharded attention's, as with
     whole chunks."""
-    import autotp.runtime.context as context
+    import autotp.runtime.ring as context
     from autotp.runtime.ring_kernels import Kernel
 
     case = cc.CASES[name]
@@ -368,7 +368,7 @@ def test_model_masks_are_built_block_by_block(name: str, padded: bool, tile_byte
     (forward or backward), and the model stays exact, in tiles of query rows too."""
     from tests import models
 
-    import autotp.runtime.context as context
+    import autotp.runtime.ring as context
 
     if tile_bytes is not None:
         monkeypatch.setattr(context, "TILE_BYTES", tile_bytes)
@@ -596,7 +596,7 @@ def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) ->
     above run on the same layout)."""
     import threading
 
-    import autotp.runtime.context as context
+    import autotp.runtime.ring as context
     from tests import models
 
     inputs = cc.model_inputs(name, False)

@@ -566,7 +566,7 @@ def test_context_profile_splits_the_sequence_and_adds_the_ring() -> None:
 
 def test_a_mask_made_from_positions_is_held_as_its_factors() -> None:
     """transformers' LLaMA builds its mask by elementwise ops from vectors of positions; at
-    cp the ring builds each block of it from those vectors (``runtime/context.BlockMask``),
+    cp the ring builds each block of it from those vectors (``runtime/ring.BlockMask``),
     so the profile keeps the vectors, not the mask's [T/cp, T] rows: what the embeddings'
     side and the first layer keep doubles with the sequence, where the rows would
     quadruple, and stays far below the rows' bytes."""

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.features.verify import max_difference
 from autotp.runtime.comm import ThreadComm, ThreadHub
-from autotp.runtime.context import SequenceLayout, ring_attention
+from autotp.runtime.ring import SequenceLayout, ring_attention
 from autotp.runtime.ring_kernels import Kernel, choose
 
 aten = torch.ops.aten

@@ -45,7 +45,7 @@ from autotp.planner.plan import Plan
 from autotp.runtime.collectives import (Redistribute, _rank_major, _segment_major, local_slice,
                                         sequence_order)
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import SequenceLayout
+from autotp.runtime.ring import SequenceLayout
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
 _Source = TypeVar("_Source", Shard, Partial)

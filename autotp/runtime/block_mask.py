@@ -22,7 +22,7 @@ from autotp.errors import ConfigError
 from autotp.planner.masks import MaskRegion, unsqueezed_dim
 
 if TYPE_CHECKING:
-    from autotp.runtime.context import SequenceLayout
+    from autotp.runtime.ring import SequenceLayout
 
 aten = torch.ops.aten
 

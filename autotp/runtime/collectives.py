@@ -44,7 +44,7 @@ from autotp.layout import (
     shard_tensor,
     unshard_tensor,
 )
-from autotp.runtime.context import SequenceLayout
+from autotp.runtime.ring import SequenceLayout
 from autotp.runtime.regather import ShardKeeper
 
 # ---- blocked shards: reorder so that each rank's pieces are contiguous ----------------------

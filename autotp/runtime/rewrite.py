@@ -35,7 +35,7 @@ from autotp.runtime.collectives import (
 from autotp.runtime.batching import join_ahead, join_siblings
 from autotp.runtime.causal import causal_attention_calls
 from autotp.runtime.comm import Communicator
-from autotp.runtime.context import MaskProgram, RingAttention, SequenceLayout, UlyssesAttention
+from autotp.runtime.ring import MaskProgram, RingAttention, SequenceLayout, UlyssesAttention
 from autotp.errors import PlanError
 from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_layout, \
     whole_slices
@@ -347,7 +347,7 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
                          tp_plan: Optional[Plan] = None,
                          sequence: Optional[SequenceLayout] = None) -> dict[str, str]:
     """Context parallelism: attention whose plan takes q, k, v sharded along the sequence
-    (the ``ring`` strategy) runs as ``autotp.runtime.context.ring_attention`` over the group,
+    (the ``ring`` strategy) runs as ``autotp.runtime.ring.ring_attention`` over the group,
     or as ``ulysses_attention`` where the plan chose it (``[ulysses]``); returns original
     node -> the node now holding its value. ``tp_plan``: the tp plan the context-parallel
     ``plan`` runs inside (its heads split over tp); ``sequence``: how the group holds the

@@ -148,7 +148,7 @@ def build_profile(captured: Captured, plan: Plan, micro_batch: int, seq: int,
     ``cp``: the program of one of cp ranks splitting the sequence (context parallelism) on
     top of the plan's tp: every value at ``seq / cp`` tokens, except what attention reads
     across the whole sequence. A fused attention's queries meet all ``seq`` keys, its key
-    and value blocks going around the cp ranks (``runtime/context.ring_attention``: cp - 1
+    and value blocks going around the cp ranks (``runtime/ring.ring_attention``: cp - 1
     shifts forward; backward, the blocks with their gradients); the work of the attention
     core, a mask's rows and an eager attention's scores are ``seq / cp x seq``, cp times
     their size at the shard; an eager attention gathers its keys and values over cp."""
@@ -199,7 +199,7 @@ class _ProfileBuilder:
         self.kept: dict[str, Saved] = {}
         self.side = _sides(gm, plan)
         self.inputs = _inputs_of(gm)
-        # masks the ring builds block by block from their factors (runtime/context.
+        # masks the ring builds block by block from their factors (runtime/ring.
         # BlockMask): mask -> the factors held instead of its [s/cp, s] rows
         regions = _mask_regions(gm, cp, plan.tp)
         self.factors_of = {mask: [f for f in region.factors
@@ -431,7 +431,7 @@ def _ring(layer: Optional[int], side: str, blocks: float, cp: int,
           dtype_bytes: int) -> list[Comm]:
     """One attention's shifts around the cp ranks: forward, the key and value blocks (cp - 1
     shifts); backward, the blocks with their gradients (cp - 1 shifts) and the gradients
-    home (one more), in the model's dtype (``runtime/context.py`` sums each rank's share in
+    home (one more), in the model's dtype (``runtime/ring.py`` sums each rank's share in
     float32 and sends the sum in the inputs' dtype). ``nbytes`` is one shift's message."""
     grads = blocks  # dK, dV travel in the model's dtype
     return [Comm("shift", "forward", layer, blocks, side, group="cp"),

@@ -12,7 +12,7 @@
                to their experts and back, twice each way): p - 1 steps, (p - 1) / p of the
                rows' bytes
     cp comm    with context parallelism, each attention's key/value blocks around the cp
-               ranks (``runtime/context.ring_attention``): cp - 1 shifts forward, and the
+               ranks (``runtime/ring.ring_attention``): cp - 1 shifts forward, and the
                blocks with their gradients backward, each shift overlapping the attention
                work of one step (1 / cp of the attention's) so that only what the transfer
                takes beyond it shows, plus the last gradient shift home; an eager
