@@ -5,8 +5,9 @@ them."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import autotp
 from autotp.features.verify import compare, main_output, max_difference, reference_step, \
     sharded_step
-from autotp.runtime.comm import Communicator
+from autotp.runtime.comm import Communicator, ThreadComm, ThreadHub
 from autotp.runtime.ring import SequenceLayout, ring_attention, ulysses_attention
 
 
@@ -318,3 +319,25 @@ def eight_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
     return {"fsdp": fsdp_over_dp_and_cp(rank, world_size),
             "pp_cp": pipeline_context_case(rank, world_size)}
+
+
+def on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
+    """``work`` run by cp threads, one ThreadComm each: their results in rank order; the
+    first error re-raised."""
+    hub, out, errors = ThreadHub(cp, timeout=60), [None] * cp, []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = work(ThreadComm(hub, rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test
+            errors.append(exc)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out

@@ -5,7 +5,7 @@ each tensor's largest entry, on simulated ranks (threads) and on gloo processes.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,32 +14,12 @@ from tests import context_cases as cc
 import autotp
 from autotp.errors import ConfigError
 from autotp.features.verify import max_difference
-from autotp.runtime.comm import ThreadComm, ThreadHub
+from autotp.runtime.comm import ThreadComm
 from autotp.runtime.ring import SequenceLayout, attention_strategy, ring_attention, \
     ulysses_attention
 from autotp.runtime.launch import run_processes
 
 RTOL = 1e-5
-
-
-def _on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
-    hub, out, errors = ThreadHub(cp, timeout=60), [None] * cp, []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = work(ThreadComm(hub, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test
-            errors.append(exc)
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -51,7 +31,7 @@ def test_matches_unsharded_attention(name: str, strategy: str, cp: int) -> None:
         pytest.skip("Ulysses splits the heads: refused (test_bad_input_is_a_clear_error)")
     if strategy == "ulysses" and case.explicit:
         pytest.skip("a mask tensor's rows are the ring's queries")
-    for rank, diffs in enumerate(_on_ranks(cp, lambda comm: cc.run(comm, case, strategy))):
+    for rank, diffs in enumerate(cc.on_ranks(cp, lambda comm: cc.run(comm, case, strategy))):
         assert max(diffs.values()) <= RTOL, (rank, diffs)
 
 
@@ -93,7 +73,7 @@ def test_ring_skips_the_blocks_the_causal_mask_hides() -> None:
     context.kernel_forward = counting("forward", forward)  # type: ignore[assignment]
     context.kernel_backward = counting("backward", backward)  # type: ignore[assignment]
     try:
-        logs = _on_ranks(4, lambda comm: (cc.run(comm, case, "ring"), comm.log)[1])
+        logs = cc.on_ranks(4, lambda comm: (cc.run(comm, case, "ring"), comm.log)[1])
     finally:
         context._step_calls = real  # type: ignore[assignment]
         context.kernel_forward, context.kernel_backward = forward, backward  # type: ignore
@@ -133,7 +113,7 @@ def test_tiles_of_query_rows_match_whole_chunks(name: str, kernel: str,
         return calls
 
     monkeypatch.setattr(context, "_step_calls", counting)
-    for rank, diffs in enumerate(_on_ranks(2, lambda comm: cc.run(comm, case, "ring"))):
+    for rank, diffs in enumerate(cc.on_ranks(2, lambda comm: cc.run(comm, case, "ring"))):
         assert max(diffs.values()) <= RTOL, (rank, diffs)
     if kernel == "matmul" or name != "causal":  # causal alone needs no mask on the kernels
         assert counted and set(counted) == {1}, set(counted)
@@ -165,7 +145,7 @@ def test_bfloat16_under_autocast_is_as_close_as_unsharded_attention() -> None:
             out.backward(layout.shard(grad, 2, comm.rank).to(dtype))
             return [out.detach().double(), *(x.grad.double() for x in xs)]
 
-        parts = _on_ranks(2, rank)
+        parts = cc.on_ranks(2, rank)
         return [layout.unshard([p[i] for p in parts], 2) for i in range(4)]
 
     exact = attend(torch.float64, sharded=False)
@@ -195,14 +175,14 @@ def test_bad_input_is_a_clear_error() -> None:
         ulysses_attention(q, k, k, comm, layout)
 
     with pytest.raises(ConfigError, match="3 key/value heads do not divide by it; use ring"):
-        _on_ranks(2, ulysses)
+        cc.on_ranks(2, ulysses)
 
     def wrong_group(comm: ThreadComm) -> None:
         q = torch.randn(1, 2, 4, 8)
         ring_attention(q, q, q, comm, SequenceLayout(4, balanced=False))
 
     with pytest.raises(ConfigError, match="cp=4 but the context-parallel group has 2 ranks"):
-        _on_ranks(2, wrong_group)
+        cc.on_ranks(2, wrong_group)
 
     for causal, window in [(False, 3), (True, 0)]:
         def windowed(comm: ThreadComm, causal: bool = causal, window: int = window) -> None:
@@ -210,7 +190,7 @@ def test_bad_input_is_a_clear_error() -> None:
             ring_attention(q, q, q, comm, layout, causal=causal, window=window)
 
         with pytest.raises(ConfigError, match=f"window={window}: a sliding window needs"):
-            _on_ranks(2, windowed)
+            cc.on_ranks(2, windowed)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -594,7 +574,6 @@ def test_the_plan_holds_the_sequence_balanced(name: str, cp: int, pairs: int) ->
     call), 9 of the 64 each. Contiguous shards would give the last rank 2 cp - 1 times the
     first one's work. Outputs and gradients are the unsharded model's (the whole-model tests
     above run on the same layout)."""
-    import threading
 
     import autotp.runtime.ring as context
     from tests import models

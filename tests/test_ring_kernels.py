@@ -8,7 +8,7 @@ calls' bfloat16 results); the ring reads no tensor value on the host."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,32 +16,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.features.verify import max_difference
-from autotp.runtime.comm import ThreadComm, ThreadHub
+from tests.context_cases import on_ranks
+from autotp.runtime.comm import ThreadComm
 from autotp.runtime.ring import SequenceLayout, ring_attention
 from autotp.runtime.ring_kernels import Kernel, choose
 
 aten = torch.ops.aten
 HOST_READS = (aten.equal.default, aten._local_scalar_dense.default, aten.is_nonzero.default)
-
-
-def _on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
-    hub, out, errors = ThreadHub(cp, timeout=60), [None] * cp, []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = work(ThreadComm(hub, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test
-            errors.append(exc)
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 class _Ops(TorchDispatchMode):
@@ -124,7 +105,7 @@ def _ring(name: str, length: int, dtype: torch.dtype, cp: int,
         counted.append(mode.counts)
         return [out.detach(), *(x.grad for x in xs)]
 
-    parts = _on_ranks(cp, rank)
+    parts = on_ranks(cp, rank)
     return [layout.unshard([p[i] for p in parts], 2) for i in range(4)]
 
 

@@ -61,10 +61,7 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
             eps = torch.finfo(torch.float32 if upcast else xv.dtype).eps
         call = functools.partial(emit, graph, node)
         with graph.inserting_before(node):
-            xf = call(aten._to_copy.default, x) if upcast else x
-            if upcast:
-                xf.kwargs = {"dtype": torch.float32}
-                xf.meta["val"] = xv.float()
+            xf = _cast(call, x, torch.float32, xv.float()) if upcast else x
             centred = xf if rms else call(aten.sub.Tensor, xf, _feature_mean(call, xf))
             square = call(aten.mul.Tensor, centred, centred)
             rstd = call(aten.rsqrt.default,
@@ -75,9 +72,7 @@ def decompose_feature_norms(gm: fx.GraphModule) -> None:
             if bias is not None:
                 out = call(aten.add.Tensor, out, bias)
             if upcast:
-                out = call(aten._to_copy.default, out)
-                out.kwargs = {"dtype": xv.dtype}
-                out.meta["val"] = node.meta["val"]
+                out = _cast(call, out, xv.dtype, node.meta["val"])
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     graph.lint()
@@ -140,10 +135,7 @@ def decompose_feature_statistics(gm: fx.GraphModule) -> None:
         upcast = xv.dtype in (torch.float16, torch.bfloat16)
         call = functools.partial(emit, graph, node)
         with graph.inserting_before(node):
-            xf = call(aten._to_copy.default, x) if upcast else x
-            if upcast:
-                xf.kwargs = {"dtype": torch.float32}
-                xf.meta["val"] = xv.float()
+            xf = _cast(call, x, torch.float32, xv.float()) if upcast else x
             if norm:
                 centred, divisor = xf, 1
             else:
@@ -156,13 +148,19 @@ def decompose_feature_statistics(gm: fx.GraphModule) -> None:
             if node.target != aten.var.correction and node.target != aten.var.dim:
                 out = call(aten.sqrt.default, out)
             if upcast:
-                out = call(aten._to_copy.default, out)
-                out.kwargs = {"dtype": xv.dtype}
-                out.meta["val"] = node.meta["val"]
+                out = _cast(call, out, xv.dtype, node.meta["val"])
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+def _cast(call: Callable[..., fx.Node], t: fx.Node, dtype: torch.dtype, val: Any) -> fx.Node:
+    """``t.to(dtype)`` as a node, its fake value ``val``."""
+    out = call(aten._to_copy.default, t)
+    out.kwargs = {"dtype": dtype}
+    out.meta["val"] = val
+    return out
 
 
 def _feature_mean(call: Callable[..., fx.Node], t: fx.Node) -> fx.Node:
