@@ -224,34 +224,13 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
     Each dp rank takes half the batch (the second sequence of each half left-padded), each
     cp rank half of its sequence; AdamW steps after ``autotp.clip_grad_norm_`` to half the
     whole model's norm, against the unsharded model trained on the whole batch."""
-    import copy
+    def build(model: torch.nn.Module, mesh: Any, mine: dict) -> Any:
+        tp, cp = mesh["tp"].size(), mesh["cp"].size()
+        groups = {"group": mesh["tp"], "cp_group": mesh["cp"]} if tp > 1 else \
+            {"cp_group": mesh["cp"].get_group()}
+        return autotp.parallelize(model, tp=tp, cp=cp, example_kwargs=mine, **groups)
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from tests import models
-    from tests.dist_cases import train_against_reference
-
-    torch.set_num_threads(1)
-    dp, cp, tp = 2, 2, world_size // 4
-    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    both = mesh["dp", "cp"]._flatten("dp_cp")
-    model = models.llama().train()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[1::2, :3] = 0
-    half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
-    mine = {"input_ids": ids[half], "attention_mask": mask[half], "labels": ids[half]}
-    groups = {"group": mesh["tp"], "cp_group": mesh["cp"]} if tp > 1 else \
-        {"cp_group": mesh["cp"].get_group()}
-    sharded = autotp.parallelize(model, tp=tp, cp=cp, example_kwargs=mine, **groups)
-    for layer in sharded.model.layers:
-        fully_shard(layer, mesh=both)
-    fully_shard(sharded, mesh=both)
-    whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    result = train_against_reference(sharded, reference, mine, whole, steps,
-                                     mesh["dp"].get_group(), dp)
+    sharded, result = on_dp_cp_tp(world_size, steps, build)
     context = sharded.plan.context or sharded.plan
     return {**result,
             "rings": sum(c.strategy.endswith("[ring]") for c in context.choices.values())}
@@ -341,3 +320,37 @@ def on_ranks(cp: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
     if errors:
         raise errors[0]
     return out
+
+
+def on_dp_cp_tp(world_size: int, steps: int, build: Callable[[Any, Any, dict], Any]
+                ) -> tuple[Any, dict[str, Any]]:
+    """A (dp, cp, tp) = (2, 2, world / 4) DeviceMesh; ``build(model, mesh, this dp rank's
+    half of the batch)`` gives the sharded model, FSDP2 per layer and at the root over dp x cp
+    (flattened); the second sequence of each half left-padded; AdamW steps after
+    ``autotp.clip_grad_norm_`` against the unsharded model trained on the whole batch."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests import models
+    from tests.dist_cases import train_against_reference
+
+    torch.set_num_threads(1)
+    dp, cp, tp = 2, 2, world_size // 4
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    both = mesh["dp", "cp"]._flatten("dp_cp")
+    model = models.llama().train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1::2, :3] = 0
+    half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    mine = {"input_ids": ids[half], "attention_mask": mask[half], "labels": ids[half]}
+    sharded = build(model, mesh, mine)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=both)
+    fully_shard(sharded, mesh=both)
+    whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    return sharded, train_against_reference(sharded, reference, mine, whole, steps,
+                                            mesh["dp"].get_group(), dp)

@@ -14,33 +14,20 @@ def dp_cp_tp_mesh(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
     each dp rank takes half the batch (the second sequence of each half left-padded); AdamW
     steps after ``autotp.clip_grad_norm_`` against the unsharded model trained on the whole
     batch. Then the meshes ``parallelize`` refuses, each error's text."""
-    import copy
-
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import autotp
     from tests import models
-    from tests.dist_cases import train_against_reference
+    from tests.context_cases import on_dp_cp_tp
 
-    torch.set_num_threads(1)
-    dp, cp, tp = 2, 2, world_size // 4
-    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    model = models.llama().train()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(4, 16, dtype=torch.long)
-    mask[1::2, :3] = 0
-    half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
-    mine = {"input_ids": ids[half], "attention_mask": mask[half], "labels": ids[half]}
-    sharded = autotp.parallelize(model, mesh=mesh, example_kwargs=mine)
-    both = mesh["dp", "cp"]._flatten("dp_cp")
-    for layer in sharded.model.layers:
-        fully_shard(layer, mesh=both)
-    fully_shard(sharded, mesh=both)
-    whole = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    result = train_against_reference(sharded, reference, mine, whole, steps,
-                                     mesh["dp"].get_group(), dp)
+    seen: dict[str, Any] = {}
+
+    def build(model: torch.nn.Module, mesh: Any, mine: dict) -> Any:
+        seen.update(mesh=mesh, mine=mine)
+        return autotp.parallelize(model, mesh=mesh, example_kwargs=mine)
+
+    sharded, result = on_dp_cp_tp(world_size, steps, build)
+    mesh, mine = seen["mesh"], seen["mine"]
     context = sharded.plan.context or sharded.plan
     result.update(
         rings=sum(c.strategy.endswith("[ring]") for c in context.choices.values()),
