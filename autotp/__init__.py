@@ -25,20 +25,20 @@ _LAZY = {
     "expert_parameters": "autotp.api", "finish_expert_gradients": "autotp.api",
     "full_state_dict": "autotp.api", "parallelize": "autotp.api", "plan": "autotp.api",
     "simulate": "autotp.api", "Options": "autotp.options", "Mesh": "autotp.mesh",
-    "load_checkpoint": "autotp.features.checkpoint",
-    "save_checkpoint": "autotp.features.checkpoint",
-    "from_pretrained": "autotp.features.pretrained",
-    "save_pretrained": "autotp.features.pretrained",
+    "load_checkpoint": "autotp.integrations.checkpoint",
+    "save_checkpoint": "autotp.integrations.checkpoint",
+    "from_pretrained": "autotp.integrations.pretrained",
+    "save_pretrained": "autotp.integrations.pretrained",
     "AutotpError": "autotp.errors", "ConfigError": "autotp.errors",
     "GradientFlowError": "autotp.errors", "NoRuleError": "autotp.errors",
     "PlanError": "autotp.errors", "RuleError": "autotp.errors", "TraceError": "autotp.errors",
-    "register_rule": "autotp.features.custom_ops",
-    "unregister_rule": "autotp.features.custom_ops",
+    "register_rule": "autotp.integrations.custom_ops",
+    "unregister_rule": "autotp.integrations.custom_ops",
     "P": "autotp.layout", "R": "autotp.layout", "R_STAR": "autotp.layout",
     "Partial": "autotp.layout", "Replicate": "autotp.layout", "Shard": "autotp.layout",
     "empty_weights": "autotp.weights.materialize",
-    "clip_grad_norm_": "autotp.features.clipping",
-    "pipeline_stages": "autotp.features.pipeline",
+    "clip_grad_norm_": "autotp.integrations.clipping",
+    "pipeline_stages": "autotp.integrations.pipeline",
     "Estimate": "autotp.planner.job.configure", "estimate": "autotp.planner.job.configure",
     "Plan": "autotp.planner.plan",
 }
@@ -56,11 +56,11 @@ if TYPE_CHECKING:
     )
     from autotp.errors import (AutotpError, ConfigError, GradientFlowError, NoRuleError,
                                PlanError, RuleError, TraceError)
-    from autotp.features.custom_ops import register_rule, unregister_rule
-    from autotp.features.checkpoint import load_checkpoint, save_checkpoint
-    from autotp.features.clipping import clip_grad_norm_
-    from autotp.features.pipeline import pipeline_stages
-    from autotp.features.pretrained import from_pretrained, save_pretrained
+    from autotp.integrations.custom_ops import register_rule, unregister_rule
+    from autotp.integrations.checkpoint import load_checkpoint, save_checkpoint
+    from autotp.integrations.clipping import clip_grad_norm_
+    from autotp.integrations.pipeline import pipeline_stages
+    from autotp.integrations.pretrained import from_pretrained, save_pretrained
     from autotp.layout import P, R, R_STAR, Partial, Replicate, Shard
     from autotp.mesh import Mesh
     from autotp.options import Options

@@ -128,10 +128,10 @@ def _emit(text: str, args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autotp.features.dot import to_dot
-    from autotp.features.export import to_tp_plan
-    from autotp.features.page import to_html
-    from autotp.features.report import to_json, to_table
+    from autotp.presentation.dot import to_dot
+    from autotp.integrations.export import to_tp_plan
+    from autotp.presentation.page import to_html
+    from autotp.presentation.report import to_json, to_table
 
     _, _, plan, _ = _prepare(args, meta=True)
     cost_model = _cost_model(args)
@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from autotp.features.explain import explain
+    from autotp.presentation.explain import explain
 
     from autotp.planner.context import outer_search
 
@@ -180,7 +180,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from autotp.capture.named_models import parse_overrides
-    from autotp.features.check_model import check_model
+    from autotp.verification.check_model import check_model
 
     how = f"running {args.tp} gloo processes" if args.procs else \
         "tracing, planning, rewriting and running all ranks"

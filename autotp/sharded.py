@@ -41,7 +41,7 @@ from autotp.runtime.wrappers import WrapperCheck
 from autotp.weights.materialize import Weights
 
 if TYPE_CHECKING:
-    from autotp.features.pretrained import PerExpert
+    from autotp.integrations.pretrained import PerExpert
 
 
 class ShardedModule(nn.Module):
@@ -61,7 +61,7 @@ class ShardedModule(nn.Module):
     # set where a feature needs them (read with getattr until then)
     placed_on: Optional[torch.device]  # parallelize: where weights loaded later go
     checkpoint_experts: dict[str, PerExpert]  # from_pretrained: how save_pretrained splits
-    _checkpoint_group: tuple[list[int], Optional[dist.ProcessGroup]]  # features.checkpoint
+    _checkpoint_group: tuple[list[int], Optional[dist.ProcessGroup]]  # integrations.checkpoint
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
@@ -166,7 +166,7 @@ class ShardedModule(nn.Module):
         if kwargs.get("use_cache") or any(kwargs.get(key) is not None
                                           for key in ("cache", "past_key_values")):
             # a transformers causal LM with a cache: the decoding programs
-            from autotp.features.generate import decoder_of  # layer: it imports this module
+            from autotp.integrations.generate import decoder_of  # layer: it imports this module
 
             return decoder_of(self).host(*args, **kwargs)
         self._wrappers.check()
@@ -187,7 +187,7 @@ class ShardedModule(nn.Module):
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,
         with a KV cache of this rank's heads. Collective: call it on every rank with the same
         inputs (and, for sampling, the same seed)."""
-        from autotp.features.generate import decoder_of  # layer: it imports this module
+        from autotp.integrations.generate import decoder_of  # layer: it imports this module
 
         if self.plan.cp > 1:
             raise ConfigError(
@@ -408,7 +408,7 @@ class StagePart:
 
 class ShardedStage:
     """The base autotp's pipeline stages take beside torch's ``PipelineStage``
-    (``features.pipeline``): each is built with its ``part`` of the sharded model."""
+    (``integrations.pipeline``): each is built with its ``part`` of the sharded model."""
 
     part: StagePart
     submod: nn.Module  # PipelineStage's: the stage's program

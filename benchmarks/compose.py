@@ -5,7 +5,7 @@
 
 1. Activation memory per rank at tp=2, with and without ``checkpoint_wrapper`` around each
    of the sharded model's layers: the bytes kept from one training forward for backward,
-   each storage once, parameters not counted (``autotp.features.saved_tensors``). Without
+   each storage once, parameters not counted (``autotp.verification.saved_tensors``). Without
    checkpointing that is what autograd saves; with it, what autograd saves outside the
    checkpointed layers plus the inputs each layer keeps for its recomputation.
 2. Training step time on 4 gloo processes (informative on a CPU machine where the ranks
@@ -45,7 +45,7 @@ def activation_bytes(args: argparse.Namespace) -> dict[str, int]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     import autotp
-    from autotp.features.saved_tensors import count_saved
+    from autotp.verification.saved_tensors import count_saved
 
     model = build(args)
     ids = batch(args)

@@ -4,7 +4,7 @@
                                         [--seq 512]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
-tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``),
+tensor saved for backward, counted once per storage (``autotp.verification.saved_tensors``),
 parameters excluded. Each cp runs in the in-process simulation (the rank programs
 ``autotp.parallelize(..., cp=)`` builds), each rank measured in its own thread; the table
 shows the largest rank. Two programs of transformers' LLaMA (SDPA, causal, GQA):
@@ -56,7 +56,7 @@ def build(head: bool, args: argparse.Namespace) -> torch.nn.Module:
 def measure(head: bool, tp: int, cp: int, args: argparse.Namespace) -> tuple[int, float]:
     """(the largest rank's activation bytes, seconds of its forward and backward)."""
     import autotp
-    from autotp.features.saved_tensors import count_saved
+    from autotp.verification.saved_tensors import count_saved
 
     model = build(head, args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),

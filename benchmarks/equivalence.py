@@ -13,7 +13,7 @@ from benchmarks.harness import Column, header, line
 
 def simulation_row(name: str, tp: int) -> dict:
     import autotp
-    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.verification.verify import compare, layer_counts, reference_step, sharded_step
     from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     model = BUILDERS[name]()

@@ -72,7 +72,7 @@ from benchmarks.harness import Stopwatch, jsonable, ratio_text, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
-ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.features.verify.compare)
+ATOL = 1e-4  # logits and loss, max abs; gradients relative (autotp.verification.verify.compare)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 RECORD = ROOT / "benchmarks" / "family_coverage.json"
 SCHEMA = "autotp.coverage/1"
@@ -130,7 +130,7 @@ class Family:
     def model(self) -> torch.nn.Module:
         """Built from seed 0, every weight perturbed (0.05, seed 1), in eval mode: the same in
         every process."""
-        from autotp.features.verify import perturb
+        from autotp.verification.verify import perturb
 
         torch.manual_seed(0)
         return perturb(self.build(), seed=1, std=0.05).eval()
@@ -335,8 +335,8 @@ def check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
 
 def _check_family(name: str, tps: list[int]) -> list[dict[str, Any]]:
     import autotp
-    from autotp.features.check_model import first_float, generic_loss
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.check_model import first_float, generic_loss
+    from autotp.verification.verify import compare, reference_step, sharded_step
 
     family = FAMILIES[name]
     rows = [{"family": name, "tp": tp, "model": family.build.__name__, "detail": ""}

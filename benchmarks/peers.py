@@ -6,7 +6,7 @@
     ... --verbose     every in-layer collective above the bound (node, module, source)
     ... --json F      rows as JSON
 
-Per case and tp: simulate (strict=False) -> autotp.features.verify's equivalence check
+Per case and tp: simulate (strict=False) -> autotp.verification.verify's equivalence check
 (tests/test_peers.py's, here at 1e-4): outputs and loss within 1e-4 (max abs), every parameter's
 gradient within 1e-4 of its largest entry (at least 1% of the model's largest gradient: one
 that is 0 in exact arithmetic is rounding noise), and the same after one SGD step on both.
@@ -35,8 +35,8 @@ from torch import nn
 import torch.nn.functional as F
 
 import autotp
-from autotp.features.report import within_bound
-from autotp.features.verify import measure_equivalence, perturb
+from autotp.presentation.report import within_bound
+from autotp.verification.verify import measure_equivalence, perturb
 from benchmarks.harness import Column, Stopwatch, markdown_table, write_json
 
 TOL = 1e-4  # outputs and loss: max abs; gradients and parameters: of each one's largest entry

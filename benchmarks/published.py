@@ -15,7 +15,7 @@ and plans it at tp 8, or tp 4 where the heads forbid 8. Per layer it prints:
   h x h/2 (the judged limit);
 - fallbacks: the plan's fallbacks list (ops computed replicated, matrices left whole).
 
-A row is "at bound" (``autotp.features.report.within_bound``) with at most 4 collectives
+A row is "at bound" (``autotp.presentation.report.within_bound``) with at most 4 collectives
 each way per layer, bytes within 1.01x Megatron's, no matrix above h x h/2 replicated and no
 fallback; otherwise "ABOVE", or "refused: <the error>".
 """
@@ -118,7 +118,7 @@ class Row:
 def plan_row(name: str, shape: Shape) -> Row:
     import autotp
     from autotp.capture.named_models import load_model
-    from autotp.features.report import SEQUENCE_PARALLEL_BOUND, evaluate_bytes, within_bound
+    from autotp.presentation.report import SEQUENCE_PARALLEL_BOUND, evaluate_bytes, within_bound
 
     fields = {**shape.fields, LAYERS.get(shape.model_type, "num_hidden_layers"): 2}
     clock = Stopwatch()

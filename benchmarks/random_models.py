@@ -167,7 +167,7 @@ def summary(tally: Tally) -> str:
         lines.append(f"  parameter elements sharded, over all that ran: min {fractions[0]:.0%}, "
                      f"median {fractions[len(fractions) // 2]:.0%}, nothing sharded in "
                      f"{sum(f == 0 for f in fractions)}")
-    lines.append("  max diffs over all that ran (autotp.features.verify.compare's):")
+    lines.append("  max diffs over all that ran (autotp.verification.verify.compare's):")
     for key, (value, label) in tally.max_diff.items():
         lines.append(f"    {key:<12} {value:.3e}  {label}")
     if tally.by_feature:

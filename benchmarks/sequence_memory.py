@@ -3,7 +3,7 @@
     python -m benchmarks.sequence_memory [--tp 2 4] [--layers 4] [--hidden 512] [--seq 256]
 
 Activation memory is what autograd keeps from the forward pass for the backward pass: every
-tensor saved for backward, counted once per storage (``autotp.features.saved_tensors``) while
+tensor saved for backward, counted once per storage (``autotp.verification.saved_tensors``) while
 one training forward runs (HF models with ``labels=``, dropout on). Parameters are not counted.
 The sharded runs use the in-process simulation (the same per-rank programs as
 ``autotp.parallelize``); each rank is measured in its own thread. The counting hooks are set
@@ -42,7 +42,7 @@ def build(kind: str, layers: int, hidden: int, vocab: int) -> torch.nn.Module:
 
 def measure(kind: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     import autotp
-    from autotp.features.saved_tensors import count_saved
+    from autotp.verification.saved_tensors import count_saved
 
     model = build(kind, args.layers, args.hidden, args.vocab)
     model.train()

@@ -74,9 +74,9 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.features.report import within_bound
+from autotp.presentation.report import within_bound
 from autotp.planner.bound import megatron_verdict
-from autotp.features.verify import perturb
+from autotp.verification.verify import perturb
 from benchmarks import peers
 from benchmarks.harness import Column, Stopwatch, markdown_table, write_json
 from benchmarks.peers import B, Case, counts_text, measure

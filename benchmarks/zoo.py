@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from autotp.features.report import BOUND_BYTES, MEGATRON_BOUND
+from autotp.presentation.report import BOUND_BYTES, MEGATRON_BOUND
 from benchmarks import family_coverage  # the row of one model
 from benchmarks.harness import Stopwatch, read_json, write_json
 

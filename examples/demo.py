@@ -30,7 +30,7 @@ def build_gpt2(layers: int) -> torch.nn.Module:
 
 def worker(rank: int, world_size: int, layers: int) -> dict[str, Any]:
     import autotp
-    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.verification.verify import compare, layer_counts, reference_step, sharded_step
 
     torch.set_num_threads(1)
     model = build_gpt2(layers)

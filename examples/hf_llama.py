@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+from autotp.verification.verify import compare, layer_counts, reference_step, sharded_step
 
 
 def main() -> None:

@@ -136,12 +136,12 @@ def main() -> None:
     for stage in stages:
         # with expert parallelism each dp rank holds other experts: FSDP2 must not average them
         experts = set(autotp.expert_parameters(stage).values()) if args.ep > 1 else set()
-        layers = autotp.features.pipeline.stage_layers(stage)
+        layers = autotp.integrations.pipeline.stage_layers(stage)
         if args.checkpointing:
             wrap = {id(layer) for layer in layers}
             apply_activation_checkpointing(stage.submod,
                                            check_fn=lambda m, wrap=wrap: id(m) in wrap)
-            layers = autotp.features.pipeline.stage_layers(stage)
+            layers = autotp.integrations.pipeline.stage_layers(stage)
         if name not in SPLIT_BACKWARD:  # torch's split backward needs FSDP2 on the stage only
             for layer in layers:
                 fully_shard(layer, mesh=mesh["dp"], ignored_params=experts)

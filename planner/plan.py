@@ -15,7 +15,7 @@ from autotp.layout import Layout, parse_layout
 from autotp.planner.bound import megatron_verdict
 
 if TYPE_CHECKING:  # the export is a feature, a layer above the planner
-    from autotp.features.export import TpPlanExport
+    from autotp.integrations.export import TpPlanExport
     from autotp.planner.cost import CostModel
 
 
@@ -217,7 +217,7 @@ class Plan:
     def table(self, cost_model: Optional["CostModel"] = None) -> str:
         """Every parameter's layout and every collective (with its bytes and time under
         ``cost_model``, default ``CostModel()``), as ``autotp plan`` prints them."""
-        from autotp.features.report import to_table  # a layer above: imported when called
+        from autotp.presentation.report import to_table  # a layer above: imported when called
         from autotp.planner.cost import CostModel
 
         return to_table(self, cost_model or CostModel())
@@ -225,14 +225,14 @@ class Plan:
     def report(self, cost_model: Optional["CostModel"] = None) -> dict[str, Any]:
         """The plan as ``autotp plan --format json`` writes it (schema ``autotp.plan/1``,
         docs/command-line.md); ``to_json`` is the plan's own round-trip form."""
-        from autotp.features.report import to_dict  # a layer above: imported when called
+        from autotp.presentation.report import to_dict  # a layer above: imported when called
         from autotp.planner.cost import CostModel
 
         return to_dict(self, cost_model or CostModel())
 
     def to_html(self, cost_model: Optional["CostModel"] = None) -> str:
         """The one-page HTML view ``autotp plan --format html`` writes."""
-        from autotp.features.page import to_html  # a layer above: imported when called
+        from autotp.presentation.page import to_html  # a layer above: imported when called
         from autotp.planner.cost import CostModel
 
         return to_html(self, cost_model or CostModel())
@@ -240,8 +240,8 @@ class Plan:
     def to_tp_plan(self, *, style: str = "transformers") -> "TpPlanExport":
         """This plan as ``style``'s module styles: "transformers" (a model's ``tp_plan``
         strings) or "torch" (``parallelize_module`` styles); what they cannot say is in
-        ``not_expressible`` (``autotp.features.export``)."""
-        from autotp.features.export import to_tp_plan  # a layer above: imported when called
+        ``not_expressible`` (``autotp.integrations.export``)."""
+        from autotp.integrations.export import to_tp_plan  # a layer above: imported when called
 
         return to_tp_plan(self, style=style)
 

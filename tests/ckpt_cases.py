@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autotp.features.verify import max_difference, perturb
+from autotp.verification.verify import max_difference, perturb
 from tests.models import VOCAB, gpt2_config, llama_config
 from tests.models import quiet_transformers as _tf
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import autotp
-from autotp.features.verify import compare, main_output, max_difference, reference_step, \
+from autotp.verification.verify import compare, main_output, max_difference, reference_step, \
     sharded_step
 from autotp.runtime.comm import Communicator, ThreadComm, ThreadHub
 from autotp.runtime.ring import SequenceLayout, ring_attention, ulysses_attention

@@ -21,7 +21,7 @@ def equivalence_case(rank: int, world_size: int, name: str, labels: bool = False
     ``device="cuda"``: model and inputs on the GPU (every rank on the same one).
     """
     import autotp
-    from autotp.features.verify import compare, layer_counts, reference_step, sharded_step
+    from autotp.verification.verify import compare, layer_counts, reference_step, sharded_step
     from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
@@ -64,7 +64,7 @@ def vocab_sequence_case(rank: int, world_size: int, name: str, sequence_parallel
     import torch.distributed as dist
 
     import autotp
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.verify import compare, reference_step, sharded_step
     from tests.models import BUILDERS, VOCAB, batch
 
     torch.set_num_threads(1)
@@ -213,7 +213,7 @@ def train_against_reference(sharded: Any, reference: Any, mine: dict[str, Any],
     import torch.distributed as dist
 
     import autotp
-    from autotp.features.verify import max_difference
+    from autotp.verification.verify import max_difference
 
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -310,10 +310,10 @@ def _stage_grad_diff(stages: list[Any], want: dict[str, torch.Tensor], tp_rank: 
     (tied) under ``tied`` (absent where this rank holds none), over the others under
     ``untied``."""
     import autotp
-    from autotp.features.verify import max_difference
+    from autotp.verification.verify import max_difference
     from autotp.layout import Shard, shard_tensor
 
-    autotp.features.pipeline.wait_tied_grads()  # before reading gradients by hand
+    autotp.integrations.pipeline.wait_tied_grads()  # before reading gradients by hand
     plan = stages[0].part.plan
     tied = set(stages[0].part.first_holder)
     worst: dict[str, float] = {"untied": 0.0}
@@ -440,7 +440,7 @@ def pipeline_3d_case(rank: int, world_size: int, steps: int = 3) -> dict[str, An
     stages = autotp.pipeline_stages(original, mesh, stages_per_rank=2,
                                     example_kwargs={"input_ids": mine[:2]})
     for stage in stages:
-        for layer in autotp.features.pipeline.stage_layers(stage):
+        for layer in autotp.integrations.pipeline.stage_layers(stage):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(stage.submod, mesh=mesh["dp"])
     params = [p for s in stages for p in s.submod.parameters()]
@@ -486,7 +486,7 @@ def pipeline_expert_case(rank: int, world_size: int, steps: int = 2) -> dict[str
     for stage in stages:
         experts = autotp.expert_parameters(stage)
         held.update({name: int(p.shape[0]) for name, p in experts.items()})
-        for layer in autotp.features.pipeline.stage_layers(stage):
+        for layer in autotp.integrations.pipeline.stage_layers(stage):
             fully_shard(layer, mesh=mesh["dp"], ignored_params=set(experts.values()))
         fully_shard(stage.submod, mesh=mesh["dp"], ignored_params=set(experts.values()))
     opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-2)
@@ -601,7 +601,7 @@ def torch_styles_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     import autotp
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.verify import compare, reference_step, sharded_step
     from tests.models import BUILDERS, batch, example, loss_of, main_output
 
     torch.set_num_threads(1)
@@ -649,7 +649,7 @@ def _styled_step(model: torch.nn.Module, call: Any, loss: Any) -> Any:
     (``full_tensor``, in the same order on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    from autotp.features.verify import StepResult, main_output
+    from autotp.verification.verify import StepResult, main_output
 
     out = call(model)
     value = loss(out)

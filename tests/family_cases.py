@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from benchmarks import family_coverage as cov
 
-ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (autotp.features.verify.compare)
+ATOL = cov.ATOL  # logits and loss: max abs; gradients: relative (verification.verify.compare)
 
 
 def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -69,7 +69,7 @@ def gloo_case(rank: int, world_size: int, name: str, lr: float = 1e-3) -> dict[s
     forward and backward; then one AdamW step on each and a second forward (logits, loss,
     and every parameter, gathered)."""
     import autotp
-    from autotp.features.verify import compare, max_difference, reference_step, sharded_step
+    from autotp.verification.verify import compare, max_difference, reference_step, sharded_step
 
     torch.set_num_threads(1)
     model, kwargs = build(name)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from autotp.features.verify import max_difference, perturb
+from autotp.verification.verify import max_difference, perturb
 from tests.ckpt_cases import VOCAB, bigcode, gpt2, llama
 
 

@@ -626,7 +626,7 @@ def check_equivalence(config: Any, tp: int, seed: int = SEED, strict: bool = Tru
     every rank and on the unsharded model (3, 12 with sequence parallelism, which needs tp to
     divide the sequence length). Exceptions other than AutotpError propagate."""
     import autotp
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.verify import compare, reference_step, sharded_step
 
     hf = isinstance(config, HFConfig)
     model, example = build_hf(config, seed) if hf else build(config, seed)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from autotp.features.verify import main_output, perturb
+from autotp.verification.verify import main_output, perturb
 
 VOCAB = 128
 

@@ -16,8 +16,8 @@ from torch import nn
 
 import autotp
 from autotp.capture.trace import make_call
-from autotp.features.testing import build_call
-from autotp.features.verify import assert_equivalent
+from autotp.verification.testing import build_call
+from autotp.verification.verify import assert_equivalent
 from autotp.ops import argument
 from autotp.rules.registry import Registry
 

@@ -27,7 +27,7 @@ def reference_case(rank: int, world_size: int) -> dict[str, Any]:
     and the collectives of one training step counted by the probe."""
     from benchmarks.tp_bench import build_impl, check_step, train_step
 
-    from autotp.features.verify import max_difference
+    from autotp.verification.verify import max_difference
 
     torch.set_num_threads(1)
     # foreach: the optimizer's multi-tensor kernels, torch's default on CUDA

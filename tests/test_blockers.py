@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.report import to_json, to_table
+from autotp.presentation.report import to_json, to_table
 from autotp.planner.cost import CostModel
 
 H, HEADS = 64, 8

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.features.page import to_html
-from autotp.features.report import to_dict, to_table
+from autotp.presentation.page import to_html
+from autotp.presentation.report import to_dict, to_table
 from autotp.planner.bound import megatron_verdict, width
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, ParamPlan, Plan

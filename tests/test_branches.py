@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 
 
 class Branchy(nn.Module):

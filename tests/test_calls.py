@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 from tests.models import BUILDERS, VOCAB
 
 

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import autotp
 from autotp.errors import TraceError
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 
 D, HEADS = 32, 4
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import ckpt_cases as cc
-from autotp.features.verify import max_difference
+from autotp.verification.verify import max_difference
 from autotp.runtime.launch import run_processes
 
 ATOL = 1e-5

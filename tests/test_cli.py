@@ -314,7 +314,7 @@ def test_explain_an_op_marks_its_chosen_strategy() -> None:
     import transformers
 
     from autotp.capture.trace import capture
-    from autotp.features.explain import explain
+    from autotp.presentation.explain import explain
     from autotp.planner.cost import CostModel
     from autotp.planner.solve import PlanOptions, plan_graph
 

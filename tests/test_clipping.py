@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.features.verify import StepResult, compare, reference_step
+from autotp.verification.verify import StepResult, compare, reference_step
 from tests.models import BUILDERS, batch, loss_of, qwen3_moe
 
 RTOL = {2.0: 1e-6, 1.0: 1e-5, math.inf: 1e-6}  # by norm order

@@ -167,7 +167,7 @@ def test_deepseek_routing_weights_join_the_experts_input_gradient() -> None:
     import warnings
 
     import autotp
-    from autotp.features.verify import assert_equivalent, layer_counts
+    from autotp.verification.verify import assert_equivalent, layer_counts
     from autotp.planner.cost import CostModel
     from tests.family_cases import ATOL, build, next_token_loss
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 from autotp.rules import embedding, matmul, misc, norms, pointwise, views
 from autotp.rules.registry import Registry, RuleSet
 

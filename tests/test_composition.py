@@ -4,7 +4,7 @@ and activation checkpointing applied per layer, trained against the unsharded mo
 
 from __future__ import annotations
 
-from autotp.features.verify import max_difference
+from autotp.verification.verify import max_difference
 from autotp.runtime.launch import run_processes
 from tests.dist_cases import fsdp_case
 

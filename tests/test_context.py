@@ -13,7 +13,7 @@ import torch
 from tests import context_cases as cc
 import autotp
 from autotp.errors import ConfigError
-from autotp.features.verify import max_difference
+from autotp.verification.verify import max_difference
 from autotp.runtime.comm import ThreadComm
 from autotp.runtime.ring import SequenceLayout, attention_strategy, ring_attention, \
     ulysses_attention
@@ -235,7 +235,7 @@ def test_models_match_the_unsharded_model(name: str, tp: int, cp: int, padded: b
     the tp plan holds it (Megatron's bound per layer) inside tp."""
     from tests import models
 
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model = models.BUILDERS[name]().eval()
     inputs = cc.model_inputs(name, padded)
@@ -273,7 +273,7 @@ def test_sequence_parallelism_inside_cp_matches_the_unsharded_model(name: str) -
     length 4 does not divide is refused with the numbers."""
     from tests import models
 
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model = models.BUILDERS[name]().eval()
     inputs = cc.model_inputs(name, True)
@@ -304,7 +304,7 @@ def test_merged_batch_and_sequence_rows_stay_sharded() -> None:
 
     from tests import models
 
-    from autotp.features.saved_tensors import count_saved
+    from autotp.verification.saved_tensors import count_saved
 
     ids = torch.randint(0, models.VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids}
@@ -355,7 +355,7 @@ def test_model_masks_are_built_block_by_block(name: str, padded: bool, tile_byte
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     ids = torch.randint(0, models.VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
     inputs: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
@@ -397,7 +397,7 @@ def test_eager_einsum_attention_gathers_keys_and_values() -> None:
     (context parallelism by gathered keys and values), and the model stays exact."""
     from tests import models
 
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model = models.x_transformers_decoder()
     tokens = torch.randint(0, 128, (2, 16))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 
 
 @torch.library.custom_op("autotp_test::expert_mm", mutates_args=())

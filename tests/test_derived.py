@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.testing import check_op
-from autotp.features.verify import assert_equivalent, perturb
+from autotp.verification.testing import check_op
+from autotp.verification.verify import assert_equivalent, perturb
 from autotp.rules.derived import is_pointwise
 from autotp.rules.registry import Registry
 

@@ -15,7 +15,7 @@ import torch
 
 import autotp
 from autotp.layout import parse_layout, unshard_tensor
-from autotp.features.verify import assert_equivalent, layer_counts, max_difference, perturb
+from autotp.verification.verify import assert_equivalent, layer_counts, max_difference, perturb
 from tests.ckpt_cases import MQA, bigcode
 from tests.ckpt_cases import batch as mqa_batch
 from tests.models import BUILDERS, batch, example, loss_of
@@ -146,7 +146,7 @@ def test_output_structure_is_kept() -> None:
 
 
 def test_first_divergence_names_the_node_reading_a_corrupted_shard() -> None:
-    from autotp.features.verify import first_divergence
+    from autotp.verification.verify import first_divergence
 
     model, sim = _simulate("llama", 2)
     ids = batch()

@@ -8,7 +8,7 @@ from torch import nn
 
 import autotp
 from autotp.runtime.launch import run_processes
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 from tests.models import BUILDERS, example
 
 
@@ -118,7 +118,7 @@ def test_an_equivalence_check_of_a_model_that_draws_random_numbers_says_to_use_e
     """Training-mode dropout draws other masks on the ranks than on the unsharded model: the
     check refuses with what to do, rather than reporting a difference; in eval mode the
     dropout is the identity and the same model passes."""
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8))

@@ -1,7 +1,7 @@
 """The time and memory model against what autograd really keeps and what a hand count says.
 
 Activation bytes are measured on each rank of the sharded program with
-``autotp.features.saved_tensors.count_saved`` (each storage once, parameters excluded), with
+``autotp.verification.saved_tensors.count_saved`` (each storage once, parameters excluded), with
 and without sequence parallelism and full recomputation (each layer wrapped in a reentrant
 checkpoint, which keeps only the layer's inputs), and compared with ``profile.py``'s count
 read off the plan: within 10 %. On CPU a dropout keeps a mask of the input's dtype
@@ -27,7 +27,7 @@ from torch import nn
 
 import autotp
 from autotp.errors import ConfigError
-from autotp.features.saved_tensors import count_saved
+from autotp.verification.saved_tensors import count_saved
 from autotp.capture.trace import capture
 from autotp.planner.job.configure import Planner, Request, estimate, parse_mesh, search
 from autotp.planner.job.hardware import PRESETS, Hardware, hardware, load, save

@@ -22,11 +22,11 @@ import torch
 import autotp
 from autotp.errors import PlanError
 from autotp.api import full_state_dict
-from autotp.features.verify import (StepResult, assert_equivalent, compare, layer_counts,
+from autotp.verification.verify import (StepResult, assert_equivalent, compare, layer_counts,
                                     max_difference, perturb, reference_step)
 from autotp.layout import ROUTED, R, R_STAR, Shard, parse_layout
 from autotp.planner.transitions import Collective, transition
-from autotp.features.report import to_dict, to_table
+from autotp.presentation.report import to_dict, to_table
 from autotp.planner.cost import CostModel
 from autotp.runtime import routed_rows
 from autotp.runtime.launch import run_processes
@@ -426,7 +426,7 @@ def test_generate_with_experts_whole() -> None:
     """Greedy decoding on a left-padded batch: the same tokens as the unsharded model, with
     the prefill and decode programs both holding whole experts (each rank's decode step
     reads only its own experts)."""
-    from autotp.features.generate import decoder_of
+    from autotp.integrations.generate import decoder_of
 
     model = qwen3_moe()
     ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))

@@ -1,5 +1,5 @@
 """A plan exported as transformers' ``tp_plan`` and torch's ``parallelize_module`` styles
-(``autotp.features.export``): compared with the known-good Megatron plan written by hand and
+(``autotp.integrations.export``): compared with the known-good Megatron plan written by hand and
 with transformers' own plan of LLaMA; what the styles cannot say (GPT-2's Conv1D, nanoGPT's
 fused q|k|v, a vocabulary-parallel loss, sequence parallelism) listed, never exported half
 right; and the exported styles run in two gloo processes (torch's parallelize_module, and
@@ -18,8 +18,8 @@ import torch
 
 import autotp
 from autotp.errors import ConfigError
-from autotp.features.export import TpPlanExport, to_tp_plan
-from autotp.features.styles import Kind, Placement
+from autotp.integrations.export import TpPlanExport, to_tp_plan
+from autotp.integrations.styles import Kind, Placement
 from autotp.planner.plan import Plan
 from autotp.runtime.launch import run_processes
 from tests.dist_cases import each_case, torch_styles_case

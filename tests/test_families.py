@@ -5,7 +5,7 @@ weight perturbed), run unsharded and in simulation on the same weights and input
 forward and backward with a next-token cross-entropy over the logits. Checked:
 
 - exactness: logits and loss within ATOL (1e-4, max abs) and every gradient within ATOL
-  relative (autotp.features.verify.compare), on every rank: the tolerances of family_coverage.py;
+  relative (verification.verify.compare), on every rank: the tolerances of family_coverage.py;
 - per layer, rank 0's collectives (forward, backward) and the bytes they carried, against
   Megatron's two all-reduces of B x T x h each way (``unit``: 2*B*T*h*4 bytes), as
   family_coverage.py counts them (the layers' events; the embeddings, the head and the bucketed
@@ -35,7 +35,7 @@ import torch
 import autotp
 from autotp.runtime.launch import run_processes
 from autotp.layout import Shard, parse_layout, whole_numel
-from autotp.features.verify import Comparison, StepResult, compare, reference_step, sharded_step
+from autotp.verification.verify import Comparison, StepResult, compare, reference_step, sharded_step
 from tests.family_cases import (
     ATOL,
     build,

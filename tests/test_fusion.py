@@ -62,7 +62,7 @@ def _check_compiled(compile: object, sequence_parallel: bool = False) -> None:
     products save their gathered inputs as shards too: backward gathers each again."""
     from torch._dynamo.utils import counters
 
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model = BUILDERS["llama"]()
     ids = torch.randint(0, 128, (2, 16))
@@ -99,7 +99,7 @@ def test_a_traced_causal_mask_runs_by_the_kernels_causal_path(name: str) -> None
     (``runtime/causal.py``): unpadded it is the causal one and every attention runs with
     ``is_causal=True`` and no mask (one check per forward for all layers); a padded batch or
     a sliding window keeps its mask. Exact against the unsharded model at tp 2 either way."""
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
     from autotp.runtime.causal import CausalWhereMasked
 
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

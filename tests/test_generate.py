@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import autotp
-from autotp.features.verify import max_difference
+from autotp.verification.verify import max_difference
 from tests import gen_cases as gc
 from autotp.errors import ConfigError
-from autotp.features.generate import cache_argument, decoder_of
+from autotp.integrations.generate import cache_argument, decoder_of
 from autotp.runtime.launch import run_processes
 
 LAYERS = 2
@@ -136,7 +136,7 @@ def test_automatic_dims_when_export_refuses_named_ones(monkeypatch) -> None:
     """Some torch releases (2.11) cannot prove guards such as min(32*S, 128*S) == 32*S and
     refuse the step's named dims: the capture is retried with automatic dims, whose sizes
     must come out symbolic; the programs then decode any length as before."""
-    import autotp.features.steps as steps
+    import autotp.integrations.steps as steps
     from autotp.errors import TraceError
 
     real, refused = steps.capture, []
@@ -257,7 +257,7 @@ def test_direct_calls_compute_the_program() -> None:
     (no module path per read), in-place writes kept; the same results as the program."""
     import torch.fx as fx
 
-    from autotp.features.steps import direct_calls
+    from autotp.integrations.steps import direct_calls
 
     class Step(torch.nn.Module):
         def __init__(self) -> None:

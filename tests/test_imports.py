@@ -1,7 +1,8 @@
 """The layers of autotp import one way: the op vocabulary, the rules (algebra over layouts,
 which capture's op calls are written in), capture, the planner (the plan search), the job
 model of ``autotp estimate`` (planner.job), the weights, the runtime, one rank's module, the
-user API, the features on top of it, the command line. Read from the
+user API, the rooms on top of it (verification, presentation, integrations), the command
+line. Read from the
 source (``ast``), not by importing: a module-level import (outside ``if TYPE_CHECKING``) is
 an edge; the module graph and the graph of layers must both be acyclic, and the rules are
 algebra, importing nothing but rules and the vocabulary."""
@@ -26,7 +27,7 @@ LAYERS = [
     {"autotp.runtime", "autotp.mesh"},
     {"autotp.sharded"},
     {"autotp.api", "autotp.options"},
-    {"autotp.features"},
+    {"autotp.verification", "autotp.presentation", "autotp.integrations"},
     {"autotp.cli", "autotp.cli_support", "autotp.__main__", "autotp"},
 ]
 VOCABULARY = LAYERS[0]

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 import autotp
 from autotp.capture.outputs import register_containers
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 
 ATOL, RTOL = 1e-5, 1e-5
 

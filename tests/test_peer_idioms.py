@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 
 ATOL, RTOL = 1e-5, 1e-5  # outputs and loss: max abs; gradients: of each one's largest entry
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent, perturb
+from autotp.verification.verify import assert_equivalent, perturb
 from tests.models import dit, dit_inputs, x_transformers_decoder
 
 TOL = 1e-5

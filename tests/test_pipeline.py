@@ -18,7 +18,7 @@ import pytest
 from tests import dist_cases
 from autotp.errors import ConfigError
 from autotp.runtime.launch import run_processes
-from autotp.features.cut import _balanced
+from autotp.integrations.cut import _balanced
 
 # gradients relative to each unsharded gradient's largest |value|. After an AdamW step the
 # weights differ from the unsharded model's by rounding that AdamW magnifies where a gradient
@@ -47,7 +47,7 @@ def test_pipeline_matches_the_unsharded_model() -> None:
 def test_v_placement_is_torchs() -> None:
     from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
-    from autotp.features.pipeline import _rank_of
+    from autotp.integrations.pipeline import _rank_of
 
     for pp in range(1, 5):
         want = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
@@ -73,7 +73,7 @@ def test_zero_bubble_with_fsdp_inside_a_stage_is_refused() -> None:
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from autotp.features.pipeline import _refuse_nested_fsdp
+    from autotp.integrations.pipeline import _refuse_nested_fsdp
 
     layer = torch.nn.Linear(2, 2)
     stage = torch.nn.Sequential(layer)

@@ -11,7 +11,7 @@ import torch
 
 import autotp
 from autotp.runtime.layers import program_nodes
-from autotp.features.verify import perturb
+from autotp.verification.verify import perturb
 from tests.models import VECTOR_NOISE, VOCAB, batch
 
 
@@ -187,7 +187,7 @@ def test_shards_draw_independent_masks_and_replicated_values_the_same(
     sequence parallelism of the sequence-sharded residual) differ between the ranks, the
     gate's mask is the same on both; the unsharded model given the same (reassembled) masks
     computes the same loss and gradients."""
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.verify import compare, reference_step, sharded_step
 
     model = _dropout_net()
     ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(3))
@@ -225,7 +225,7 @@ def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch
     import transformers
 
     from autotp.layout import parse_layout, unshard_tensor
-    from autotp.features.verify import compare, reference_step, sharded_step
+    from autotp.verification.verify import compare, reference_step, sharded_step
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)

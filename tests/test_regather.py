@@ -2,7 +2,7 @@
 gathers it again in backward (``autotp.runtime.regather``), as Megatron-LM does.
 
 Memory is counted as ``benchmarks/sequence_memory.py`` counts it, with
-``autotp.features.saved_tensors.count_saved``: a saved-tensor hook pair set around the forward
+``autotp.verification.saved_tensors.count_saved``: a saved-tensor hook pair set around the forward
 sees every tensor autograd keeps, once per storage, parameters excluded. That pair is the
 outer one; the program's own pair hands it what it really keeps.
 Numbers are compared with ``keep_gathered=True`` (the gathered inputs kept whole) and with the
@@ -19,11 +19,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import autotp
-from autotp.features.saved_tensors import count_saved
+from autotp.verification.saved_tensors import count_saved
 from autotp.runtime.collectives import Redistribute
 from autotp.layout import Replicate, Shard, parse_layout, unshard_tensor
 from autotp.runtime.regather import ShardKeeper
-from autotp.features.verify import (StepResult, compare, max_difference, reference_step,
+from autotp.verification.verify import (StepResult, compare, max_difference, reference_step,
                                     sharded_step)
 from tests.models import BUILDERS, VOCAB, batch
 

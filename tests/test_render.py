@@ -1,4 +1,4 @@
-"""``autotp.features.render``: the Graphviz digraph and the self-contained HTML page of a plan.
+"""``autotp.presentation.render``: the Graphviz digraph and the self-contained HTML page of a plan.
 
 The DOT is checked structurally (and with Graphviz's ``dot`` when it is installed), the HTML
 without a browser (self-contained, escaped, the embedded JSON round-trips to
@@ -30,10 +30,10 @@ import torch
 import autotp
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
-from autotp.features.dot import dot_quote, to_dot
-from autotp.features.page import experts_per_rank, to_html
-from autotp.features.render import CHECK_OPS, FILL, execution_order, layout_class
-from autotp.features.report import fold_layers, group_names, human_bytes, to_dict, to_table
+from autotp.presentation.dot import dot_quote, to_dot
+from autotp.presentation.page import experts_per_rank, to_html
+from autotp.presentation.render import CHECK_OPS, FILL, execution_order, layout_class
+from autotp.presentation.report import fold_layers, group_names, human_bytes, to_dict, to_table
 from tests.models import BUILDERS, qwen3_moe
 
 COST = CostModel()
@@ -630,8 +630,8 @@ def test_browser_draws_the_plans_rows_in_their_layouts_colours(
 def test_the_python_entry_points_give_what_the_command_line_writes(llama_plan: Plan) -> None:
     """``plan.table()``, ``plan.report()`` and ``plan.to_html()`` are the CLI's table, JSON
     (schema autotp.plan/1) and page: every parameter's layout and every collective."""
-    from autotp.features.page import to_html
-    from autotp.features.report import to_dict, to_table
+    from autotp.presentation.page import to_html
+    from autotp.presentation.report import to_dict, to_table
     from autotp.planner.cost import CostModel
 
     cost = CostModel()

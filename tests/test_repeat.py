@@ -23,7 +23,7 @@ import torch.nn as nn
 import autotp
 from autotp.capture.trace import capture
 from autotp.planner.solve import PlanOptions, plan_graph
-from autotp.features.verify import assert_equivalent
+from autotp.verification.verify import assert_equivalent
 from benchmarks import family_coverage as cov
 from tests.test_coverage import ALL
 

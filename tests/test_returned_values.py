@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent, perturb
+from autotp.verification.verify import assert_equivalent, perturb
 from autotp.planner.bound import megatron_verdict
 
 

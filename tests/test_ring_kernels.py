@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotp.features.verify import max_difference
+from autotp.verification.verify import max_difference
 from tests.context_cases import on_ranks
 from autotp.runtime.comm import ThreadComm
 from autotp.runtime.ring import SequenceLayout, ring_attention
@@ -198,7 +198,7 @@ def test_a_models_mask_program_is_read_once_per_step() -> None:
     against the unsharded one (verify's tolerances)."""
     import autotp
     import autotp.runtime.block_mask as block_mask
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
     from tests import context_cases as cc
     from tests import models
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.verify import assert_equivalent, max_difference
+from autotp.verification.verify import assert_equivalent, max_difference
 from autotp.runtime.launch import run_processes
 from tests.models import BUILDERS, batch, example
 from tests.robust_cases import different_models, different_seeds, one_rank_fails
@@ -232,7 +232,7 @@ def test_intermediate_not_divisible_is_refused_when_strict() -> None:
 def test_compare_reports_the_largest_absolute_gradient_difference() -> None:
     """grad_diff is the maximum absolute difference over all parameters; the worst parameter
     is the one with the largest relative difference (here not the same one)."""
-    from autotp.features.verify import StepResult, compare
+    from autotp.verification.verify import StepResult, compare
 
     reference = StepResult(torch.zeros(1), 0.0,
                            {"big": torch.full((2,), 100.0), "small": torch.full((2,), 1.0)})
@@ -246,7 +246,7 @@ def test_compare_reports_the_largest_absolute_gradient_difference() -> None:
 def test_a_nan_is_never_within_a_tolerance() -> None:
     """A NaN output or gradient fails every comparison (max() over Python floats would skip
     it); the same infinity on both sides (a mask's -inf) is no difference."""
-    from autotp.features.verify import StepResult, compare, max_difference
+    from autotp.verification.verify import StepResult, compare, max_difference
 
     nan = float("nan")
     assert max_difference(torch.ones(3), torch.tensor([1.0, nan, 1.0])) == float("inf")
@@ -261,7 +261,7 @@ def test_a_nan_is_never_within_a_tolerance() -> None:
 def test_parameter_bytes_follow_the_dtype() -> None:
     """A bf16 model's plan counts 2 bytes per parameter (not 4), per rank and in total."""
     from autotp.planner.cost import CostModel
-    from autotp.features.report import to_dict
+    from autotp.presentation.report import to_dict
 
     model = BUILDERS["llama"]().to(torch.bfloat16)
     args, kwargs = example("llama")
@@ -276,7 +276,7 @@ def test_parameter_bytes_follow_the_dtype() -> None:
 
 def test_verify_reports_the_worst_rank() -> None:
     """verify looks at every rank: a difference on rank 1 alone is reported."""
-    from autotp.features.verify import worst_outcome
+    from autotp.verification.verify import worst_outcome
 
     good = {"output_diff": 0.0, "loss_diff": 0.0, "grad_diff": 0.0, "grad_rel": 0.0,
             "worst_param": "a", "counts": {0: {"forward": 2, "backward": 2}}}
@@ -329,7 +329,7 @@ class InPlace(nn.Module):
 
 
 def test_in_place_arithmetic_on_fresh_tensors_runs_out_of_place() -> None:
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model = InPlace("plain")
     x = torch.randn(2, 3, 16)
@@ -343,7 +343,7 @@ def test_the_equivalence_check_steps_an_optimizer() -> None:
     copied): every output and gradient agrees with the unsharded model, but an optimizer
     moves the bias once per rank. Only assert_equivalent's SGD step shows it, naming the
     parameter; the simulation is left as it was."""
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     torch.manual_seed(0)
     model, x = InPlace("plain"), torch.randn(2, 3, 16)
@@ -366,7 +366,7 @@ def test_the_equivalence_check_steps_an_optimizer() -> None:
 def test_in_place_write_through_a_view_is_functionalized() -> None:
     """``h[..., :4].mul_(2)`` writes through a view: the program is functionalized (the write
     becomes a ``slice_scatter``), planned with the ordinary rules and exact, gradients too."""
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     model, x = InPlace("view"), torch.randn(2, 3, 16)
     sim = autotp.simulate(model, 2, example_args=(x,))

@@ -21,7 +21,7 @@ from autotp.layout import R, R_STAR, Partial, Period, Replicate, Shard, parse_la
 from autotp.rules import misc
 from autotp.rules.registry import OpCall, Registry, Strategy, TensorMeta, output_layouts
 from autotp.rules.views import map_shard_through_view, view_groups
-from autotp.features.testing import check_op
+from autotp.verification.testing import check_op
 
 aten = torch.ops.aten
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
@@ -876,7 +876,7 @@ def test_repeated_kv_heads_stay_sharded(expand: bool) -> None:
     1e-10: k's bias gets a gradient of 0 in exact arithmetic, softmax ignoring a shift shared
     by every key, and float64 keeps its rounding far below the other gradients)."""
     import autotp
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     torch.manual_seed(0)
     model = RepeatedKVAttention(expand).double()
@@ -983,7 +983,7 @@ def _simulated_against_unsharded(model: torch.nn.Module, tp: int) -> dict[str, s
     import warnings
 
     import autotp
-    from autotp.features.verify import assert_equivalent
+    from autotp.verification.verify import assert_equivalent
 
     torch.manual_seed(0)
     with warnings.catch_warnings():

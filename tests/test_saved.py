@@ -1,6 +1,6 @@
 """planner/saved.py against autograd: which inputs an op keeps for backward.
 
-Each case runs the ATen op eagerly under ``autotp.features.saved_tensors.count_saved`` and
+Each case runs the ATen op eagerly under ``autotp.verification.saved_tensors.count_saved`` and
 records the storages autograd packs; the rule must say "saved" exactly for the inputs whose
 storage was packed (sequence parallelism charges activation memory by it).
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autotp.features.saved_tensors import SavedTensors, count_saved
+from autotp.verification.saved_tensors import SavedTensors, count_saved
 from autotp.planner.saved import saved_values, saves_input
 
 aten = torch.ops.aten

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 HEAVY = ("transformers", "autotp.planner.solve", "autotp.planner.problem",
-         "autotp.capture.trace", "autotp.runtime", "autotp.api", "autotp.features",
+         "autotp.capture.trace", "autotp.runtime", "autotp.api", "autotp.integrations",
+         "autotp.presentation", "autotp.verification",
          "torch._dynamo")
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
-from autotp.features.verify import assert_equivalent, compare, reference_step, sharded_step
+from autotp.verification.verify import assert_equivalent, compare, reference_step, sharded_step
 from autotp.runtime.causal import SDPA_CALL, CausalWhereMasked
 from autotp.runtime.collectives import Redistribute
 from autotp.runtime.comm import LOG_EVENTS, CollectiveLog

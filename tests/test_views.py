@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.features.testing import check_op
-from autotp.features.verify import assert_equivalent, layer_counts
+from autotp.verification.testing import check_op
+from autotp.verification.verify import assert_equivalent, layer_counts
 from autotp.layout import Period, Shard, shard_tensor
 from autotp.planner.bound import megatron_verdict
 from autotp.rules.registry import TensorMeta

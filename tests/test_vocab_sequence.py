@@ -21,9 +21,9 @@ import torch
 import autotp
 from autotp.runtime.launch import run_processes
 from autotp.layout import parse_layout, unshard_tensor
-from autotp.features.report import to_dict, to_table
+from autotp.presentation.report import to_dict, to_table
 from autotp.planner.cost import CostModel
-from autotp.features.verify import (
+from autotp.verification.verify import (
     assert_equivalent,
     compare,
     layer_counts,

@@ -1,5 +1,5 @@
-"""Pictures of a Plan: a Graphviz digraph (``autotp.features.dot.to_dot``) and one
-self-contained HTML page (``autotp.features.page.to_html``), for ``autotp plan MODEL --tp N
+"""Pictures of a Plan: a Graphviz digraph (``autotp.presentation.dot.to_dot``) and one
+self-contained HTML page (``autotp.presentation.page.to_html``), for ``autotp plan MODEL --tp N
 --format dot|html``. This module holds what both draw: the view of a plan (``build_view``:
 its nodes, layers folded, collectives marked) and the shared vocabulary (layout classes and
 colours, short op names, shapes, times).
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Optional
 
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import CollectiveRecord, Plan
-from autotp.features.report import PHASE_SHORT, Group, fold_layers, layer_ranges, to_dict
+from autotp.presentation.report import PHASE_SHORT, Group, fold_layers, layer_ranges, to_dict
 
 # ---- layouts -------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Models too large for one rank, in transformers' own layout (training checkpoints that
-resume at any tp: autotp.features.checkpoint):
+resume at any tp: autotp.integrations.checkpoint):
 
     from_pretrained    a transformers directory -> this rank's module; the model is built on
                        meta and each rank reads only its slices (autotp.weights.materialize)
@@ -24,7 +24,7 @@ from torch import nn
 
 from autotp.api import parallelize
 from autotp.errors import ConfigError
-from autotp.features.checkpoint import barrier, check_sharded, global_shape, rank_tensors, \
+from autotp.integrations.checkpoint import barrier, check_sharded, global_shape, rank_tensors, \
     split_over_ep
 from autotp.layout import Layout, Shard
 from autotp.runtime.collectives import gather

@@ -1,7 +1,7 @@
 """A plan as one self-contained HTML page (``to_html``): a summary, the legend, one section
 per folded group of layers with its values, parameters and collectives, the plan's data as
 JSON; its CSS and JS (page.css, page.js beside this module) inline (the guarantees:
-``autotp.features.render``)."""
+``autotp.presentation.render``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import json
 from importlib import resources
 from typing import Any, Iterable, Optional, Sequence
 
-from autotp.features.render import (LEGEND, Shown, View, param_keys, build_view,
+from autotp.presentation.render import (LEGEND, Shown, View, param_keys, build_view,
                                     collectives_phrase, group_title, layout_class, shape_text,
                                     short_op, strategy_tag, time_text)
-from autotp.features.report import (PHASE_SHORT, Group, group_names, human_bytes, layer_ranges,
+from autotp.presentation.report import (PHASE_SHORT, Group, group_names, human_bytes, layer_ranges,
                                     relative_name)
 from autotp.layout import ROUTED
 from autotp.planner.cost import CostModel
@@ -22,7 +22,7 @@ from autotp.planner.plan import Plan
 
 def _asset(name: str) -> str:
     """A file shipped beside this module (package data)."""
-    return resources.files("autotp.features").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("autotp.presentation").joinpath(name).read_text(encoding="utf-8")
 
 
 # ---- HTML ----------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from autotp.errors import ConfigError
-from autotp.features.export_graph import Graph, Site, collectives, sites
-from autotp.features.styles import (STYLES, UNSAID, Placement, layer_pattern, style_text,
+from autotp.integrations.export_graph import Graph, Site, collectives, sites
+from autotp.integrations.styles import (STYLES, UNSAID, Placement, layer_pattern, style_text,
                                     torch_style, transformers_style)
 from autotp.planner.plan import Plan
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from autotp.capture.trace import Captured, make_call, sequence_symbols
 from autotp.errors import ConfigError, PlanError
-from autotp.features.report import to_dict, why_replicated_lines
+from autotp.presentation.report import to_dict, why_replicated_lines
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 from autotp.planner.problem import build_problem, leaf_candidates

@@ -144,7 +144,7 @@ def _op_key(op: Any) -> tuple[str, Optional[Any]]:
 
 def _check(key: str, overload: Any, example: Any, tps: Sequence[int], atol: float,
            rtol: float) -> None:
-    from autotp.features.testing import check_op
+    from autotp.verification.testing import check_op
 
     if overload is None:
         raise ConfigError(f"register_rule({key!r}, example=...): the op is not loaded; "

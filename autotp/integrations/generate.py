@@ -38,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - generation is for transformers models
     raise ConfigError("autotp's generate() needs the transformers package") from None
 
-from autotp.features.steps import (CACHE, CACHE_NAMES, Program, replica, build_program,
+from autotp.integrations.steps import (CACHE, CACHE_NAMES, Program, replica, build_program,
                                    cache_argument, cache_shapes, weights_dtype)
 from autotp.layout import Shard, local_shape
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from autotp.sharded import ShardedModule, ShardedStage
 from autotp.runtime.comm import sharded_groups, spans_group
 from autotp.errors import ConfigError
-from autotp.features.pipeline import wait_tied_grads
+from autotp.integrations.pipeline import wait_tied_grads
 from autotp.layout import Shard
 
 

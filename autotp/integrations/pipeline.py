@@ -2,7 +2,7 @@
 
 ``autotp.pipeline_stages`` builds this rank's tensor-parallel program over the mesh's "tp"
 dim (``parallelize``), cuts the root graph between the calls of its layers (``split_layers``
-gives them; the cutting: ``autotp.features.cut``) and returns this rank's parts as
+gives them; the cutting: ``autotp.integrations.cut``) and returns this rank's parts as
 ``torch.distributed.pipelining`` ``PipelineStage``s over the "pp" dim. Any of torch's
 schedules runs them; autotp writes no schedule of its own.
 
@@ -49,7 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autotp.api import parallelize
 from autotp.errors import ConfigError
-from autotp.features.cut import cut, layer_calls, stage_bounds
+from autotp.integrations.cut import cut, layer_calls, stage_bounds
 from autotp.ops import path_attr
 from autotp.sharded import ShardedStage, StagePart
 from autotp.weights.materialize import DeferredWeights, deferred_weights, has_meta_parameters

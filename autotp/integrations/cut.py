@@ -2,7 +2,7 @@
 GraphModule of its own: where the boundaries go (``stage_bounds``: given, or balancing the
 weight elements the stages' matrix products read), which values each stage receives and
 passes on, and sizes re-read from a tensor the stage holds rather than sent
-(``autotp.features.pipeline`` makes torch's ``PipelineStage``s of them)."""
+(``autotp.integrations.pipeline`` makes torch's ``PipelineStage``s of them)."""
 
 from __future__ import annotations
 

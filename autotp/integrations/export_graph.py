@@ -1,4 +1,4 @@
-"""Reading a Plan's graph for the export (``autotp.features.export``): where each sharded
+"""Reading a Plan's graph for the export (``autotp.integrations.export``): where each sharded
 parameter is read (its site), which sites shard together (regions), and which of the plan's
 collectives a style makes at a module's boundary. Decided from ops and layouts, never from a
 module's name.
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from autotp.features.styles import Kind, Placement
+from autotp.integrations.styles import Kind, Placement
 from autotp.planner.plan import Plan
 
 LINEAR, EMBEDDING, ADD = "aten.linear.default", "aten.embedding.default", "aten.add.Tensor"

@@ -3,7 +3,7 @@ whose key/value tensors are inputs (``Step``), captured once with symbolic batch
 cache lengths, planned by the same rules with the cache as state (stored in the layout of
 the k/v heads that write it, or narrowed to the heads this rank's query heads read:
 ``narrow_cache_heads``), and rewritten per rank reading the training program's weights
-(``build_program``). The decoder that runs them: ``autotp.features.generate``.
+(``build_program``). The decoder that runs them: ``autotp.integrations.generate``.
 """
 
 from __future__ import annotations

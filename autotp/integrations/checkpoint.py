@@ -1,5 +1,5 @@
 """Training checkpoints that resume at any tp (transformers' own layout:
-``autotp.features.pretrained``), and the helpers both read:
+``autotp.integrations.pretrained``), and the helpers both read:
 
     save_checkpoint    torch.distributed.checkpoint: every rank writes its own shards (as
     load_checkpoint    DTensors over the tensor-parallel group) with the optimizer state;

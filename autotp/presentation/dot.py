@@ -1,13 +1,13 @@
 """A plan as a Graphviz digraph (``to_dot``): one cluster per folded group of layers, each
 value a node coloured by its layout, each collective a diamond on the value it moves
-(the guarantees: ``autotp.features.render``)."""
+(the guarantees: ``autotp.presentation.render``)."""
 
 from __future__ import annotations
 
-from autotp.features.render import (COLLECTIVE_COLOUR, FILL, LEGEND, STROKE, Shown, View,
+from autotp.presentation.render import (COLLECTIVE_COLOUR, FILL, LEGEND, STROKE, Shown, View,
                                     build_view, collectives_phrase, group_title, layout_class,
                                     shape_text, short_op, strategy_tag)
-from autotp.features.report import PHASE_SHORT, grad_sync_params, human_bytes, relative_source
+from autotp.presentation.report import PHASE_SHORT, grad_sync_params, human_bytes, relative_source
 from autotp.planner.cost import CostModel
 from autotp.planner.plan import Plan
 

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from autotp.api import Simulation, parallelize, simulate
 from autotp.capture.named_models import load_model
 from autotp.errors import ConfigError
-from autotp.features.verify import (Divergence, compare, first_divergence, layer_counts,
+from autotp.verification.verify import (Divergence, compare, first_divergence, layer_counts,
                                     reference_step, sharded_step, worst_outcome)
 from autotp.planner.gradflow import check_gradient_flow
 from autotp.runtime.launch import run_processes
