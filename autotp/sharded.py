@@ -442,8 +442,11 @@ def sharded_class(model_class: type, signature: Optional[inspect.Signature]) -> 
 
 
 def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
-    """The program, or its torch.compile: the compute between collectives is compiled, the
-    collectives and tracked dropouts run eagerly (graph breaks around them)."""
+    """The program, or its torch.compile: on a process group the whole rank program, its
+    collectives included (traceable functional collectives: ``runtime.comm``), the ring and
+    the causal attention. Still eager, a graph break each: a tracked dropout's draw, the
+    experts' row routing (sizes read on the host), and every collective of simulated ranks
+    (``ThreadComm``)."""
     if not compile:
         return program
     options = dict(compile) if isinstance(compile, dict) else {}

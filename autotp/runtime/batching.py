@@ -44,7 +44,7 @@ from autotp.planner.invariant import closure, stages
 from autotp.planner.plan import Plan
 from autotp.runtime.collectives import (Redistribute, _rank_major, _segment_major, local_slice,
                                         sequence_order)
-from autotp.runtime.comm import Communicator
+from autotp.runtime.comm import Communicator, compiled_where_traceable
 from autotp.runtime.ring import SequenceLayout
 
 HOISTED = "autotp_hoisted"  # node meta: moved ahead of the layers, owned by none
@@ -83,7 +83,7 @@ class JoinedRedistribute(nn.Module):
     def extra_repr(self) -> str:
         return f"{len(self.layouts)} values: " + ", ".join(self.labels)
 
-    @torch.compiler.disable  # collectives run eagerly
+    @compiled_where_traceable
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _JoinedFn.apply(self, *xs)
 
@@ -243,7 +243,7 @@ class JoinedAllReduce(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.phase} all-reduce of {len(self.members)} values: {self.label}"
 
-    @torch.compiler.disable  # collectives run eagerly
+    @compiled_where_traceable
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _JoinedAllReduceFn.apply(self, *xs)
 

@@ -20,6 +20,16 @@ The rewriter inserts one ``Redistribute`` module per (value, target layout). Par
 are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
 their gradient contributions are summed across ranks once, in one bucket, at the end of
 backward (as Megatron does for sequence-parallel norm weights) instead of once per use.
+
+Compiled (``compile=``): every module here is traced into the program's graphs, its
+collectives the communicator's traceable ones (``runtime.comm``), its autograd.Function
+forward and backward traced by dynamo. Three things differ from the eager program, none in
+value: an all-reduce returns a new tensor (no in-place sum: functional collectives own their
+outputs); a sequence all-gather's output is saved as the compiled graph's partitioner decides,
+not as the shard (``ShardKeeper`` sees no tensor inside a graph); and a deferred parameter's
+gradient is all-reduced at each use, inside autograd, as ``GradSync.PER_USE`` does (the
+bucket's ``queue_callback`` runs Python after backward, which no graph holds): the same sum
+over ranks, added up in another order, one all-reduce per use instead of one per step.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.runtime.comm import Communicator
+from autotp.runtime.comm import Communicator, compiled_where_traceable, tracing
 from autotp.layout import (
     Blocks,
     Layout,
@@ -165,12 +175,12 @@ class Redistribute(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.src} -> {self.dst}, {self.label}"
 
-    @torch.compiler.disable  # collectives run eagerly; torch.compile compiles around them
+    @compiled_where_traceable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.src, Partial) and self.src.reduce == "logsumexp":
             return _LogSumExpFn.apply(x, self)
         out = _RedistributeFn.apply(x, self)
-        if self.keeper is not None:
+        if self.keeper is not None and not tracing(self.comm):
             self.keeper.record(out, x, self)
         return out
 
@@ -196,7 +206,7 @@ class Redistribute(nn.Module):
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             return local_slice(x, dst, rank, tp, sequence_order(sequence, dst)).contiguous()
         if isinstance(src, Partial) and isinstance(dst, Replicate):
-            own = self.reduce_in_place and _owns_storage(x)
+            own = self.reduce_in_place and not tracing(comm) and _owns_storage(x)
             return self._log("all_reduce", "forward", x, comm.all_reduce(x, in_place=own))
         if isinstance(src, Partial) and isinstance(dst, Shard):
             return self._log("reduce_scatter", "forward", x,
@@ -407,34 +417,31 @@ class DeferredGradReduce(nn.Module):
     def __init__(self, bucket: GradBucket, key: str):
         super().__init__()
         self.bucket = bucket
+        self.comm = bucket.comm
         self.key = key
+        # the same sum at this use, inside autograd (``bucket.partial`` is set before this)
+        label = f"grad sync {key}"
+        per_use: nn.Module
+        if key in bucket.partial:
+            per_use = PartialSegmentsReduce(bucket.comm, *bucket.partial[key], label=label)
+        else:
+            per_use = Redistribute(bucket.comm, Replicate(), Replicate(grad_partial=True),
+                                   layer=None, bwd_layer=None, label=label)
+        object.__setattr__(self, "per_use", per_use)  # not a submodule: no state
 
     def extra_repr(self) -> str:
         return f"R -> R*, gradient summed after backward: {self.key}"
 
-    @torch.compiler.disable
+    @compiled_where_traceable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x is not self.bucket.params.get(self.key):
-            # the program reads another tensor than the parameter registered: a wrapper
-            # holds it (FSDP2 swaps in its unsharded parameter for the forward) and reduces
-            # the gradient it gets through autograd, so the partial gradient is summed there,
-            # at this use
-            return self._per_use()(x)
+        if tracing(self.comm) or x is not self.bucket.params.get(self.key):
+            # compiled: the bucket's callback after backward is no graph's (see the module
+            # docstring). Or the program reads another tensor than the parameter registered:
+            # a wrapper holds it (FSDP2 swaps in its unsharded parameter for the forward)
+            # and reduces the gradient it gets through autograd. Either way the partial
+            # gradient is summed at this use
+            return self.per_use(x)
         return _DeferredFn.apply(x, self)
-
-    def _per_use(self) -> nn.Module:
-        found = getattr(self, "_fallback", None)
-        if found is None:
-            label = f"grad sync {self.key}"
-            if self.key in self.bucket.partial:
-                found = PartialSegmentsReduce(self.bucket.comm, *self.bucket.partial[self.key],
-                                              label=label)
-            else:
-                found = Redistribute(self.bucket.comm, Replicate(),
-                                     Replicate(grad_partial=True), layer=None, bwd_layer=None,
-                                     label=label)
-            object.__setattr__(self, "_fallback", found)  # not a submodule: no state
-        return found
 
 
 class PartialSegmentsReduce(nn.Module):
@@ -449,7 +456,7 @@ class PartialSegmentsReduce(nn.Module):
     def extra_repr(self) -> str:
         return f"segments {self.spans} of dim {self.dim}: gradient all-reduced ({self.label})"
 
-    @torch.compiler.disable
+    @compiled_where_traceable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _PartialSegmentsFn.apply(x, self)
 

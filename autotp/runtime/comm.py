@@ -8,7 +8,15 @@ in rank order on every rank, so replicated results are bitwise identical across 
 Every executed collective is appended to the communicator's ``log`` with its phase and the
 transformer layer it serves (the newest ``LOG_EVENTS`` kept) and counted in its totals by
 phase and kind (calls and bytes, never dropped): tests count collectives from what actually
-ran, and a long training run holds a bounded log.
+ran, and a long training run holds a bounded log. The collectives of a compiled program
+(``compile=``) are not logged: they run inside its graphs, where the log's Python state is
+not (``CollectiveLog.record`` does nothing while torch.compile traces).
+
+Under torch.compile ``ProcessGroupComm`` issues traceable functional collectives
+(``torch.ops._c10d_functional``: ``all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_to_all_single``, ``batch_p2p_ops``, each followed by
+``wait_tensor``), addressed by the group's name, so that the compiled program holds them in
+its graphs instead of breaking around them; its eager path is the one described below.
 
 Copies: ``all_reduce`` reduces the caller's own buffer where the caller says it may
 (``in_place=True``: a fresh tensor nothing else reads), else a copy of it; ``all_gather`` and
@@ -18,11 +26,12 @@ one copy at most (none where the dims before it are all 1), never a copy on both
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,10 +65,14 @@ class CollectiveLog:
     ``clear`` by (phase, kind)."""
     events: deque[CollectiveEvent] = field(default_factory=lambda: deque(maxlen=LOG_EVENTS))
     enabled: bool = True
+    # its communicator's collectives may be traced by torch.compile (a process group's)
+    traceable: bool = True
     totals: dict[tuple[str, str], CollectiveTotal] = field(default_factory=dict)
 
     def record(self, kind: str, phase: str, layer: Optional[int], nbytes: int, label: str) -> None:
-        if self.enabled:
+        # traced by torch.compile: the program's graphs run the collective, the log is not
+        # in them (a Python side effect would break the graph)
+        if self.enabled and not (self.traceable and torch.compiler.is_compiling()):
             self.events.append(CollectiveEvent(kind, phase, layer, nbytes, label))
             total = self.totals.get((phase, kind))
             if total is None:
@@ -84,6 +97,8 @@ class Communicator:
     rank: int
     world_size: int
     log: CollectiveLog
+    # whether torch.compile can hold its collectives in a graph
+    traceable: bool = False
 
     def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """The sum over ranks of ``tensor``. ``in_place``: the caller's tensor is a fresh
@@ -120,11 +135,38 @@ class Communicator:
         return lambda: out
 
 
+def tracing(comm: Communicator) -> bool:
+    """Whether torch.compile is tracing a collective of ``comm`` now. (Its flag is one per
+    process: while one simulated rank's thread compiles, another's eager code reads it set;
+    a simulated rank's collectives are never traced.)"""
+    return comm.traceable and torch.compiler.is_compiling()
+
+
+_Forward = TypeVar("_Forward", bound=Callable[..., Any])
+
+
+def compiled_where_traceable(forward: _Forward) -> _Forward:
+    """A module's ``forward`` that torch.compile traces where the module's ``comm`` is
+    ``traceable``, and runs eagerly otherwise (simulated ranks: one graph break around the
+    whole module, its Python state, a shard keeper's record or a gradient bucket, kept as
+    in an eager program)."""
+    eager = torch.compiler.disable(forward)
+
+    @functools.wraps(forward)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.comm.traceable:
+            return forward(self, *args, **kwargs)
+        return eager(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
 class CollectiveError(AutotpError, RuntimeError):
     """A collective did not complete: another rank failed, exited, or is stuck."""
 
 
 class ProcessGroupComm(Communicator):
+    traceable = True  # functional collectives under torch.compile
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
                  timeout: Optional[float] = None):
         self.group = group
@@ -135,6 +177,12 @@ class ProcessGroupComm(Communicator):
         # gloo in recent torch reduce-scatters tensors natively; older gloo: all-reduce + slice
         self.native_reduce_scatter = True
         self.log = CollectiveLog()
+        # what traced collectives name: the group, and the ring's neighbours as global ranks
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        self.ring_next, self.ring_previous = ((self.rank + d) % self.world_size for d in (1, -1))
+        if group is not None:  # point-to-point ops name global ranks
+            self.ring_next = dist.get_global_rank(group, self.ring_next)
+            self.ring_previous = dist.get_global_rank(group, self.ring_previous)
 
     def _check_device(self, tensor: torch.Tensor) -> None:
         # gloo takes CUDA tensors too (staged through host memory): slower than NCCL, but it
@@ -176,6 +224,8 @@ class ProcessGroupComm(Communicator):
 
     def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         self._check_device(tensor)
+        if torch.compiler.is_compiling():  # functional: a new tensor, whatever in_place says
+            return _traced.wait_tensor(_traced.all_reduce(tensor, "sum", self.group_name))
         if in_place and tensor.is_contiguous():
             out = tensor
         else:  # c10d reduces in place: a contiguous copy, the caller's tensor untouched
@@ -188,10 +238,14 @@ class ProcessGroupComm(Communicator):
         self._check_device(tensor)
         send = tensor.contiguous()
         shape = send.shape
-        out = send.new_empty((self.world_size * shape[0], *shape[1:])) if send.dim() else \
-            send.new_empty((self.world_size,))
-        self._wait(_all_gather_single(out, send, group=self.group, async_op=True),
-                   "all_gather", self._uses_nccl(send))
+        if torch.compiler.is_compiling():
+            out = _traced.wait_tensor(_traced.all_gather_into_tensor(
+                send if send.dim() else send.reshape(1), self.world_size, self.group_name))
+        else:
+            out = send.new_empty((self.world_size * shape[0], *shape[1:])) if send.dim() \
+                else send.new_empty((self.world_size,))
+            self._wait(_all_gather_single(out, send, group=self.group, async_op=True),
+                       "all_gather", self._uses_nccl(send))
         if dim == 0 or not send.dim():
             return out
         # the ranks' blocks, end to end along dim 0, side by side along dim: one copy
@@ -205,6 +259,8 @@ class ProcessGroupComm(Communicator):
         # rank r's block of dim as the r-th block of dim 0 (one copy for a dim other than 0)
         send = tensor.contiguous() if dim == 0 else \
             torch.cat(tensor.chunk(self.world_size, dim), 0)
+        if torch.compiler.is_compiling():
+            return self._traced_reduce_scatter(send).view(shape)
         nccl = self._uses_nccl(send)
         if nccl or self.native_reduce_scatter:
             out = send.new_empty(shape)
@@ -224,10 +280,23 @@ class ProcessGroupComm(Communicator):
         self._wait(dist.all_reduce(send, group=self.group, async_op=True), "reduce_scatter")
         return send.chunk(self.world_size, 0)[self.rank]
 
+    def _traced_reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        """The functional reduce-scatter of ``send`` along dim 0; where this gloo has none
+        (``native_reduce_scatter``, learnt by an eager call), the functional all-reduce and
+        this rank's block of it: the same sums (a transport adds the same ranks' values),
+        world_size times the bytes."""
+        if self.native_reduce_scatter or self._uses_nccl(send):
+            return _traced.wait_tensor(_traced.reduce_scatter_tensor(
+                send, "sum", self.world_size, self.group_name))
+        total = _traced.wait_tensor(_traced.all_reduce(send, "sum", self.group_name))
+        return total.chunk(self.world_size, 0)[self.rank]
 
     def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
                    ) -> torch.Tensor:
         self._check_device(tensor)
+        if torch.compiler.is_compiling():
+            return _traced.wait_tensor(_traced.all_to_all_single(
+                tensor.contiguous(), list(recv), list(send), self.group_name))
         out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
         self._wait(dist.all_to_all_single(out, tensor.contiguous(), recv, send,
                                           group=self.group, async_op=True),
@@ -243,11 +312,13 @@ class ProcessGroupComm(Communicator):
         if self.world_size == 1:
             out = send.clone()
             return lambda: out
+        to, source = self.ring_next, self.ring_previous
+        if torch.compiler.is_compiling():  # the wait where the caller finishes: it overlaps
+            sent, coming = _traced.batch_p2p_ops(["isend", "irecv"], [to, source], [0, 0],
+                                                 [send, torch.empty_like(send)],
+                                                 self.group_name)
+            return lambda: (_traced.wait_tensor(sent), _traced.wait_tensor(coming))[1]
         out = torch.empty_like(send)
-        to, source = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        if self.group is not None:  # point-to-point ops name global ranks
-            to, source = dist.get_global_rank(self.group, to), \
-                dist.get_global_rank(self.group, source)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, self.group),
                                         dist.P2POp(dist.irecv, out, source, self.group)])
 
@@ -323,6 +394,9 @@ def _remote_error(text: str) -> Exception:
 # there); older releases (2.11 included) have only the latter.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# traceable collectives (``torch.distributed._functional_collectives``' ops): each returns a
+# tensor that ``wait_tensor`` completes
+_traced = torch.ops._c10d_functional
 
 
 class ThreadHub:
@@ -339,11 +413,15 @@ class ThreadHub:
 
 
 class ThreadComm(Communicator):
+    """One simulated rank. Its exchanges wait on a barrier, which no graph holds: under
+    torch.compile each collective runs eagerly, with a graph break around it (the
+    simulation checks values; a compiled program's graphs are a process group's)."""
+
     def __init__(self, hub: ThreadHub, rank: int):
         self.hub = hub
         self.rank = rank
         self.world_size = hub.world_size
-        self.log = CollectiveLog()
+        self.log = CollectiveLog(traceable=False)
 
     def _exchange(self, obj: object, combine: Any = list) -> Any:
         """Publish ``obj``; ``combine`` reads every rank's object while all ranks wait, so no
@@ -361,6 +439,7 @@ class ThreadComm(Communicator):
             ) from None
         return got
 
+    @torch.compiler.disable
     def all_reduce(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         def total(parts: list) -> torch.Tensor:
             out = parts[0].clone()
@@ -373,13 +452,16 @@ class ThreadComm(Communicator):
             return tensor.copy_(out)
         return out
 
+    @torch.compiler.disable
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return self._exchange(tensor, lambda parts: torch.cat(parts, dim=dim))
 
+    @torch.compiler.disable
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         total = self.all_reduce(tensor)
         return total.chunk(self.world_size, dim=dim)[self.rank].contiguous()
 
+    @torch.compiler.disable
     def all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]
                    ) -> torch.Tensor:
         def mine(parts: list) -> torch.Tensor:
@@ -391,6 +473,7 @@ class ThreadComm(Communicator):
                                f"{sum(recv)} expected")
         return out
 
+    @torch.compiler.disable
     def shift(self, tensor: torch.Tensor) -> torch.Tensor:
         source = (self.rank - 1) % self.world_size
         return self._exchange(tensor, lambda parts: parts[source].clone())

@@ -72,12 +72,16 @@ class _Tracked(nn.Module):
 class TrackedDropout(_Tracked):
     """``aten.dropout(x, p, train)`` drawing its mask from the stream."""
 
-    @torch.compiler.disable  # the RNG streams are forked eagerly
     def forward(self, x: torch.Tensor, p: float, train: Any) -> torch.Tensor:
-        if not train or p == 0.0:
+        if not train or p == 0.0:  # traced where compiled: no draw, no break
             return x
         if p == 1.0:
             return x * 0.0
+        return self._draw(x, p)
+
+    # a torch.Generator is no graph's: a compiled program breaks where a mask is drawn
+    @torch.compiler.disable
+    def _draw(self, x: torch.Tensor, p: float) -> torch.Tensor:
         generator = self.tracker.generator(self.stream, x.device)
         keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
         return x * keep * (1.0 / (1.0 - p))
@@ -91,7 +95,7 @@ class TrackedAttention(_Tracked):
 
     _lock = threading.Lock()
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # the global generator forked and seeded: no graph's
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         q = args[0]
         seed = self.tracker.next_seed(self.stream)
