@@ -5,7 +5,10 @@ queries and keys it meets, so that no rank holds its [s/cp, s] rows of the mask.
 Invariant: ``BlockMask.block`` of any rows and run of keys is exactly those rows and columns
 of the mask the model would have built whole; ``BlockMask.grid`` says what the mask keeps of
 each pair of chunks (``HIDDEN``, ``PARTIAL``, ``WHOLE``), read once for all the attentions
-that read the same, unchanged factor tensors.
+that read the same, unchanged factor tensors. In a compiled program (``BlockMask.traced_grid``)
+the grid is read while dynamo traces where the factors are a function of sizes alone
+(``MaskProgram.sizes_only``: the graph is specialised to them); any other mask is PARTIAL on
+every pair, its blocks applied as they are (the same values, no pair skipped).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class MaskProgram(nn.Module):
     their factors: ``bind`` it to the factors' values, and each block of the mask is the
     program run on those rows and columns of them."""
 
-    def __init__(self, region: MaskRegion):
+    def __init__(self, region: MaskRegion, root: Optional[nn.Module] = None):
+        """``root``: the module holding the program's submodules (its redistributions)."""
         super().__init__()
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {f: graph.placeholder(f"factor_{i}")
@@ -57,6 +61,19 @@ class MaskProgram(nn.Module):
         graph.output(env[region.nodes[-1]])
         self.program = fx.GraphModule(nn.Module(), graph)
         self.memo: Optional[tuple[list[Any], Any, list[list[int]]]] = None
+        # the factors read no input, only sizes: the grid is one per size
+        self.sizes_only = all(_of_sizes_alone(f, root) for f in region.factors
+                              if isinstance(f, fx.Node))
+
+    @torch.compiler.assume_constant_result
+    def grid_at_trace(self, chunks: int, cp: int, balanced: bool, queries: int, length: int,
+                      tile_bytes: int, *factors: Any) -> list[list[int]]:
+        """``BlockMask.grid`` computed while dynamo traces, on the factors' real values: a
+        constant of the graph (valid where ``sizes_only``)."""
+        from autotp.runtime.ring import SequenceLayout
+
+        bound = BlockMask(self, tuple(factors), queries, length)
+        return bound.grid(chunks, SequenceLayout(cp, balanced), tile_bytes)
 
     def bind(self, factors: tuple, queries: int, length: int) -> "BlockMask":
         return BlockMask(self, tuple(factors), queries, length)
@@ -98,6 +115,15 @@ class BlockMask:
                                                                             float("-inf"))
         return out
 
+    def traced_grid(self, chunks: int, layout: "SequenceLayout", tile_bytes: int
+                    ) -> list[list[int]]:
+        """``grid`` as a compiled program has it, with no host read inside its graph: read
+        while tracing where the factors are sizes' alone, else PARTIAL on every pair."""
+        if self.program.sizes_only and self.keys is None:
+            return self.program.grid_at_trace(chunks, layout.cp, layout.balanced, self.queries,
+                                              self.length, tile_bytes, *self.factors)
+        return [[PARTIAL] * layout.chunks for _ in range(chunks)]
+
     def grid(self, chunks: int, layout: "SequenceLayout", tile_bytes: int) -> list[list[int]]:
         """``_live_pairs``'s grid, from the program run on each pair of chunks: once for all
         the attentions reading the same factors (a model's layers share one mask, the same
@@ -108,8 +134,8 @@ class BlockMask:
         if memo is not None and memo[1] == key and _same(memo[0], operands):
             return memo[2]
         size, width = self.queries // chunks, self.length // layout.chunks
-        batch = max((f.shape[0] for f in self.factors
-                     if isinstance(f, torch.Tensor) and f.dim() >= 3), default=1)
+        batch = max([f.shape[0] for f in self.factors
+                     if isinstance(f, torch.Tensor) and f.dim() >= 3] + [1])
         tile = max(1, min(size, tile_bytes // (8 * batch * width)))  # int64 operands at most
         marks = []
         for qi in range(chunks):
@@ -125,6 +151,34 @@ class BlockMask:
         grid = [flat[i * layout.chunks:(i + 1) * layout.chunks] for i in range(chunks)]
         self.program.memo = ([_identity(x) for x in operands], key, grid)
         return grid
+
+
+def _of_sizes_alone(node: fx.Node, root: Optional[nn.Module]) -> bool:
+    """Whether ``node``'s value is a function of sizes (and of the rank) alone: pure ops of
+    ``sym_size`` nodes, through the program's redistributions (a rank's slice of a value, or
+    the ranks' pieces joined, are functions of it and the rank). No input, parameter,
+    buffer, random or in-place op."""
+    # collectives imports ring, which imports this module
+    from autotp.runtime.collectives import Redistribute
+
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target == aten.sym_size.int:
+            continue
+        if n.op == "call_module" and root is not None and \
+                isinstance(root.get_submodule(str(n.target)), Redistribute):
+            stack.extend(n.all_input_nodes)
+            continue
+        tags = getattr(n.target, "tags", ())
+        if n.op != "call_function" or torch.Tag.nondeterministic_seeded in tags or \
+                (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 def _identity(x: Any) -> Any:

@@ -15,10 +15,14 @@ mask and forward, and not at all where the mask is a function of sizes alone:
   transformers' causal mask of a call without ``attention_mask``) is the same for every
   input of those sizes. Its ops leave the program: ``CausalWhereMasked`` builds it from the
   sizes the first time it meets them and keeps the answer (causal, or the mask to apply),
-  so later steps run no mask op and no check. In a compiled program the call at sizes
-  known causal is traced into the graph (no graph break at it);
+  so later steps run no mask op and no check. In a compiled program the decision is made
+  while dynamo traces, on the host, from the sizes the graph is specialised to
+  (``assume_constant_result``): the graph holds the causal kernel, or the mask's ops and
+  the masked one, and no break;
 * a mask that reads an input (a padding mask) is compared with the causal one once per
-  forward, by the first attention that reads it; the others reuse the answer.
+  forward, by the first attention that reads it; the others reuse the answer. A compiled
+  program applies such a mask as it is (no comparison: its answer would be a host read
+  inside the graph).
 
 Keys and values whose heads ``repeat_kv`` repeated for grouped queries go to the kernel as
 they are (``enable_gqa=True``) where the plan holds them as it holds the queries: no copy of
@@ -68,9 +72,6 @@ class CausalWhereMasked(nn.Module):
         self._seen: Optional[tuple[Any, int, tuple[int, ...], bool]] = None
         # sizes -> None where the mask is causal, else the mask itself
         self._known: OrderedDict[tuple, Optional[torch.Tensor]] = OrderedDict()
-        # (sizes, queries, keys) whose mask is the causal one: what a compiled program reads
-        # (a new object at each change, which its guards see)
-        self._causal_sizes: frozenset[tuple] = frozenset()
         self.causal_calls = 0
         self.masked_calls = 0
         self.checks = 0
@@ -79,26 +80,45 @@ class CausalWhereMasked(nn.Module):
                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                 is_causal: bool = False, *, scale: Optional[float] = None,
                 enable_gqa: bool = False, sizes: Sequence[int] = ()) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self.recipe is not None and attn_mask is None \
-                and not is_causal and (tuple(int(s) for s in sizes), q.shape[-2],
-                                       k.shape[-2]) in self._causal_sizes:
-            # compiled, at sizes met before whose mask is the causal one: traced into the
-            # graph (no break; the counters count eager calls)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                  scale=scale, enable_gqa=enable_gqa)
+        if torch.compiler.is_compiling():
+            return self._traced(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                enable_gqa=enable_gqa, sizes=sizes)
         return self._call(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                           enable_gqa=enable_gqa, sizes=sizes)
 
-    @torch.compiler.disable
+    def _traced(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, *,
+                scale: Optional[float], enable_gqa: bool, sizes: Sequence[int]
+                ) -> torch.Tensor:
+        """The call as a compiled graph holds it (the counters count eager calls only)."""
+        if self.recipe is not None and attn_mask is None and not is_causal:
+            known = tuple(int(s) for s in sizes)  # the sizes the graph is specialised to
+            if self._causal_of_sizes(known, q.shape[-2], k.shape[-2], q.device):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+                                                      is_causal=True, scale=scale,
+                                                      enable_gqa=enable_gqa)
+            attn_mask = self.recipe(*known)
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    @torch.compiler.assume_constant_result
+    def _causal_of_sizes(self, sizes: tuple[int, ...], queries: int, keys: int,
+                         device: torch.device) -> bool:
+        """Whether the recipe's mask at ``sizes`` is the causal one: run on the host while
+        dynamo traces (its answer a constant of the graph, which is specialised to these
+        sizes)."""
+        return self._mask_of_sizes(sizes, queries, keys, device) is None
+
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, *,
               scale: Optional[float], enable_gqa: bool, sizes: Sequence[int]) -> torch.Tensor:
         causal = False
         if self.recipe is not None and attn_mask is None and not is_causal:
-            attn_mask = self._mask_of_sizes(tuple(int(s) for s in sizes), q, k)
+            attn_mask = self._mask_of_sizes(tuple(int(s) for s in sizes), q.shape[-2],
+                                            k.shape[-2], q.device)
             causal = attn_mask is None
         elif attn_mask is not None and not is_causal:
-            causal = self.is_causal(attn_mask, q, k)
+            causal = self.is_causal(attn_mask, q.shape[-2], k.shape[-2])
         if causal:
             self.causal_calls += 1
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
@@ -107,10 +127,11 @@ class CausalWhereMasked(nn.Module):
         return torch.ops.aten.scaled_dot_product_attention.default(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
-    def _mask_of_sizes(self, sizes: tuple[int, ...], q: torch.Tensor, k: torch.Tensor
-                       ) -> Optional[torch.Tensor]:
-        """The mask the recipe builds from ``sizes``; None where it is the causal one."""
-        key = (sizes, q.shape[-2], k.shape[-2], q.device)
+    def _mask_of_sizes(self, sizes: tuple[int, ...], queries: int, keys: int,
+                       device: torch.device) -> Optional[torch.Tensor]:
+        """The mask the recipe builds from ``sizes`` for ``queries`` against ``keys``; None
+        where it is the causal one."""
+        key = (sizes, queries, keys, device)
         if key in self._known:
             self._known.move_to_end(key)
             return self._known[key]
@@ -118,17 +139,15 @@ class CausalWhereMasked(nn.Module):
         # a normal tensor even under inference mode: a later training step saves it
         with torch.inference_mode(False), torch.no_grad():
             mask = self.recipe(*sizes)
-        found = None if self.is_causal(mask, q, k) else mask
+        found = None if self.is_causal(mask, queries, keys) else mask
         self._known[key] = found
         while len(self._known) > KNOWN_SIZES:
             self._known.popitem(last=False)
-        self._causal_sizes = frozenset(known[:3] for known, m in self._known.items() if m is None)
         return found
 
-    def is_causal(self, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether ``mask`` (boolean, broadcast to [b, h, sq, sk]) keeps exactly each query's
-        keys at or before its own position, for every batch row and head."""
-        queries, keys = q.shape[-2], k.shape[-2]
+    def is_causal(self, mask: torch.Tensor, queries: int, keys: int) -> bool:
+        """Whether ``mask`` (boolean, broadcast to [b, h, queries, keys]) keeps exactly each
+        query's keys at or before its own position, for every batch row and head."""
         if mask.dtype != torch.bool or queries != keys or mask.shape[-2:] != (queries, keys):
             return False
         seen = self._seen

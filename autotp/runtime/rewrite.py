@@ -371,7 +371,7 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
         if kind == "[ring]" and isinstance(mask, fx.Node) and mask not in programs:
             region = mask_region(mask)
             if region is not None:
-                programs[mask] = (MaskProgram(region), region)
+                programs[mask] = (MaskProgram(region, root), region)
     for node, kind in calls.items():
         prefix, module = kinds[kind]
         name = f"autotp_{prefix}_{node.name}"

@@ -67,7 +67,7 @@ from torch.autograd.function import once_differentiable
 from autotp.errors import ConfigError
 from autotp.planner.cost import attention_strategy  # noqa: F401 (re-exported)
 from autotp.runtime.block_mask import HIDDEN, PARTIAL, WHOLE, BlockMask, MaskProgram
-from autotp.runtime.comm import Communicator
+from autotp.runtime.comm import Communicator, compiled_where_traceable, tracing
 from autotp.runtime.ring_kernels import Call as KernelCall, Kernel, Merged, Summed, bias_of, \
     choose, mask_dtype, takes_groups
 from autotp.runtime.ring_kernels import backward as kernel_backward
@@ -270,16 +270,22 @@ def _whole_runs(cells: list[list[_Cell]], size: int) -> list[_Call]:
             for i0, i1, j0, j1 in runs]
 
 
-def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout",
-                length: int) -> Optional[list[list[int]]]:
+def _live_pairs(extra: Any, chunks: int, layout: "SequenceLayout", length: int,
+                traced: bool = False) -> Optional[list[list[int]]]:
     """What an explicit mask keeps of each (query chunk of this rank, global key chunk)
     pair, HIDDEN, PARTIAL or WHOLE, read in one transfer to the host per attention call:
     transformers' causal masks arrive as tensors or programs, and the pairs they hide are
-    skipped as ``causal`` ones are."""
+    skipped as ``causal`` ones are. ``traced``: torch.compile traces the call, and nothing is
+    read on the host inside its graph (``BlockMask.traced_grid``; a mask tensor: every pair
+    PARTIAL, its blocks applied as they are)."""
     if extra is None:
         return None
     if isinstance(extra, BlockMask):
+        if traced:
+            return extra.traced_grid(chunks, layout, TILE_BYTES)
         return extra.grid(chunks, layout, TILE_BYTES)
+    if traced:
+        return [[PARTIAL] * layout.chunks for _ in range(chunks)]
     kept = extra if extra.dtype == torch.bool else extra > float("-inf")
     plain = kept if extra.dtype == torch.bool else extra == 0
     whole = (kept & plain).all(dim=1).all(dim=0)  # [sq|1, S]
@@ -401,7 +407,7 @@ class _RingAttention(torch.autograd.Function):
                  extra: Optional[torch.Tensor], scale: float, label: str) -> torch.Tensor:
         b, hq, sq, _ = q.shape
         length = sq * layout.cp
-        live = _live_pairs(extra, len(layout.chunks_of(0)), layout, length)
+        live = _live_pairs(extra, len(layout.chunks_of(0)), layout, length, tracing(comm))
         fused = choose(q, k, v, False) is not Kernel.MATMUL
         per_row = 4 * b * hq * (length // layout.chunks)
         plan = [_step_calls(mask, layout, comm.rank, (comm.rank - step) % layout.cp, length,
@@ -613,6 +619,7 @@ class RingAttention(nn.Module):
         self.layout = sequence or SequenceLayout(comm.world_size, balanced=False)
         self.mask = mask
 
+    @compiled_where_traceable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: Any = None, dropout_p: float = 0.0,
                 is_causal: bool = False, *, scale: Optional[float] = None,
