@@ -41,8 +41,8 @@ DOCS = {
     "grad_sync": "\"bucket\" sums the partial gradients of replicated parameters in one "
                  "all-reduce after backward, into ``.grad``; \"per_use\" inside autograd "
                  "(for ``torch.autograd.grad``, DDP or FSDP around the module)",
-    "compile": "True (or a dict of ``torch.compile`` options) compiles each rank's program; "
-               "collectives stay eager",
+    "compile": "True (or a dict of ``torch.compile`` options) compiles each rank's program, "
+               "its collectives included (on a process group; a simulation's stay eager)",
     "check_plan": "prove before building that every parameter's gradient arrives whole in "
                   "its own layout (``GradientFlowError`` otherwise) and, in processes, that "
                   "every rank holds the same plan; False skips both",
