@@ -41,7 +41,8 @@ def _options(args: argparse.Namespace) -> Any:
     from autotp.options import Options
 
     return Options(strict=args.strict, sequence_parallel=args.sequence_parallel,
-                   gather_outputs=not getattr(args, "sharded_outputs", False),
+                   gather_outputs="never" if getattr(args, "sharded_outputs", False) else
+                   "read",
                    cost_model=_cost_model(args))
 
 

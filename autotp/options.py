@@ -11,11 +11,11 @@ import difflib
 import inspect
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from autotp.errors import ConfigError
 from autotp.planner.cost import CostModel
-from autotp.planner.problem import PlanOptions
+from autotp.planner.problem import OutputGather, PlanOptions
 from autotp.rules.registry import Registry
 
 # option -> what it does: the one text the entry points' help() and ``Options`` show
@@ -35,9 +35,14 @@ DOCS = {
                          "backward, as Megatron-LM does",
     "keep_gathered": "with sequence parallelism, keep the gathered inputs for backward "
                      "instead (more activation memory, one all-gather fewer each)",
-    "gather_outputs": "False returns outputs the plan holds sharded (logits sharded over the "
-                      "vocabulary) as this rank's shard (``module.plan.outputs``: their "
-                      "layouts); with ``labels=`` the loss never needs the gathered logits",
+    "gather_outputs": "where outputs the plan holds sharded (logits sharded over the "
+                      "vocabulary) are gathered. \"read\": in the program, unless the call "
+                      "computes a loss (``labels=``): then they leave it sharded and are "
+                      "gathered when first read (``out.logits``; collective: read them on "
+                      "every rank or on none), so a loop that reads only ``out.loss`` gathers "
+                      "nothing (``module.plan.gathered_when_read``). \"always\" (or True): "
+                      "in the program, in every call. \"never\" (or False): each rank "
+                      "receives its shard (``module.plan.outputs``: their layouts)",
     "grad_sync": "\"bucket\" sums the partial gradients of replicated parameters in one "
                  "all-reduce after backward, into ``.grad``; \"per_use\" inside autograd "
                  "(for ``torch.autograd.grad``, DDP or FSDP around the module)",
@@ -65,7 +70,7 @@ class Options:
     registry: Optional[Registry] = None
     sequence_parallel: bool = False
     keep_gathered: bool = False
-    gather_outputs: bool = True
+    gather_outputs: Union[str, bool] = "read"
     grad_sync: str = "bucket"
     compile: Any = False
     check_plan: bool = True
@@ -76,12 +81,23 @@ class Options:
     def plan_options(self, ep: int = 1) -> PlanOptions:
         """What the planner reads of these (``ep``: the expert-parallel degree)."""
         return PlanOptions(strict=self.strict, sequence_parallel=bool(self.sequence_parallel),
-                           gather_outputs=bool(self.gather_outputs), expert_parallel=ep)
+                           gather_outputs=_output_gather(self.gather_outputs),
+                           expert_parallel=ep)
 
     def build_options(self) -> dict[str, Any]:
         """What ``build_rank`` reads of these."""
         return {"grad_sync": self.grad_sync, "compile": self.compile,
                 "keep_gathered": self.keep_gathered, "registry": self.registry}
+
+
+def _output_gather(value: Union[str, bool]) -> OutputGather:
+    if isinstance(value, bool):  # the earlier spelling: gathered in the program, or never
+        return OutputGather.ALWAYS if value else OutputGather.NEVER
+    try:
+        return OutputGather(value)
+    except ValueError:
+        raise ConfigError(f"gather_outputs takes one of {[g.value for g in OutputGather]} "
+                          f"(or True, False), got {value!r}") from None
 
 
 def _described(name: str, indent: str) -> str:

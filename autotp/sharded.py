@@ -35,6 +35,7 @@ from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adop
 from autotp.runtime.comm import Communicator
 from autotp.runtime.grads import DataParallelMean, mark_pieces
 from autotp.runtime.layers import split_layers
+from autotp.runtime.outputs import gathered_when_read
 from autotp.runtime.regather import ShardKeeper
 from autotp.runtime.rewrite import rewrite
 from autotp.runtime.wrappers import WrapperCheck
@@ -181,7 +182,9 @@ class ShardedModule(nn.Module):
             self._dp_mean.arm()
         with traced.keeper.saving(whole=bool(self._compile)) if traced.keeper is not None else \
                 contextlib.nullcontext():
-            return traced.run(**call)
+            out = traced.run(**call)
+        fields = traced.plan.gathered_when_read  # the call computes a loss
+        return gathered_when_read(out, fields, self.comm) if fields else out
 
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         """transformers' ``generate`` (same arguments, same outputs) on this rank's shards,

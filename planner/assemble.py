@@ -130,8 +130,12 @@ def _redistributions(plan: Plan, pnodes: list[PNode], decisions: dict[str, Any],
         if pn.kind == "op":
             wants = list(pn.strategies[decisions[pn.node.name]].inputs)
         else:
-            wants = [output_layout(values[name], options) for name in pn.inputs]
+            wants = [output_layout(values[name], pn, name) for name in pn.inputs]
             plan.outputs = [format_output(w) for w in wants]
+            plan.gathered_when_read = {
+                pn.returned_sharded[name]: format_output(want)
+                for name, want in zip(pn.inputs, wants)
+                if isinstance(want, Shard) and pn.returned_sharded[name] is not None}
         for name, want in zip(pn.inputs, wants):
             src = by_name[name]
             have = values[name]

@@ -24,7 +24,7 @@ from autotp.layout import Shard, parse_layout
 from autotp.ops import ATTENTION, repeated_heads
 from autotp.capture.trace import Captured, sequence_symbols, size_expr
 from autotp.planner.plan import Plan
-from autotp.planner.problem import PlanOptions
+from autotp.planner.problem import OutputGather, PlanOptions
 from autotp.planner.solve import plan_graph
 from autotp.rules.registry import output_layouts, parse_output
 
@@ -50,12 +50,22 @@ def outer_search(tp: int, cp: int, options: PlanOptions) -> tuple[int, PlanOptio
     ``explain`` runs again): the tp plan's; at tp 1 with cp, the cp group's."""
     if tp == 1 and cp > 1:
         return cp, context_options(options)
-    return tp, options
+    return tp, gathered_in_program(options) if cp > 1 else options
 
 
 def context_options(options: PlanOptions) -> PlanOptions:
     """The options of a cp plan: every value's sequence split, parameters whole."""
-    return replace(options, context_parallel=True, sequence_parallel=False, force=())
+    return replace(gathered_in_program(options), context_parallel=True,
+                   sequence_parallel=False, force=())
+
+
+def gathered_in_program(options: PlanOptions) -> PlanOptions:
+    """``options`` with the outputs of a call that computes a loss gathered in the program:
+    with cp, whose sequence shards the program gathers over the cp group (the outputs
+    are gathered when read only over the tp group, ``autotp.runtime.outputs``)."""
+    if options.gather_outputs is not OutputGather.READ:
+        return options
+    return replace(options, gather_outputs=OutputGather.ALWAYS)
 
 
 def local_heads(tp_plan: Plan, gm: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:

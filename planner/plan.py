@@ -108,6 +108,9 @@ class Plan:
     # the repeated blocks' calls, numbered as the program runs them (capture.blocks)
     layer_paths: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # the layout each output is returned in
+    # the call computes a loss: field of the mapping returned -> the layout it leaves the
+    # program in, gathered when first read (autotp.runtime.outputs)
+    gathered_when_read: dict[str, str] = field(default_factory=dict)
     sequence_parallel: bool = False
     # the group is a context-parallel group (tp 1): the sequence is sharded over its ranks
     context_parallel: bool = False
@@ -192,9 +195,7 @@ class Plan:
                     for phase in ("forward", "backward")))
         if self.experts:
             lines.append(f"  experts: {self.experts_summary()}")
-        sharded_out = [x for x in self.outputs if x.startswith("S")]
-        if sharded_out:
-            lines.append(f"  outputs returned sharded (not gathered): {', '.join(self.outputs)}")
+        lines += [f"  {line}" for line in self.output_lines()]
         if self.constants:
             lines.append(f"  constants with no rule, computed replicated: {len(self.constants)}")
         if self.fallbacks:
@@ -247,6 +248,15 @@ class Plan:
 
     # ---- JSON ------------------------------------------------------------------------
 
+    def output_lines(self) -> list[str]:
+        """What leaves the program sharded, in words (nothing: every output gathered)."""
+        if self.gathered_when_read:
+            fields = ", ".join(f"{k} {v}" for k, v in self.gathered_when_read.items())
+            return [f"outputs gathered when read (the call computes a loss): {fields}"]
+        if any(x.startswith("S") for x in self.outputs):
+            return [f"outputs returned sharded (not gathered): {', '.join(self.outputs)}"]
+        return []
+
     def to_json(self) -> str:
         # insertion order is the graph's execution order, and deterministic
         return json.dumps(asdict(self), indent=1)
@@ -275,6 +285,7 @@ class Plan:
         plan.node_layers = dict(data.get("node_layers", {}))
         plan.layer_paths = list(data.get("layer_paths", []))
         plan.outputs = list(data.get("outputs", []))
+        plan.gathered_when_read = dict(data.get("gathered_when_read", {}))
         plan.sequence_parallel = bool(data.get("sequence_parallel", False))
         plan.context_parallel = bool(data.get("context_parallel", False))
         plan.attention = dict(data.get("attention", {}))

@@ -8,6 +8,7 @@ stored in. Nothing here chooses: ``solve`` does.
 from __future__ import annotations
 
 import operator
+import enum
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autotp.capture.outputs import loss_fields
 from autotp.capture.trace import (Captured, make_call, origin_of, sequence_symbols, size_expr,
                                   tensor_inputs)
 from autotp.ops import arg_node
@@ -43,6 +45,9 @@ class PNode:
     ndim: int = 0
     fallback: bool = False
     is_output: bool = False  # the user receives it (gathered there, for the user only)
+    # the output's inputs returned in the layout they are computed in where that is a shard
+    # (``OutputGather``), each the field of the mapping returned it is
+    returned_sharded: dict[str, Optional[str]] = field(default_factory=dict)
     live: bool = False  # some later node reads it
     # the solver's memo of what does not depend on the state: each strategy's own cost and
     # output entry, and each read (input, have, want, want already materialized, to the
@@ -70,13 +75,23 @@ class PNode:
         return isinstance(shard, Shard) and shard.dim in self.seq_dims
 
 
+class OutputGather(enum.Enum):
+    """Where the outputs the plan holds sharded (logits over the vocabulary) are gathered."""
+
+    # in the program, unless the call computes a loss: then the tensor fields of the mapping
+    # returned leave it sharded and are gathered when first read (autotp.runtime.outputs), as
+    # Megatron and torchtitan never gather the logits a vocabulary-parallel loss reads
+    READ = "read"
+    ALWAYS = "always"  # in the program, in every call
+    NEVER = "never"  # never: each rank receives its shard
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     strict: bool = True
     sequence_parallel: bool = False
-    # False: outputs the plan holds sharded are returned as each rank's shard (e.g. logits
-    # sharded over the vocabulary), not gathered
-    gather_outputs: bool = True
+    # where outputs the plan holds sharded (logits over the vocabulary) are gathered
+    gather_outputs: OutputGather = OutputGather.READ
     max_states: int = 64
     # placeholders that are state the caller allocates on each rank in the layout the plan
     # gives (a KV cache written in place): like parameters, they may be stored sharded
@@ -110,11 +125,24 @@ class PlanOptions:
     local_heads: tuple[tuple[str, int, int], ...] = ()
 
 
-def output_layout(have: Any, options: PlanOptions) -> Any:
-    """The layout a graph output is returned in, given the layout it is computed in."""
-    if not options.gather_outputs and isinstance(have, Shard):
+def output_layout(have: Any, output: PNode, name: str) -> Any:
+    """The layout the graph output ``name`` is returned in, given the layout it is computed
+    in, ``have``."""
+    if name in output.returned_sharded and isinstance(have, Shard):
         return have
     return R
+
+
+def returned_sharded(gm: Any, names: list[str], options: PlanOptions
+                     ) -> dict[str, Optional[str]]:
+    """The inputs ``names`` of ``gm``'s output that leave the program in their computed
+    layout (``OutputGather``), each with the field of the mapping returned it is (None:
+    returned as the shard, ``NEVER``)."""
+    if options.gather_outputs is OutputGather.NEVER:
+        return {name: None for name in names}
+    if options.gather_outputs is OutputGather.ALWAYS:
+        return {}
+    return dict(loss_fields(gm)) if isinstance(gm, fx.GraphModule) else {}
 
 
 def joins_ahead(src: PNode, reader: PNode, have: Any, want: Any, options: PlanOptions) -> bool:
@@ -228,6 +256,7 @@ class _Builder:
         elif node.op == "output":
             pn.kind = "output"
             pn.inputs = [n.name for n in tensor_inputs(node)]
+            pn.returned_sharded = returned_sharded(node.graph.owning_module, pn.inputs, options)
             for pred in pnodes:
                 if pred.node.name in pn.inputs:
                     pred.is_output = True

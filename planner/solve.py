@@ -364,7 +364,7 @@ def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: C
         for k, name in enumerate(pn.inputs):
             if pn.kind == "op":
                 takes = frozenset(s.inputs[k] for s in pn.strategies if len(s.inputs) > k)
-            elif pn.kind == "output" and options.gather_outputs:
+            elif pn.kind == "output" and name not in pn.returned_sharded:
                 takes = frozenset([R])
             else:
                 continue
@@ -416,7 +416,7 @@ def _transitions(pn: PNode, entries: dict[str, Entry], cost: float, by_name: dic
         yield None, (cost, out)
         return
     if pn.kind == "output":
-        wants = [output_layout(_entry_layout(entries, by_name, name), options)
+        wants = [output_layout(_entry_layout(entries, by_name, name), pn, name)
                  for name in pn.inputs]
         result = _read_inputs(pn, wants, entries, cost, by_name, tp, cost_model, options,
                               to_output=True)

@@ -78,7 +78,7 @@ def test_options_are_one_value_given_as_keywords_or_whole() -> None:
     shown = inspect.signature(autotp.parallelize).parameters
     assert {"mesh", "group", "cp_group", "sequence_parallel", "checkpoint", "device"} <= \
         set(shown)
-    assert shown["gather_outputs"].default is True
+    assert shown["gather_outputs"].default == "read"
     assert tuple(n for n in inspect.signature(autotp.plan).parameters if n in PLANNING) == \
         PLANNING
     assert "``keep_gathered``: with sequence parallelism" in autotp.simulate.__doc__

@@ -119,16 +119,20 @@ def test_gloo_processes_match(tp: int, sequence_parallel: bool) -> None:
                     assert r["kinds"][layer]["backward"] == BACKWARD_SP, (name, r["kinds"])
 
 
-def test_default_gathers_logits_but_the_loss_reads_shards() -> None:
-    """Gathered logits are for the user only: the loss still reduces per-row statistics."""
+def test_gathered_logits_are_for_the_user_and_the_loss_reads_shards() -> None:
+    """Gathered logits are for the user only: the loss still reduces per-row statistics. By
+    default the logits of a call with a loss are gathered when read, not in the program
+    (tests/test_lazy_outputs.py); ``gather_outputs="always"`` gathers them there, once."""
     model = BUILDERS["gpt2"]()
-    plan = autotp.plan(model, 2, example_kwargs=_labels_example())
-    assert plan.outputs == ["R", "R"]
-    lse = [c for c in plan.collectives if c.src == "P(lse)"]
-    assert len(lse) == 1 and lse[0].kind == "all_gather" and lse[0].dst == "R"
-    assert "V" not in lse[0].bytes_expr and str(VOCAB) not in lse[0].bytes_expr
-    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.src == "S(2)"]
-    assert len(gathers) == 1, gathers  # the returned logits, once
+    for gather, outputs, logits_gathers in (("read", ["R", "S(2)"], 0),
+                                            ("always", ["R", "R"], 1)):
+        plan = autotp.plan(model, 2, example_kwargs=_labels_example(), gather_outputs=gather)
+        assert plan.outputs == outputs
+        lse = [c for c in plan.collectives if c.src == "P(lse)"]
+        assert len(lse) == 1 and lse[0].kind == "all_gather" and lse[0].dst == "R"
+        assert "V" not in lse[0].bytes_expr and str(VOCAB) not in lse[0].bytes_expr
+        gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.src == "S(2)"]
+        assert len(gathers) == logits_gathers, gathers
 
 
 def test_a_hand_written_loss_is_vocabulary_parallel_too() -> None:

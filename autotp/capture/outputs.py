@@ -106,3 +106,33 @@ def _register(cls: type[Any]) -> None:
 
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=name,
                                 flatten_with_keys_fn=flatten_with_keys)
+
+
+def loss_fields(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Output node name -> the field it is of the mapping a call that computes a loss returns
+    (a transformers ``ModelOutput``, a dict): the tensors that may leave the program in the
+    layout they are computed in and be gathered when read (``autotp.runtime.outputs``). A
+    call computes a loss where a field of its mapping is a floating 0-dim tensor. Empty
+    where the output is no mapping or holds no loss; a node that is also returned elsewhere
+    (inside a nested field) is left out."""
+    spec = getattr(gm.graph._codegen, "pytree_info", None)
+    spec = spec.out_spec if spec is not None else None
+    if spec is None or not isinstance(spec.type, type) or not issubclass(spec.type, dict):
+        return {}
+    (leaves,) = next(n for n in gm.graph.nodes if n.op == "output").args
+    fields: dict[str, str] = {}
+    nested: set[str] = set()
+    start, loss = 0, False
+    for key, child in zip(spec.context, spec.children()):
+        if child.is_leaf():
+            leaf = leaves[start]
+            val = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+                loss = True
+            elif isinstance(val, torch.Tensor) and isinstance(key, str):
+                fields.setdefault(leaf.name, key)
+        else:
+            nested.update(n.name for n in leaves[start:start + child.num_leaves]
+                          if isinstance(n, torch.fx.Node))
+        start += child.num_leaves
+    return {name: key for name, key in fields.items() if name not in nested} if loss else {}

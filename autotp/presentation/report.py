@@ -340,8 +340,7 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
         lines.append(f"  split over tp x ep = {plan.tp * plan.ep} ranks; per MoE block, over the "
                      f"ep ranks: the row counts, the rows dispatched and combined by "
                      f"all-to-all (and back in backward)")
-    if any(x.startswith("S") for x in plan.outputs):
-        lines.append(f"outputs returned sharded (not gathered): {', '.join(plan.outputs)}")
+    lines += plan.output_lines()
     lines.append(f"parameters per rank: {human_bytes(s['param_bytes_per_rank'])} of "
                  f"{human_bytes(s['param_bytes'])} "
                  f"({', '.join(sorted({p.dtype for p in plan.params.values()}))})")
