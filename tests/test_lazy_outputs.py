@@ -23,6 +23,7 @@ from autotp.errors import ConfigError
 from autotp.options import Options
 from autotp.planner.problem import OutputGather
 from autotp.runtime.comm import CollectiveError
+from autotp.runtime.launch import run_processes
 from tests.models import VOCAB, llama
 
 ATOL, GRAD_REL = 1e-5, 1e-4
@@ -161,6 +162,38 @@ def test_logits_read_on_one_rank_only_say_so() -> None:
     with pytest.raises(CollectiveError, match="out.logits is gathered when read: read it on "
                                               "every rank, or pass gather_outputs=\"always\""):
         sim.run(step)
+
+
+def gloo_case(rank: int, world_size: int) -> dict[str, Any]:
+    """One step on a process group reading only the loss, then the logits read on every
+    rank and a loss of them back-propagated: what ran, and the differences."""
+    torch.set_num_threads(1)
+    model, ids = llama().train(), _ids()
+    sharded = autotp.parallelize(model, example_kwargs={"input_ids": ids, "labels": ids})
+    out = sharded(input_ids=ids, labels=ids)
+    out.loss.backward(retain_graph=True)  # the logits' loss goes through the same graph
+    loss_only = _gathers(sharded, "forward") + _gathers(sharded, "backward")
+    loss_grads = autotp.full_state_dict(sharded, grads=True)
+    sharded.zero_grad()
+    sharded.comm.log.clear()
+    logits = out.logits
+    _logits_loss(logits, ids).backward()
+    read = _gathers(sharded, "forward") + _gathers(sharded, "backward")
+    ref_out, ref_loss_grads = _reference(model, ids, lambda o: o.loss)
+    _, ref_logits_grads = _reference(model, ids, lambda o: _logits_loss(o.logits, ids))
+    _assert_grads(loss_grads, ref_loss_grads)
+    _assert_grads(autotp.full_state_dict(sharded, grads=True), ref_logits_grads)
+    return {"loss_only": loss_only, "read": read,
+            "loss_diff": abs(out.loss.item() - ref_out.loss.item()),
+            "logits_diff": (logits - ref_out.logits).abs().max().item(),
+            "logits_bytes": logits.numel() * logits.element_size()}
+
+
+def test_on_gloo_processes_the_logits_are_gathered_only_when_read() -> None:
+    for r in run_processes(gloo_case, 2, timeout=300):
+        assert r["loss_only"] == [("logsumexp_default P(lse)->R", 2 * 2 * 12 * 4)], r
+        assert r["read"] == [("logits S(2)->R, read", r["logits_bytes"])], r
+        assert r["loss_diff"] <= ATOL and r["logits_diff"] <= ATOL, r
 
 
 def test_gather_outputs_takes_its_names_and_the_earlier_booleans() -> None:
