@@ -110,7 +110,7 @@ def _weights(model: nn.Module, captured: Captured, plan: Plan, rank: int,
     if init:
         layouts: dict[str, tuple[Sequence[str], Layout]] = {
             t: (captured.aliases.get(t, [t]), plan.param_layout(t)) for t in plan.params}
-        return InitWeights(model, layouts, rank, plan.tp, device)
+        return InitWeights(model, layouts, rank, plan.degree, device)
     if has_meta_parameters(model):
         raise ConfigError(
             f"{type(model).__name__} is on the meta device (no weights): pass "
@@ -250,7 +250,7 @@ class Simulation:
 
     @property
     def tp(self) -> int:
-        return len(self.ranks) // self.plan.ep // self.plan.cp
+        return self.plan.tp
 
     def run(self, fn: Callable[[ShardedModule], Any]) -> list[Any]:
         """Call ``fn(module)`` on every rank concurrently; returns the results in rank order."""

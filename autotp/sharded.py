@@ -76,7 +76,7 @@ class ShardedModule(nn.Module):
         self._modules.update(program._modules)
         self._parameters.update(program._parameters)
         self._buffers.update(program._buffers)
-        # context parallelism inside tp (``plan.context``): the cp group
+        # the group of the cp axis beside tp (``plan.axes["cp"]``)
         self.cp_comm = cp_comm
         # expert parallelism: the ranks the experts are split over besides the tp group
         self.ep_comm = ep_comm
@@ -95,7 +95,7 @@ class ShardedModule(nn.Module):
         self._fixed_sizes = captured.fixed_sizes
         first = Traced(program, plan, _compiled(program, compile), bucket, keeper,
                        captured.example_kwargs, checked=not check_plan)
-        if plan.sequence_parallel or plan.cp > 1:
+        if plan.splits_sequence:
             first.seq_dims = sequence_dims(captured)
         self._first = first
         self._traced: dict[Structure, Traced] = {self._structure(first.example): first}
@@ -135,7 +135,7 @@ class ShardedModule(nn.Module):
     def tp_size(self) -> Optional[int]:
         """The tensor-parallel degree (transformers' and accelerate's name for it): None for
         a single rank, as an unsharded transformers model says."""
-        return self.plan.tp if self.plan.tp > 1 else None
+        return self.plan.degree if self.plan.degree > 1 else None
 
     _tp_size = tp_size
 
@@ -320,7 +320,7 @@ class ShardedModule(nn.Module):
         program.train(self.training)
         traced = Traced(program, plan, _compiled(program, self._compile), bucket, keeper,
                         captured.example_kwargs)
-        if plan.sequence_parallel or plan.cp > 1:
+        if plan.splits_sequence:
             traced.seq_dims = sequence_dims(captured)
         return traced
 
@@ -349,7 +349,7 @@ class ShardedModule(nn.Module):
         out = []
         for target, param in self.local_parameters().items():
             over: list[Communicator] = []
-            if isinstance(self.plan.param_layout(target), Shard) and self.plan.tp > 1:
+            if isinstance(self.plan.param_layout(target), Shard) and self.plan.degree > 1:
                 over.append(self.comm)
             if target in experts and self.ep_comm is not None:
                 over.append(self.ep_comm)
@@ -366,14 +366,14 @@ class ShardedModule(nn.Module):
         torch's key for it): this rank and the degree. Its tensors have the model's names
         and this rank's shapes, the same on every rank: a file of one rank's pieces read on
         another would load without an error."""
-        return torch.tensor([self.comm.rank, self.plan.tp], dtype=torch.int64)
+        return torch.tensor([self.comm.rank, self.plan.degree], dtype=torch.int64)
 
     def set_extra_state(self, state: Any) -> None:
         rank, tp = (int(v) for v in torch.as_tensor(state).tolist())
-        if (rank, tp) != (self.comm.rank, self.plan.tp):
+        if (rank, tp) != (self.comm.rank, self.plan.degree):
             raise ConfigError(
                 f"this state dict holds the pieces of rank {rank} of {tp}, and this is rank "
-                f"{self.comm.rank} of {self.plan.tp}: each rank loads its own state_dict(); "
+                f"{self.comm.rank} of {self.plan.degree}: each rank loads its own state_dict(); "
                 "to save and load the whole model use autotp.save_checkpoint / "
                 "load_checkpoint (any tp) or autotp.save_pretrained (transformers' format)")
 
@@ -449,10 +449,12 @@ def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
     collectives included (traceable functional collectives: ``runtime.comm``), the ring and
     the causal attention. Still eager, a graph break each: a tracked dropout's draw, the
     experts' row routing (sizes read on the host), and every collective of simulated ranks
-    (``ThreadComm``)."""
+    (``ThreadComm``). The graphs are specialised to their sizes (``dynamic=False`` unless
+    ``compile`` says otherwise): the causal attention and the ring decide what a mask of
+    sizes alone keeps while tracing, once per size."""
     if not compile:
         return program
-    options = dict(compile) if isinstance(compile, dict) else {}
+    options = {"dynamic": False, **(compile if isinstance(compile, dict) else {})}
     return torch.compile(program, **options)
 
 

@@ -18,7 +18,7 @@ from autotp.planner.coalesce import join_siblings
 from autotp.planner.cost import CostModel, attention_strategy, parse_size_expr, readable
 from autotp.planner.invariant import stages
 from autotp.planner.masks import attention_mask, mask_region
-from autotp.planner.plan import Choice, CollectiveRecord, Edge, ParamPlan, Plan
+from autotp.planner.plan import AxisPlan, Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, is_custom_op,
                                     is_grouped, joins_ahead, output_layout)
 from autotp.planner.transitions import Collective, transition
@@ -28,12 +28,14 @@ from autotp.rules.registry import format_output, output_layouts
 def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
              tp: int, cost_model: CostModel, options: PlanOptions, model_name: str) -> Plan:
     layers = {layer_of(pn.node) for pn in pnodes}
-    plan = Plan(model=model_name, tp=tp, layers=len({x for x in layers if x is not None}))
+    # the axis this search lays the values out over (planner/context.py plans cp inside tp)
+    plan = Plan.over("cp" if options.context_parallel else "tp", tp, model=model_name,
+                     layers=len({x for x in layers if x is not None}))
     plan.layer_paths = list(captured.layers.paths)
     plan.cost = total
     plan.sequence_parallel = options.sequence_parallel
-    plan.context_parallel = options.context_parallel
-    plan.ep = options.expert_parallel
+    if options.expert_parallel > 1:
+        plan.axes["ep"] = AxisPlan("ep", options.expert_parallel)
     plan.dims = {str(k): v for k, v in captured.dim_names.items()}
     values, origin = _layouts(plan, pnodes, decisions, options)
     params = dict(captured.gm.named_parameters(remove_duplicate=False))
@@ -44,9 +46,11 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
     plan.expert_params = expert_params(pnodes, plan.choices)
     _parameters(plan, pnodes, values, params, captured, grad_sync, synced_bytes)
     plan.experts = expert_stacks(pnodes, values)
-    if plan.ep > 1:  # at tp 1 every layout is whole on the one tp rank: ep splits them
+    if "ep" in plan.axes:  # at tp 1 every layout is whole on the one tp rank: ep splits them
         for target in set(plan.experts) & set(plan.expert_params):
             plan.experts[target][1] = "whole"
+        plan.axes["ep"].params = {t: plan.params[t] for t in plan.expert_params
+                                  if t in plan.params}
     if grad_sync:
         plan.collectives.append(CollectiveRecord(
             kind=Collective.ALL_REDUCE.value, phase="backward", layer=None,
@@ -93,7 +97,7 @@ def _layouts(plan: Plan, pnodes: list[PNode], decisions: dict[str, Any], options
                                       f"({origin_of(pn.node)})")
             plan.choices[name] = Choice(
                 op=str(pn.node.target), strategy=_attention_kind(pn.node, str(strategy),
-                                                                 plan.tp, plan.attention,
+                                                                 plan.degree, plan.attention,
                                                                  local_heads),
                 inputs=tuple(str(x) for x in strategy.inputs),
                 output=format_output(out), layer=layer_of(pn.node),
@@ -187,7 +191,7 @@ def _redistributions(plan: Plan, pnodes: list[PNode], decisions: dict[str, Any],
             seen.add((name, str(want)))
             nbytes = _bytes_expr(src.node, dims)
             if isinstance(have, Partial) and have.reduce == "logsumexp":  # one value per rank
-                nbytes = str(parse_size_expr(nbytes) * plan.tp)
+                nbytes = str(parse_size_expr(nbytes) * plan.degree)
             for kind, phase, layer in ((step.forward, "forward", fwd_layer),
                                        (step.backward, "backward", bwd_layer)):
                 if kind is not None:
@@ -237,15 +241,15 @@ def _parameters(plan: Plan, pnodes: list[PNode], values: dict[str, Any],
                 grad_sync.add(target)
                 synced_bytes[target] = whole_numel(global_shape, layout) * \
                     params[target].element_size()
-            degree = plan.tp
+            degree = plan.degree
             if plan.ep > 1 and target in plan.expert_params:
                 # split along the experts tp * ep ways; at tp 1 the plan's own layout of the
                 # weight is whole on the one tp rank (every layout is), so it is set here
-                if plan.tp > 1 and layout != Shard(0):
+                if plan.degree > 1 and layout != Shard(0):
                     raise PlanError(f"{target}: experts read whole by their grouped products "
                                     f"but stored as {layout}; ep needs them split along the "
                                     "experts")
-                layout, degree = Shard(0), plan.tp * plan.ep
+                layout, degree = Shard(0), plan.degree * plan.ep
             plan.params[target] = ParamPlan(
                 layout=str(layout), global_shape=global_shape,
                 local_shape=local_shape(global_shape, layout, degree),

@@ -197,7 +197,7 @@ def megatron_verdict(plan: "Plan") -> Verdict:
         if p.layer is not None:
             params.setdefault(p.layer, {})[name] = p
     layers = sorted(set(plan.node_layers.values()) - {None} | set(counts) | set(params))
-    judged_params = plan.tp > 1 and not plan.context_parallel
+    judged_params = plan.tp > 1  # (a cp axis alone holds every parameter whole)
     out = []
     for layer in layers:
         mine = params.get(layer, {}) if judged_params else {}
@@ -211,7 +211,7 @@ def megatron_verdict(plan: "Plan") -> Verdict:
             large_bytes=sum(_bytes(mine[name], mine[name].global_shape) for name in large),
             small_bytes=sum(_bytes(p, p.global_shape) for name, p in mine.items()
                             if name not in large),
-            tp=plan.tp, small=tuple(small.get(layer, [0, 0]))))  # type: ignore[arg-type]
+            tp=plan.degree, small=tuple(small.get(layer, [0, 0]))))  # type: ignore[arg-type]
     return Verdict(bound=dict(bound), layers=tuple(out))
 
 

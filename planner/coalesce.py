@@ -120,7 +120,7 @@ def join_siblings(plan: Plan, graph: fx.Graph) -> None:
     join in place of its members'. Each join is built from the first candidate left and
     every later one of its layer, direction and dtype that can run with it, then placed in a
     copy of the program before the next is looked for."""
-    if plan.tp == 1:
+    if plan.degree == 1:
         return
     nodes = {n.name: n for n in graph.nodes}
     readers: dict[Key, list[Edge]] = {}

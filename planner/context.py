@@ -32,16 +32,17 @@ from autotp.rules.registry import output_layouts, parse_output
 def plan_tp_cp(captured: Captured, tp: int, cp: int, options: PlanOptions,
                **plan_args: Any) -> Plan:
     """The plan of ``captured`` over tp x cp ranks (``plan_args``: ``plan_graph``'s): the tp
-    plan, as without cp; at tp 1 the cp group's plan alone (``plan.context_parallel``); with
-    both, the tp plan with the cp plan inside it (``plan.context``), each attention's choice
-    of ring or Ulysses made on the heads one tp rank holds."""
+    plan, as without cp; at tp 1 the cp group's plan alone (its lead axis "cp"); with both,
+    the tp plan with the cp axis beside it (``plan.axes["cp"]``), each attention's choice of
+    ring or Ulysses made on the heads one tp rank holds."""
     degree, outer = outer_search(tp, cp, options)
     plan = plan_graph(captured, degree, options=outer, **plan_args)
     if cp == 1 or tp == 1:
         return plan
-    plan.context = plan_graph(captured, cp, options=replace(
+    context = plan_graph(captured, cp, options=replace(
         context_options(options), local_heads=local_heads(plan, captured.gm)), **plan_args)
-    check_composable(plan, plan.context, captured.gm, sequence_symbols(captured.dim_names))
+    check_composable(plan, context, captured.gm, sequence_symbols(captured.dim_names))
+    plan.axes["cp"] = context.axes["cp"]
     return plan
 
 
@@ -89,7 +90,7 @@ def local_heads(tp_plan: Plan, gm: fx.GraphModule) -> tuple[tuple[str, int, int]
         if len(layouts) != 1:
             out.append((node.name, 0, 0))
             continue
-        split = tp_plan.tp if parse_layout(choice.inputs[0]) == Shard(1) else 1
+        split = tp_plan.degree if parse_layout(choice.inputs[0]) == Shard(1) else 1
         if split == 1 and choice.inputs[0] != "R":
             out.append((node.name, 0, 0))
             continue

@@ -266,7 +266,7 @@ class _Walk:
     """One backward pass over the plan, from the outputs to the parameters."""
 
     def __init__(self, plan: Plan, gm: fx.GraphModule):
-        self.plan, self.tp = plan, plan.tp
+        self.plan, self.tp = plan, plan.degree
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.graph = dataflow(plan)
         self.trainable = _trainable(plan, gm)
@@ -371,15 +371,15 @@ def gradient_flow(plan: Plan, gm: fx.GraphModule) -> Flow:
 def check_gradient_flow(plan: Plan, gm: fx.GraphModule) -> Flow:
     """Raise ``GradientFlowError`` unless every trainable parameter's gradient arrives whole
     in its own layout (R: the same on every rank; S(d): each rank its slice), at scale 1.
-    A plan with a context plan inside (context parallelism over cp) is proven on each axis:
-    the two plans' collectives commute (planner/context.py)."""
-    if plan.context is not None:
-        check_gradient_flow(plan.context, gm)
-    if plan.tp == 1:  # one rank holds every layout whole: nothing to sum
+    A plan over two layout axes (cp beside tp) is proven on each axis alone: the two axes'
+    collectives commute (planner/context.py)."""
+    for axis in plan.layout_axes()[1:]:
+        check_gradient_flow(plan.on(axis.name), gm)
+    if plan.degree == 1:  # one rank holds every layout whole: nothing to sum
         return Flow()
     flow = gradient_flow(plan, gm)
     wrong = {target: grad for target, grad in flow.params.items()
-             if grad is not None and not exact(grad, _final_form(plan, target), plan.tp)}
+             if grad is not None and not exact(grad, _final_form(plan, target), plan.degree)}
     if wrong:
         raise GradientFlowError(_explain(plan, gm, flow, wrong))
     return flow
@@ -403,7 +403,7 @@ def _explain(plan: Plan, gm: fx.GraphModule, flow: Flow, wrong: dict[str, Grad])
     order = list(plan.params)
     cause, target = None, next(iter(wrong))
     for c in flow.contributions:
-        if exact(c.grad, c.expected, plan.tp):
+        if exact(c.grad, c.expected, plan.degree):
             continue
         steps = nx.single_source_shortest_path_length(upstream, c.value)
         fed = [(d, order.index(reads[n]), reads[n]) for n, d in steps.items() if n in reads]

@@ -1,14 +1,16 @@
 """The Plan: one layout per value, one strategy per op, and the collectives they imply.
 
-A Plan is plain data keyed by graph node names. It round-trips through JSON and explains
-itself; the rewriter executes it and never decides anything on its own.
+A Plan is plain data keyed by graph node names, one ``AxisPlan`` per mesh axis it was planned
+over (DTensor's one placement per mesh dim): code reads an axis's plan by its name, or loops
+over the axes, rather than asking which combination of axes it is in. It round-trips through
+JSON and explains itself; the rewriter executes it and never decides anything on its own.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from autotp.layout import Layout, parse_layout
@@ -84,11 +86,20 @@ class Choice:
     candidates: int
 
 
+# the axes a plan lays the program's values out over; "ep" splits parameters only
+LAYOUT_AXES = ("tp", "cp")
+
+
 @dataclass
-class Plan:
-    model: str
-    tp: int
-    layers: int
+class AxisPlan:
+    """What was planned over one mesh axis (DTensor's placements, one entry per mesh dim):
+    ``name`` ("tp", "cp" or "ep") and ``degree``; on an axis the values are laid out over
+    ("tp", "cp"), each value's layout, each op's strategy, the parameters' layouts and the
+    collectives over the axis's group; on "ep", the parameters split over it (the experts,
+    tp * ep ways with tp)."""
+
+    name: str
+    degree: int = 1
     values: dict[str, str] = field(default_factory=dict)  # node -> layout (or tuple) as text
     choices: dict[str, Choice] = field(default_factory=dict)
     params: dict[str, ParamPlan] = field(default_factory=dict)
@@ -99,6 +110,71 @@ class Plan:
     # computed replicated, exactly, at no communication; listed, not counted as fallbacks
     constants: list[str] = field(default_factory=list)
     cost: float = 0.0
+    # tp: the sequence also split between the tensor-parallel ops (sequence parallelism)
+    sequence_parallel: bool = False
+    # cp: each attention node -> "ring: why" or "ulysses: why" (how it crosses the shards)
+    attention: dict[str, str] = field(default_factory=dict)
+    last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
+    # stacked expert weights -> [experts, "whole" | "sliced" | "replicated"]
+    experts: dict[str, list] = field(default_factory=dict)
+    # the parameters split along the experts (stacked weights, per-expert tables): with an
+    # "ep" axis, tp * ep ways
+    expert_params: list[str] = field(default_factory=list)
+    # matrices kept whole that tp could shard -> the ops that stop each way of sharding them
+    # (planner/blockers.py): direction, layout, node, op, source
+    blocked: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+
+    @property
+    def lays_out_values(self) -> bool:
+        """Whether the program's values are laid out over this axis, not only parameters
+        split (``LAYOUT_AXES``)."""
+        return self.name in LAYOUT_AXES
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AxisPlan":
+        return cls(
+            name=data["name"], degree=int(data["degree"]), values=dict(data["values"]),
+            choices={k: Choice(**{**v, "inputs": tuple(v["inputs"])})
+                     for k, v in data["choices"].items()},
+            params={k: ParamPlan(v["layout"], tuple(v["global_shape"]),
+                                 tuple(v["local_shape"]), tuple(v["names"]), v["grad_sync"],
+                                 v.get("layer"), v.get("dtype", "float32"))
+                    for k, v in data["params"].items()},
+            edges=[Edge(**e) for e in data["edges"]],
+            collectives=[CollectiveRecord(**c) for c in data["collectives"]],
+            fallbacks=list(data["fallbacks"]), constants=list(data.get("constants", [])),
+            cost=data["cost"], sequence_parallel=bool(data.get("sequence_parallel", False)),
+            attention=dict(data.get("attention", {})),
+            last_resorts=int(data.get("last_resorts", 0)),
+            experts={k: list(v) for k, v in data.get("experts", {}).items()},
+            expert_params=list(data.get("expert_params", [])),
+            blocked={k: [dict(b) for b in v] for k, v in data.get("blocked", {}).items()})
+
+
+def _led(name: str) -> property:
+    """``Plan.<name>``: the lead axis's (``Plan.lead``), read and set."""
+
+    def get(plan: "Plan") -> Any:
+        return getattr(plan.lead, name)
+
+    def put(plan: "Plan", value: Any) -> None:
+        setattr(plan.lead, name, value)
+
+    return property(get, put, doc=f"The lead axis's {name} (``AxisPlan.{name}``).")
+
+
+@dataclass
+class Plan:
+    """The plan of one program over the mesh axes it runs on: ``axes`` (name ->
+    ``AxisPlan``) in the order they were planned. The first is the lead axis (``lead``):
+    its plan holds the parameters and runs over the rank's own group ("tp"; "cp" where the
+    sequence is the only split); a further layout axis ("cp" beside "tp") lays the same
+    program's values out over its own group, and "ep" splits the experts further. The
+    program's own facts (its graph, layers, inputs' dims, outputs) are the plan's."""
+
+    model: str
+    layers: int
+    axes: dict[str, AxisPlan] = field(default_factory=dict)
     dims: dict[str, str] = field(default_factory=dict)  # symbol -> B/T
     # the dataflow graph: node -> the tensor nodes it reads; node -> op (for display)
     graph: dict[str, list[str]] = field(default_factory=dict)
@@ -111,35 +187,88 @@ class Plan:
     # the call computes a loss: field of the mapping returned -> the layout it leaves the
     # program in, gathered when first read (autotp.runtime.outputs)
     gathered_when_read: dict[str, str] = field(default_factory=dict)
-    sequence_parallel: bool = False
-    # the group is a context-parallel group (tp 1): the sequence is sharded over its ranks
-    context_parallel: bool = False
-    # context parallelism: each attention node -> "ring: why" or "ulysses: why"
-    attention: dict[str, str] = field(default_factory=dict)
     # state inputs (a KV cache): placeholder -> the layout each rank keeps it in
     states: dict[str, str] = field(default_factory=dict)
-    last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
-    # stacked expert weights -> [experts, "whole" | "sliced" | "replicated"]
-    experts: dict[str, list] = field(default_factory=dict)
-    # expert parallelism: the ep data-parallel ranks the experts are also split over, and the
-    # parameters split along the experts tp * ep ways (stacked weights, per-expert tables)
-    ep: int = 1
-    expert_params: list[str] = field(default_factory=list)
-    # matrices kept whole that tp could shard -> the ops that stop each way of sharding them
-    # (planner/blockers.py): direction, layout, node, op, source
-    blocked: dict[str, list[dict[str, str]]] = field(default_factory=dict)
-    # context parallelism inside this tp plan: the plan of the cp group on the same program
-    # (planner/context.py), each value's sequence split over cp as this plan splits it over tp
-    context: Optional["Plan"] = None
 
-    # ---- queries ---------------------------------------------------------------------
+    values = _led("values")
+    choices = _led("choices")
+    params = _led("params")
+    edges = _led("edges")
+    collectives = _led("collectives")
+    fallbacks = _led("fallbacks")
+    constants = _led("constants")
+    cost = _led("cost")
+    sequence_parallel = _led("sequence_parallel")
+    attention = _led("attention")
+    last_resorts = _led("last_resorts")
+    experts = _led("experts")
+    expert_params = _led("expert_params")
+    blocked = _led("blocked")
+
+    @classmethod
+    def over(cls, axis: str, degree: int, *, model: str, layers: int, **facts: Any) -> "Plan":
+        """A plan whose one axis is ``axis`` of ``degree`` (filled in by who makes it)."""
+        return cls(model=model, layers=layers, axes={axis: AxisPlan(axis, degree)}, **facts)
+
+    # ---- the axes --------------------------------------------------------------------
+
+    @property
+    def lead(self) -> AxisPlan:
+        """The first axis planned: its layouts are ``values``, ``params``, ``choices``."""
+        return next(iter(self.axes.values()))
+
+    @property
+    def degree(self) -> int:
+        """How many ways the lead axis splits (the degree ``values``' layouts are over)."""
+        return self.lead.degree
+
+    def replaced(self, **changes: Any) -> "Plan":
+        """A copy with ``changes``: the program's fields on the plan, the others on the lead
+        axis (``dataclasses.replace`` across the two)."""
+        mine = {k: v for k, v in changes.items() if k in {f.name for f in fields(self)}}
+        lead = replace(self.lead, **{k: v for k, v in changes.items() if k not in mine})
+        return replace(self, **mine, axes={**self.axes, lead.name: lead})
+
+    def on(self, axis: str) -> "Plan":
+        """The plan of ``axis`` alone, on the same program (its lead is ``axis``): what a
+        pass that applies one axis's layouts over that axis's group reads."""
+        return replace(self, axes={axis: self.axes[axis]})
+
+    def layout_axes(self) -> list[AxisPlan]:
+        """The axes the program's values are laid out over, the lead first."""
+        return [a for a in self.axes.values() if a.lays_out_values]
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether an axis splits the sequence: tp with sequence parallelism, or cp."""
+        return any(a.sequence_parallel or a.name == "cp" for a in self.layout_axes())
+
+    def degree_of(self, axis: str) -> int:
+        """``axis``'s degree: 1 where the plan has no such axis."""
+        return self.axes[axis].degree if axis in self.axes else 1
+
+    @property
+    def tp(self) -> int:
+        return self.degree_of("tp")
 
     @property
     def cp(self) -> int:
-        """The context-parallel degree: 1 without context parallelism."""
-        if self.context_parallel:
-            return self.tp
-        return self.context.tp if self.context is not None else 1
+        return self.degree_of("cp")
+
+    @property
+    def ep(self) -> int:
+        return self.degree_of("ep")
+
+    def degrees_text(self) -> str:
+        """``tp=2``; ``cp=2 (context parallel, tp=1)``; ``tp=2 x cp=2 (context parallel
+        inside tp)``: the layout axes' degrees, and where the sequence split sits."""
+        text = " x ".join(f"{a.name}={a.degree}" for a in self.layout_axes())
+        if "cp" in self.axes:
+            text += " (context parallel, tp=1)" if self.lead.name == "cp" else \
+                " (context parallel inside tp)"
+        return text
+
+    # ---- queries ---------------------------------------------------------------------
 
     def layout(self, node: str) -> Layout:
         return parse_layout(self.values[node])
@@ -158,20 +287,16 @@ class Plan:
         )
 
     def per_layer(self) -> dict[Optional[int], Counter]:
-        table: dict[Optional[int], Counter] = {}
-        for c in self.collectives:
-            table.setdefault(c.layer, Counter())[(c.phase, c.kind)] += 1
-        return table
+        return _per_layer(self.collectives)
 
     def summary(self) -> str:
-        degree = f"cp={self.tp} (context parallel, tp=1)" if self.context_parallel else \
-            f"tp={self.tp}" if self.context is None else \
-            f"tp={self.tp} x cp={self.context.tp} (context parallel inside tp)"
+        degree = self.degrees_text()
         lines = [f"autotp plan: {self.model}, {degree}, {self.layers} layer(s)"]
         sharded = [n for n, p in self.params.items() if p.layout.startswith("S")]
         lines.append(f"  parameters: {len(sharded)} sharded, {len(self.params) - len(sharded)} "
                      "replicated")
-        attention = self.context.attention if self.context is not None else self.attention
+        attention = {node: why for axis in self.layout_axes()
+                     for node, why in axis.attention.items()}
         kinds = Counter(why.split(":")[0] for why in attention.values())
         if kinds:  # context parallelism: how each attention crosses the shards, and why
             lines.append("  attention: " + ", ".join(f"{n} by {kind}" for kind, n in
@@ -185,12 +310,12 @@ class Plan:
                                for phase in ("forward", "backward"))
             lines.append(f"  {label}: {phases}")
         lines += [f"  {line}" for line in megatron_verdict(self).lines()]
-        if self.context is not None:
-            counts = self.context.per_layer()
+        for axis in self.layout_axes()[1:]:  # the axes beside the lead (cp inside tp)
+            counts = _per_layer(axis.collectives)
             per_layer = {k: v for k, v in counts.items() if k is not None}
-            if per_layer:  # every layer's cp collectives alike, as a rule: the first's
+            if per_layer:  # every layer's collectives alike, as a rule: the first's
                 first = min(per_layer)
-                lines.append(f"  over cp, layer {first}: " + "; ".join(
+                lines.append(f"  over {axis.name}, layer {first}: " + "; ".join(
                     f"{phase}: {_counted(per_layer[first], phase)}"
                     for phase in ("forward", "backward")))
         if self.experts:
@@ -209,7 +334,7 @@ class Plan:
         kinds = Counter((count, how) for count, how in self.experts.values())
         parts = []
         for (count, how), n in sorted(kinds.items()):
-            text = f"whole, {count // (self.tp * self.ep)} of {count} per rank" if \
+            text = f"whole, {count // (self.degree * self.ep)} of {count} per rank" if \
                 how == "whole" else \
                 f"{how}, {count} per rank"
             parts.append(f"{text} ({n} stacked weight{'s' if n != 1 else ''})")
@@ -264,40 +389,22 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         data: dict[str, Any] = json.loads(text)
-        plan = cls(model=data["model"], tp=data["tp"], layers=data["layers"])
-        plan.values = dict(data["values"])
-        plan.choices = {k: Choice(**{**v, "inputs": tuple(v["inputs"])})
-                        for k, v in data["choices"].items()}
-        plan.params = {
-            k: ParamPlan(v["layout"], tuple(v["global_shape"]), tuple(v["local_shape"]),
-                         tuple(v["names"]), v["grad_sync"], v.get("layer"),
-                         v.get("dtype", "float32"))
-            for k, v in data["params"].items()
-        }
-        plan.edges = [Edge(**e) for e in data["edges"]]
-        plan.collectives = [CollectiveRecord(**c) for c in data["collectives"]]
-        plan.fallbacks = list(data["fallbacks"])
-        plan.constants = list(data.get("constants", []))
-        plan.cost = data["cost"]
-        plan.dims = dict(data["dims"])
-        plan.graph = {k: list(v) for k, v in data.get("graph", {}).items()}
-        plan.ops = dict(data.get("ops", {}))
-        plan.node_layers = dict(data.get("node_layers", {}))
-        plan.layer_paths = list(data.get("layer_paths", []))
-        plan.outputs = list(data.get("outputs", []))
-        plan.gathered_when_read = dict(data.get("gathered_when_read", {}))
-        plan.sequence_parallel = bool(data.get("sequence_parallel", False))
-        plan.context_parallel = bool(data.get("context_parallel", False))
-        plan.attention = dict(data.get("attention", {}))
-        plan.states = dict(data.get("states", {}))
-        plan.last_resorts = int(data.get("last_resorts", 0))
-        plan.experts = {k: list(v) for k, v in data.get("experts", {}).items()}
-        plan.ep = int(data.get("ep", 1))
-        plan.expert_params = list(data.get("expert_params", []))
-        plan.blocked = {k: [dict(b) for b in v] for k, v in data.get("blocked", {}).items()}
-        context = data.get("context")
-        plan.context = cls.from_json(json.dumps(context)) if context else None
-        return plan
+        return cls(
+            model=data["model"], layers=data["layers"],
+            axes={name: AxisPlan.from_dict(axis) for name, axis in data["axes"].items()},
+            dims=dict(data["dims"]),
+            graph={k: list(v) for k, v in data.get("graph", {}).items()},
+            ops=dict(data.get("ops", {})), node_layers=dict(data.get("node_layers", {})),
+            layer_paths=list(data.get("layer_paths", [])),
+            outputs=list(data.get("outputs", [])), states=dict(data.get("states", {})),
+            gathered_when_read=dict(data.get("gathered_when_read", {})))
+
+
+def _per_layer(collectives: list[CollectiveRecord]) -> dict[Optional[int], Counter]:
+    table: dict[Optional[int], Counter] = {}
+    for c in collectives:
+        table.setdefault(c.layer, Counter())[(c.phase, c.kind)] += 1
+    return table
 
 
 def _counted(counts: Counter, phase: str) -> str:

@@ -205,7 +205,7 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
         # experts sliced (or whole on every rank) where tp divides them: e/tp whole experts
         # per rank run fewer, wider GEMMs at the same communication
         sliced = [t for t, (count, how) in plan.experts.items()
-                  if how != "whole" and count % plan.tp == 0]
+                  if how != "whole" and count % plan.degree == 0]
         return plan.last_resorts, len(stuck) + len(sliced)
 
     before = shortfalls(plan)

@@ -231,7 +231,7 @@ def fsdp_over_dp_and_cp(rank: int, world_size: int, steps: int = 2) -> dict[str,
         return autotp.parallelize(model, tp=tp, cp=cp, example_kwargs=mine, **groups)
 
     sharded, result = on_dp_cp_tp(world_size, steps, build)
-    context = sharded.plan.context or sharded.plan
+    context = sharded.plan.on("cp")
     return {**result,
             "rings": sum(c.strategy.endswith("[ring]") for c in context.choices.values())}
 

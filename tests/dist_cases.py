@@ -580,7 +580,7 @@ def pipeline_context_case(rank: int, world_size: int, steps: int = 2) -> dict[st
     schedule = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=_next_token_loss)
     losses, grad_diffs, norm_diffs = _train_stages(schedule, stages, mesh, ids, labels,
                                                    ref_grads)
-    context = stages[0].part.plan.context or stages[0].part.plan
+    context = stages[0].part.plan.on("cp")
     return {"losses": losses, "reference": ref_losses, "grad_diffs": grad_diffs,
             "norm_diffs": norm_diffs, "rings": sum(
                 c.strategy.endswith("[ring]") for c in context.choices.values()),

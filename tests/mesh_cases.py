@@ -28,7 +28,7 @@ def dp_cp_tp_mesh(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
 
     sharded, result = on_dp_cp_tp(world_size, steps, build)
     mesh, mine = seen["mesh"], seen["mine"]
-    context = sharded.plan.context or sharded.plan
+    context = sharded.plan.on("cp")
     result.update(
         rings=sum(c.strategy.endswith("[ring]") for c in context.choices.values()),
         ranks=(sharded.comm.rank, sharded.cp_comm.rank),

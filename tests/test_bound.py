@@ -198,7 +198,7 @@ def test_width_folds_three_dimensional_weights() -> None:
 def _hand_plan(layout: str, local: tuple[int, ...]) -> Plan:
     """One layer: a 3-D per-head weight [heads 4, d_model 64, d_head 16] in ``layout``, a
     norm, Megatron's collectives."""
-    plan = Plan(model="hand", tp=4, layers=1, layer_paths=["blocks.0"])
+    plan = Plan.over("tp", 4, model="hand", layers=1, layer_paths=["blocks.0"])
     plan.params = {
         "blocks.0.W_Q": ParamPlan(layout, (4, 64, 16), local, ("blocks.0.W_Q",), layer=0),
         "blocks.0.W_O": ParamPlan("S(0)", (4, 16, 64), (1, 16, 64), ("blocks.0.W_O",),

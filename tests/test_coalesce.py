@@ -52,7 +52,7 @@ def _plan(graph: fx.Graph, phases: tuple[str, str] = ("forward", "forward"),
           layers: tuple[int, int] = (0, 0)) -> Plan:
     """Each mean's sum made whole for the rsqrt that reads it (forward), or each rsqrt's
     gradient summed (backward: Megatron's f on the rsqrt's output)."""
-    plan = Plan(model="f", tp=2, layers=1)
+    plan = Plan.over("tp", 2, model="f", layers=1)
     means = [n for n in graph.nodes if n.target == aten.mean.dim]
     for node, phase, layer in zip(means, phases, layers):
         if phase == "backward":
@@ -199,7 +199,7 @@ def test_joins_are_checked_against_the_joins_before_them() -> None:
 
     graph = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4)).graph
     a1, b2, b1, a2 = [n for n in graph.nodes if n.target == aten.mm.default]
-    plan = Plan(model="f", tp=2, layers=1)
+    plan = Plan.over("tp", 2, model="f", layers=1)
     for value, phase in ((a1, "forward"), (a2, "forward"), (b1, "backward"), (b2, "backward")):
         src, dst = ("P", "R") if phase == "forward" else ("R", "R*")
         plan.edges.append(Edge(value=value.name, consumer=next(iter(value.users)).name,

@@ -241,8 +241,9 @@ def test_models_match_the_unsharded_model(name: str, tp: int, cp: int, padded: b
     inputs = cc.model_inputs(name, padded)
     sim = autotp.simulate(model, tp, cp=cp, example_kwargs=inputs)
     assert len(sim.ranks) == tp * cp and sim.plan.cp == cp and sim.tp == tp
-    context = sim.plan.context or sim.plan
-    assert context.context_parallel and context.tp == cp
+    context = sim.plan.on("cp")
+    assert list(sim.plan.axes) == (["tp", "cp"] if tp > 1 else ["cp"])
+    assert context.lead.name == "cp" and context.degree == cp and sim.plan.tp == tp
     degree = f"cp={cp} (context parallel" if tp == 1 else \
         f"tp={tp} x cp={cp} (context parallel inside tp)"
     assert degree in sim.plan.summary()

@@ -411,7 +411,7 @@ def test_rows_split_by_two_groupings_are_refused() -> None:
                       (b, torch.zeros(2, dtype=torch.int32)), (w, torch.zeros(2, 4, 4)),
                       (first, torch.zeros(6, 4)), (second, torch.zeros(6, 4))):
         node.meta["val"] = val
-    plan = autotp.planner.plan.Plan(model="m", tp=2, layers=0)
+    plan = autotp.planner.plan.Plan.over("tp", 2, model="m", layers=0)
     for node in (first, second):
         plan.choices[node.name] = autotp.planner.plan.Choice(
             op=str(node.target), strategy="(S(0)@experts, S(0), R*) -> S(0)@experts  [experts]",

@@ -173,7 +173,7 @@ def _unequal(layout: Layout) -> bool:
 
 
 def _gathered(sharded: ShardedModule, local: torch.Tensor, layout: Layout) -> torch.Tensor:
-    pieces = [torch.empty_like(local) for _ in range(sharded.plan.tp)]
+    pieces = [torch.empty_like(local) for _ in range(sharded.plan.degree)]
     dist.all_gather(pieces, local.detach().contiguous(), group=_group(sharded))
     return unshard_tensor(pieces, layout)
 
@@ -183,7 +183,7 @@ def _describe(sharded: ShardedModule) -> dict[str, Any]:
     over_ep = split_over_ep(sharded)
     params = {}
     for name, (local, layout) in rank_tensors(sharded).items():
-        shape = global_shape(local, layout, plan.tp)
+        shape = global_shape(local, layout, plan.degree)
         if name in over_ep:
             shape[0] *= plan.ep
         params[name] = {"global_shape": shape,
@@ -220,7 +220,7 @@ def _state_dict(sharded: ShardedModule, mesh: Any, saved_layouts: dict[str, Layo
     """The DCP state dict (``model.<name>``, ``optim.<name>.<key>``) over the tp mesh, or
     with expert parallelism the (ep, tp) mesh: the experts sharded over both, every other
     tensor replicated over ep as over the tp mesh."""
-    tp = sharded.plan.tp
+    tp = sharded.plan.degree
     tensors = rank_tensors(sharded)
     over_ep = split_over_ep(sharded)
     state: dict[str, Any] = {}
@@ -328,7 +328,7 @@ def save_checkpoint(sharded: ShardedModule, path: str | Path, *,
     mesh = _mesh(sharded)
     state, _ = _state_dict(sharded, mesh, {}, opt_state)
     meta = {
-        "schema": SCHEMA, "model": sharded.plan.model, "tp": sharded.plan.tp,
+        "schema": SCHEMA, "model": sharded.plan.model, "tp": sharded.plan.degree,
         "ep": sharded.plan.ep,
         "fingerprint": _fingerprint(described), "params": described,
         "optimizer": None if optimizer is None else {
@@ -410,7 +410,7 @@ def load_checkpoint(sharded: ShardedModule, path: str | Path, *,
              process_group=_dcp_group(sharded, mesh))
     with torch.no_grad():
         for entry in entries:
-            entry.copy_back(sharded.comm.rank, sharded.plan.tp)
+            entry.copy_back(sharded.comm.rank, sharded.plan.degree)
     if optimizer is not None:
         _restore_optimizer(sharded, optimizer, saved["optimizer"], opt_state)
 

@@ -137,7 +137,7 @@ def to_tp_plan(plan: Plan, *, style: str = "transformers") -> TpPlanExport:
 
 
 def _plan_wide(plan: Plan) -> dict[str, str]:
-    if plan.context_parallel or plan.context is not None:
+    if "cp" in plan.axes:
         return {"(context parallelism)": "the sequence is split over the ranks inside "
                 "attention; neither torch's nor transformers' tp styles split it"}
     if plan.sequence_parallel:

@@ -201,7 +201,7 @@ class Decoder:
         return self.programs[key]
 
     def allocate(self, batch: int, capacity: int, program: Program) -> list[torch.Tensor]:
-        tp = self.sharded.plan.tp
+        tp = self.sharded.plan.degree
         out = []
         for shape, (layout, heads) in zip(self.shapes, program.cache):
             full = (batch, heads[1] if heads else shape[1], capacity, shape[3])
@@ -296,7 +296,7 @@ class Decoder:
         if not cache.graphs or self.device.type != "cuda" or not cache.fixed:
             return False
         comm = self.sharded.comm
-        return self.sharded.plan.tp == 1 or getattr(comm, "backend", "gloo") != "gloo"
+        return self.sharded.plan.degree == 1 or getattr(comm, "backend", "gloo") != "gloo"
 
     def generate(self, inputs: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         graphs = kwargs.pop("cuda_graphs", True)

@@ -244,7 +244,7 @@ def save_pretrained(sharded: ShardedModule, path: str | Path, *,
     order = _ordered(sharded, tensors)
     plan = sharded.plan
     over_ep = split_over_ep(sharded)
-    shapes = {name: tuple(global_shape(local, where, plan.tp))
+    shapes = {name: tuple(global_shape(local, where, plan.degree))
               for name, (local, where) in tensors.items()}
     for name in over_ep & set(shapes):
         shapes[name] = (shapes[name][0] * plan.ep,) + shapes[name][1:]

@@ -238,7 +238,7 @@ def build_program(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
     drop_identities(module)
     erase_input_guards(module.graph)  # the decoder builds the inputs; no check per step
     layouts = [parse_layout(plan.states[name]) for name in cache_inputs]
-    heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.tp)
+    heads = narrow_cache_heads(module, cache_inputs, layouts, sharded.rank, plan.degree)
     fuse_repeated_kv_attention(module.graph)  # no backward here: GQA kernel, no copies
     module.graph.eliminate_dead_code()  # what export left unused; in-place writes are kept
     module.graph.lint()
@@ -294,7 +294,7 @@ def _planned_step(sharded: Any, shapes: list[tuple[int, ...]], prompt: bool,
                          if param.layout.startswith("R") for name in param.names)
         options = PlanOptions(strict=sharded.strict, state_inputs=tuple(cache_inputs),
                               reported=reported)
-        plan = plan_graph(captured, sharded.plan.tp, options=options,
+        plan = plan_graph(captured, sharded.plan.degree, options=options,
                           model_name=f"{sharded.plan.model} ({'prefill' if prompt else 'decode'})",
                           share=plan_sharing(sharded.comm))
         for stale in [k for k, v in _PLANNED.items() if v[0]() is None]:

@@ -211,7 +211,7 @@ def to_dot(plan: Plan, cost_model: CostModel) -> str:
     view = build_view(plan, cost_model)
     diamonds = _diamonds(view)
     s = view.data["summary"]
-    title = (f"autotp plan: {plan.model}, tp={plan.tp}, {plan.layers} layers; bytes at "
+    title = (f"autotp plan: {plan.model}, {plan.degrees_text()}, {plan.layers} layers; bytes at "
              f"B={cost_model.batch} T={cost_model.seq}; {s['forward_collectives']} fwd + "
              f"{s['backward_collectives']} bwd collectives, {s['time_ms']:.2f} ms")
     lines = ["digraph autotp {",

@@ -96,7 +96,7 @@ def _html_legend(routed: bool = False) -> str:
 def _html_header(view: View, cost_model: CostModel) -> str:
     plan = view.plan
     return (
-        f'<header><h1>autotp plan <code>{esc(plan.model)}</code> · tp={plan.tp}</h1>'
+        f'<header><h1>autotp plan <code>{esc(plan.model)}</code> · {esc(plan.degrees_text())}</h1>'
         f'<p class="meta">{plan.layers} layers · bytes at B={cost_model.batch}, '
         f'T={cost_model.seq} · link {cost_model.bandwidth / 1e9:g} GB/s per rank, '
         f'{cost_model.latency * 1e6:g} µs latency per collective + '
@@ -217,7 +217,7 @@ def _block_held(plan: Plan, keys: list[str], block: str) -> str:
     """How a rank holds the experts of one block: one phrase, or one per stacked weight."""
     experts = experts_of_params(plan)
     ep = int(getattr(plan, "ep", 1) or 1)
-    held = {key: experts_per_rank(*experts[key], plan.tp, ep) for key in keys}
+    held = {key: experts_per_rank(*experts[key], plan.degree, ep) for key in keys}
     if len(set(held.values())) == 1:
         return next(iter(held.values()))
     return "; ".join(f"{key[len(block) + 1:]}: {text}" for key, text in held.items())
@@ -387,7 +387,7 @@ def to_html(plan: Plan, cost_model: CostModel) -> str:
     """One self-contained HTML page: summary, legend, one section per group of identical
     layers, the code outside the layers, and the plan's data as embedded JSON."""
     view = build_view(plan, cost_model)
-    title = f"autotp plan: {plan.model} tp={plan.tp}"
+    title = f"autotp plan: {plan.model} {plan.degrees_text()}"
     body = (_html_header(view, cost_model) + "<main>"
             + "".join(_group_section(view, g) for g in view.groups)
             + _outside_section(view) + _fallbacks_section(view) + "</main>")

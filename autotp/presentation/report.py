@@ -6,10 +6,11 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
     {"schema": "autotp.plan/1", "model": str, "tp": int, "layers": int,
      "batch": int, "seq": int, "bandwidth_GBps": float, "latency_us": float,
      "step_latency_us": float,  # per ring step: 2(tp-1) for an all-reduce, tp-1 otherwise
-     "sequence_parallel": bool, "context_parallel": bool (tp is then the cp degree),
+     "sequence_parallel": bool, "context_parallel": bool (the lead axis is cp: tp is then
+     the cp degree),
      "outputs": ["R" | "S(2)" ...],  # as returned to the user
      "attention": {node: "ring: why" | "ulysses: why"},  # context parallelism only
-     "context": {...},  # context parallelism inside tp: the cp plan, in this same schema
+     "context": {...},  # the cp axis beside tp: its plan (``Plan.on("cp")``), this schema
      "params": {name: {"layout": "S(0)" | "S(1)x3" | "R" ..., "global_shape": [int],
                        "local_shape": [int], "layer": int | null, "aliases": [str],
                        "grad_sync": bool}},
@@ -201,7 +202,7 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
     time_s = 0.0
     for c in plan.collectives:
         nbytes = evaluate_bytes(c.bytes_expr, batch, seq)
-        seconds = cost_model.collective_time(Collective(c.kind), nbytes, plan.tp)
+        seconds = cost_model.collective_time(Collective(c.kind), nbytes, plan.degree)
         time_s += seconds
         totals[c.phase][0] += 1
         totals[c.phase][1] += nbytes
@@ -228,12 +229,13 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
         bwd = sum(1 for c in group.collectives if c.phase == "backward")
         groups.append({"layers": group.layers, "forward": fwd, "backward": bwd})
     out = {
-        "schema": SCHEMA, "model": plan.model, "tp": plan.tp, "layers": plan.layers,
+        "schema": SCHEMA, "model": plan.model, "tp": plan.degree, "layers": plan.layers,
         "batch": batch, "seq": seq, "bandwidth_GBps": cost_model.bandwidth / 1e9,
         "latency_us": round(cost_model.latency * 1e6, 6),
         "step_latency_us": round(cost_model.step_latency * 1e6, 6),
         "params": params, "collectives": collectives,
-        "sequence_parallel": plan.sequence_parallel, "context_parallel": plan.context_parallel,
+        "sequence_parallel": plan.sequence_parallel,
+        "context_parallel": plan.lead.name == "cp",
         "outputs": list(plan.outputs),
         "summary": {
             "forward_collectives": totals["forward"][0],
@@ -253,8 +255,8 @@ def to_dict(plan: Plan, cost_model: CostModel) -> dict[str, Any]:
             for name, blockers in plan.blocked.items()}
     if plan.attention:  # context parallelism: attention node -> "ring: why" / "ulysses: why"
         out["attention"] = dict(plan.attention)
-    if plan.context is not None:  # context parallelism inside tp: the cp group's plan
-        out["context"] = to_dict(plan.context, cost_model)
+    for axis in plan.layout_axes()[1:]:  # the cp axis beside tp: its own plan
+        out["context"] = to_dict(plan.on(axis.name), cost_model)
     if plan.experts:  # stacked weight -> [experts, how held]; ep: also split over ep ranks
         out["experts"] = {"ep": plan.ep, "stacks": {k: list(v) for k, v in plan.experts.items()},
                           "split": list(plan.expert_params)}
@@ -269,19 +271,17 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     data = to_dict(plan, cost_model)
     batch, seq = cost_model.batch, cost_model.seq
     ep = f", ep={plan.ep}" if plan.ep > 1 else ""
-    degree = f"cp={plan.tp} (context parallel, tp=1)" if plan.context_parallel else \
-        f"tp={plan.tp}" if plan.context is None else \
-        f"tp={plan.tp} x cp={plan.context.tp} (context parallel inside tp)"
-    lines = [f"autotp plan: {plan.model}, {degree}{ep}, {plan.layers} layers; bytes at "
+    lines = [f"autotp plan: {plan.model}, {plan.degrees_text()}{ep}, {plan.layers} layers; "
+             f"bytes at "
              f"B={batch} T={seq}; link {cost_model.bandwidth / 1e9:g} GB/s, "
              f"{cost_model.latency * 1e6:g} us + {cost_model.step_latency * 1e6:g} us per ring "
              f"step"]
-    context = plan if plan.context_parallel else plan.context
+    context = plan.on("cp") if "cp" in plan.axes else None  # the sequence axis
     if context is not None:
         rings = sum(c.strategy.endswith("[ring]") for c in context.choices.values())
         ulysses = sum(c.strategy.endswith("[ulysses]") for c in context.choices.values())
         lines.append(f"attention: {rings} call(s) by ring attention (key/value blocks passed "
-                     f"around the {context.tp} cp ranks inside the op, not listed below)"
+                     f"around the {context.degree} cp ranks inside the op, not listed below)"
                      if not ulysses else
                      f"attention: {rings} call(s) by ring attention, {ulysses} by Ulysses "
                      f"(all-to-alls between sequence and head shards inside the op, not "
@@ -318,9 +318,9 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
             lines.append(f"  {name:<40} {_shape(p.global_shape):>14} {p.layout:<7} "
                          f"-> {_shape(p.local_shape)}")
         lines += collective_lines(outside_colls, "  ", None)
-    if plan.context is not None:
-        over_cp = to_dict(plan.context, cost_model)["collectives"]
-        lines.append(f"over cp={plan.context.tp} (parameters as tp holds them, their "
+    for axis in plan.layout_axes()[1:]:  # the cp axis beside tp
+        over_cp = to_dict(plan.on(axis.name), cost_model)["collectives"]
+        lines.append(f"over {axis.name}={axis.degree} (parameters as tp holds them, their "
                      "gradients also summed over cp; bytes of the whole tensors, 1/tp of them "
                      "where tp splits them):")
         lines += [line for layer in sorted({c["layer"] for c in over_cp}, key=str)
@@ -337,7 +337,8 @@ def to_table(plan: Plan, cost_model: CostModel) -> str:
     if plan.experts:
         lines.append(f"experts: {plan.experts_summary()}")
     if plan.ep > 1:
-        lines.append(f"  split over tp x ep = {plan.tp * plan.ep} ranks; per MoE block, over the "
+        lines.append(f"  split over tp x ep = {plan.degree * plan.ep} ranks; per MoE block, "
+                     f"over the "
                      f"ep ranks: the row counts, the rows dispatched and combined by "
                      f"all-to-all (and back in backward)")
     lines += plan.output_lines()

@@ -182,7 +182,7 @@ def join_ahead(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module,
     layer, one per stage; returns how many values they make whole. ``sequence``: how the
     group holds the sequence (context parallelism)."""
     edges = [e for e in plan.edges if e.batched]
-    if not edges or plan.tp == 1:
+    if not edges or plan.degree == 1:
         return 0
     nodes = {n.name: n for n in graph.nodes}
     keys = list(dict.fromkeys((e.value, e.dst) for e in edges))
@@ -281,7 +281,7 @@ def join_siblings(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Modu
     for edge in plan.edges:
         if edge.joined is not None:
             groups.setdefault(edge.joined, []).append(edge)
-    if not groups or plan.tp == 1:
+    if not groups or plan.degree == 1:
         return 0
     for index, edges in sorted(groups.items()):
         keys = list(dict.fromkeys((e.value, e.dst) for e in edges))

@@ -49,7 +49,7 @@ def describe(sharded: Any, model: nn.Module, data_parallel: Optional[Any]) -> No
     for name in TRAINER_ATTRIBUTES:
         if hasattr(model, name):
             object.__setattr__(sharded, name, getattr(model, name))
-    tp = sharded.plan.tp
+    tp = sharded.plan.degree
     config = getattr(model, "config", None)
     config = copy.copy(config) if config is not None else None
     if tp > 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Optional, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,7 @@ from autotp.layout import Layout, Partial, Replicate, Shard, is_mixed, parse_lay
 from autotp.weights.materialize import ModelWeights, Weights
 from autotp.planner.context import grouped_source
 from autotp.planner.masks import MaskRegion, mask_region
-from autotp.planner.plan import Plan
+from autotp.planner.plan import AxisPlan, Plan
 from autotp.runtime.lowerings import LowerContext, lowering_for
 from autotp.runtime.random import RngTracker, Stream, TrackedAttention, TrackedDropout
 from autotp.runtime.regather import ShardKeeper, scope_saves
@@ -91,8 +91,8 @@ def shard_parameters(captured: Captured, plan: Plan, graph: fx.Graph, rank: int,
             if isinstance(value, nn.Parameter):
                 layout = plan.param_layout(node.target)
                 names = captured.aliases.get(node.target, [node.target])
-                share, shares = (ep_rank * plan.tp + rank, plan.tp * plan.ep) \
-                    if node.target in plan.expert_params else (rank, plan.tp)
+                share, shares = (ep_rank * plan.degree + rank, plan.degree * plan.ep) \
+                    if node.target in plan.expert_params else (rank, plan.degree)
                 local = weights.parameter(node.target, names, layout, share, shares, value)
                 expected = plan.params[node.target].local_shape
                 if tuple(local.shape) != tuple(expected):
@@ -146,7 +146,7 @@ def insert_collectives(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn
     program another plan's collectives are already in (context parallelism inside tp,
     ``axis`` "cp"): each consumer's reading of a value is what it reads now, the value or
     the other axis's redistribution of it, and joined collectives run one by one."""
-    if plan.tp == 1:  # one rank holds every layout whole: nothing to change or sum
+    if plan.degree == 1:  # one rank holds every layout whole: nothing to change or sum
         return 0
     nodes = {n.name: n for n in graph.nodes}
     made: dict[tuple[str, str], fx.Node] = {}
@@ -257,7 +257,7 @@ def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: n
         if not (isinstance(layout, Shard) and is_mixed(layout.blocks)):
             continue
         param = path_attr(root, node.target)
-        spans = whole_slices(param.shape[layout.dim], layout.blocks, plan.tp)
+        spans = whole_slices(param.shape[layout.dim], layout.blocks, plan.degree)
         name = f"autotp_{node.name}_whole_segments"
         if grad_sync is GradSync.BUCKET:
             bucket.params[node.target] = param
@@ -329,7 +329,7 @@ def _slug(text: str) -> str:
 def lower_ops(graph: fx.Graph, plan: Plan, registry: Registry, rank: int,
               routes: Optional[dict[str, fx.Node]] = None) -> dict[str, str]:
     """Lower every op; returns original node -> the node now holding its value."""
-    ctx = LowerContext(graph, rank, plan.tp, routes)
+    ctx = LowerContext(graph, rank, plan.degree, routes)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in plan.choices:
             continue
@@ -445,12 +445,12 @@ def _grouped_kv(node: fx.Node, tp_plan: Optional[Plan] = None) -> tuple[tuple, d
 
 
 def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngTracker,
-                     context: Optional[tuple[Plan, RngTracker]] = None) -> dict[str, str]:
+                     beside: Sequence[tuple[Plan, RngTracker]] = ()) -> dict[str, str]:
     """Dropout draws from the replicated stream on replicated values and from this rank's
     own stream on sharded ones; returns original node -> the node now holding its value.
-    ``context``: the cp plan the tp ``plan`` runs with and this cp rank's tracker, used for
-    values it splits (streams that differ across cp ranks, alike across tp ranks where tp
-    holds the value whole)."""
+    ``beside``: the plan of each axis beside the lead's (cp inside tp) and this rank's
+    tracker on it, used for values that axis splits (streams that differ across its ranks,
+    alike across tp ranks where tp holds the value whole)."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for node in list(graph.nodes):
@@ -460,9 +460,9 @@ def track_randomness(graph: fx.Graph, plan: Plan, root: nn.Module, tracker: RngT
         layout = parse_output(plan.values[node.name])
         stream = Stream.SHARDED if isinstance(layout, Shard) else Stream.REPLICATED
         drawing = tracker
-        if context is not None and isinstance(parse_output(context[0].values[node.name]),
-                                               Shard):
-            drawing = context[1]
+        for other, its_tracker in beside:
+            if isinstance(parse_output(other.values[node.name]), Shard):
+                drawing = its_tracker
         name = f"autotp_random_{node.name}"
         if node.target == sdpa:
             dropout_p = node_arg(node, "dropout_p", 0.0)
@@ -537,7 +537,7 @@ def note_splits(graph: fx.Graph, root: nn.Module, plans: list[tuple[Plan, Commun
         split: dict[int, int] = {}
         for axis, layout in layouts.items():
             if isinstance(layout, Shard):
-                split[layout.dim] = split.get(layout.dim, 1) * plans[axis][0].tp
+                split[layout.dim] = split.get(layout.dim, 1) * plans[axis][0].degree
         node.meta[SPLIT] = split
 
 
@@ -547,20 +547,24 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             device: Optional[torch.device] = None, keeper: Optional[ShardKeeper] = None,
             ep_comm: Optional[Communicator] = None, cp_comm: Optional[Communicator] = None,
             sequence: Optional[SequenceLayout] = None) -> tuple[fx.GraphModule, GradBucket]:
-    """This rank's program. ``keeper``: with sequence parallelism, where the sequence
+    """This rank's program: each layout axis of ``plan`` applied over its own group, the
+    lead axis's over ``comm``, the one beside it ("cp" inside "tp") over ``cp_comm``
+    (``planner/context.py``). ``keeper``: with sequence parallelism, where the sequence
     all-gathers record their outputs so that backward re-gathers what it saved of them.
-    ``ep_comm``: with expert parallelism (``plan.ep`` > 1), the group of ranks the experts
-    are split over besides the tp group, whose tokens differ. ``cp_comm``: with a context
-    plan inside the tp plan (``plan.context``), the cp group: the context plan's collectives
-    go in after the tp plan's, each over its own group (``planner/context.py``).
-    ``sequence``: with context parallelism, how the cp group holds the sequence
-    (``held_sequence``): the collectives over that group (``comm`` at tp 1, else
-    ``cp_comm``) and the ring attention follow it."""
-    context = plan.context
-    tp_sequence = sequence if context is None else None  # tp's group holds it whole
-    if (context is None) != (cp_comm is None):
-        raise PlanError("a plan with a context plan needs cp_comm=, the cp group, and only "
-                        "such a plan takes one")
+    ``ep_comm``: with expert parallelism (an "ep" axis), the group of ranks the experts
+    are split over besides the tp group, whose tokens differ. ``sequence``: with context
+    parallelism, how the cp group holds the sequence (``held_sequence``): the collectives
+    over that group and the ring attention follow it."""
+    lead, *beside = plan.layout_axes()
+    groups = {lead.name: comm, **({"cp": cp_comm} if cp_comm is not None else {})}
+    if set(groups) != {lead.name, *(axis.name for axis in beside)}:
+        raise PlanError(f"a plan over {plan.degrees_text()} needs one group per axis; "
+                        f"given groups for {', '.join(groups)} (cp_comm= is the cp group "
+                        "beside tp)")
+
+    def held(axis: AxisPlan) -> Optional[SequenceLayout]:  # the sequence axis's layout
+        return sequence if axis.name == "cp" else None
+
     registry = registry or Registry.default()
     weights = weights or ModelWeights(captured.gm)
     graph = copy_graph(captured.gm)
@@ -570,26 +574,28 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     place_on_device(graph, root, device)
     bucket = GradBucket(comm)
     routes = route_rows(graph, plan, comm, root, ep_comm)
-    insert_collectives(graph, plan, comm, root, bucket, grad_sync, sequence=tp_sequence)
+    insert_collectives(graph, plan, comm, root, bucket, grad_sync, sequence=held(lead))
     join_siblings(graph, plan, comm, root)
-    join_ahead(graph, plan, comm, root, tp_sequence)
-    if context is not None and cp_comm is not None:
-        insert_collectives(graph, context, cp_comm, root, GradBucket(cp_comm), grad_sync,
-                           axis="cp_", originals={n.name for n in captured.gm.graph.nodes},
-                           sequence=sequence)
+    join_ahead(graph, plan, comm, root, held(lead))
+    originals = {n.name for n in captured.gm.graph.nodes}
+    for axis in beside:  # after the lead's collectives, each over its own group
+        group = groups[axis.name]
+        insert_collectives(graph, plan.on(axis.name), group, root, GradBucket(group),
+                           grad_sync, axis=f"{axis.name}_", originals=originals,
+                           sequence=held(axis))
     if keeper is not None:
         keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
     lowered = lower_ops(graph, plan, registry, rank, routes)
+    for axis in beside:
+        lowered.update(lower_ops(graph, plan.on(axis.name), registry, groups[axis.name].rank))
+    if "cp" in groups:  # attention across the sequence shards, inside the lead's plan if cp
+        lowered.update(ring_attention_calls(   # is not the lead
+            graph, plan.on("cp"), root, groups["cp"], sequence=sequence,
+            tp_plan=plan if lead.name != "cp" else None))
     tracker = RngTracker(seed, rank)
-    if context is not None and cp_comm is not None:
-        lowered.update(lower_ops(graph, context, registry, cp_comm.rank))
-        lowered.update(ring_attention_calls(graph, context, root, cp_comm, tp_plan=plan,
-                                            sequence=sequence))
-        cp_tracker = RngTracker(seed + 7_919 * (cp_comm.rank + 1), rank)
-        lowered.update(track_randomness(graph, plan, root, tracker, (context, cp_tracker)))
-    else:
-        lowered.update(ring_attention_calls(graph, plan, root, comm, sequence=sequence))
-        lowered.update(track_randomness(graph, plan, root, tracker))
+    lowered.update(track_randomness(graph, plan, root, tracker, [
+        (plan.on(axis.name), RngTracker(seed + 7_919 * (groups[axis.name].rank + 1), rank))
+        for axis in beside]))
     lowered.update(causal_attention_calls(graph, root, plan))
     lowered.update(drop_full_slices(graph))
     lowered.update(fuse_logsumexp_gather(graph))
@@ -598,12 +604,12 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     reduce_in_place(graph, root)
     if keeper is not None:
         scope_saves(graph, root, keeper, [n for n in graph.nodes if _gathers_for(n, root, keeper)])
-    note_splits(graph, root, [(plan, comm)] + ([(context, cp_comm)] if context is not None
-                                               and cp_comm is not None else []), lowered)
+    note_splits(graph, root, [(plan.on(axis.name), groups[axis.name])
+                              for axis in (lead, *beside)], lowered)
     graph.lint()
     gm = fx.GraphModule(root, graph)
     for name, param in captured.unused.items():  # never read by the forward: replicated
-        local = weights.parameter(name, [name], Replicate(), rank, plan.tp, param)
+        local = weights.parameter(name, [name], Replicate(), rank, plan.degree, param)
         _set(gm, name, nn.Parameter(local, requires_grad=param.requires_grad))
     gm.meta["autotp_values"] = lowered
     gm.recompile()

@@ -278,7 +278,7 @@ def route_rows(graph: fx.Graph, plan: "Plan", comm: Any, root: nn.Module,
     """Insert each grouping's route (with ``ep_comm``, the expert-parallel group: its
     dispatch), the moves to and from routed rows, and return node name -> route node for
     the lowerings of the ops on routed rows."""
-    if (plan.tp == 1 and ep_comm is None) or \
+    if (plan.degree == 1 and ep_comm is None) or \
             not any(routed_text(v) for v in plan.values.values()):
         return {}
     regions = _regions(graph, plan)
@@ -291,10 +291,10 @@ def route_rows(graph: fx.Graph, plan: "Plan", comm: Any, root: nn.Module,
     for source in sorted(set(regions.values()), key=order.__getitem__):
         with graph.inserting_after(source):
             if ep_comm is None:
-                bounds[source] = graph.call_function(route, (source, comm.rank, plan.tp))
+                bounds[source] = graph.call_function(route, (source, comm.rank, plan.degree))
             else:
                 label = f"autotp_{source.name}_dispatch"
-                root.add_module(label, ExpertDispatch(ep_comm, comm.rank, plan.tp,
+                root.add_module(label, ExpertDispatch(ep_comm, comm.rank, plan.degree,
                                                       plan.node_layers.get(source.name)))
                 bounds[source] = graph.call_module(label, (source,))
         _copy_place(bounds[source], source)
@@ -318,7 +318,7 @@ def route_rows(graph: fx.Graph, plan: "Plan", comm: Any, root: nn.Module,
                 new = padded = graph.call_function(put_rows, (value, bounds[source]))
                 _copy_place(padded, first)
                 layer = layers[(name, dst_text)]
-                if plan.tp > 1:
+                if plan.degree > 1:
                     module = Redistribute(comm, P, dst, layer=layer, bwd_layer=layer,
                                           label=f"{name} {ROUTED} rows->{dst}")
                     label = f"autotp_{name}_rows_to_{'R_star' if dst == R_STAR else 'R'}"

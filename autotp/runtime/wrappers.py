@@ -45,7 +45,7 @@ class WrapperCheck:
     def _peers(self) -> Optional[list[int]]:
         comm = self.sharded.comm
         if not isinstance(comm, ProcessGroupComm) or comm.world_size == 1 or \
-                self.sharded.plan.context_parallel:  # cp at tp 1: the group holds them whole
+                self.sharded.plan.tp == 1:  # cp at tp 1: the group holds them whole
             return None
         return group_ranks(comm.group)
 

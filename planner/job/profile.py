@@ -178,11 +178,11 @@ class _ProfileBuilder:
     def __init__(self, captured: Captured, plan: Plan, micro_batch: int, seq: int,
                  dtype_bytes: int, mask_bytes: int, cp: int):
         gm = captured.gm
-        self.plan, self.tp, self.cp = plan, plan.tp, cp
+        self.plan, self.tp, self.cp = plan, plan.degree, cp
         self.dtype_bytes, self.mask_bytes = dtype_bytes, mask_bytes
         self.sizes = Sizes(captured, micro_batch, seq // cp)
         layers = sorted({x for x in plan.node_layers.values() if x is not None})
-        self.prof = prof = Profile(tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+        self.prof = prof = Profile(tp=plan.degree, sequence_parallel=plan.sequence_parallel,
                                    micro_batch=micro_batch, seq=seq // cp,
                                    dtype_bytes=dtype_bytes, layers=layers, cp=cp)
         self.nodes = {n.name: n for n in gm.graph.nodes}
@@ -194,14 +194,14 @@ class _ProfileBuilder:
             # with ep, a rank's experts take rows from the tokens of all ep ranks
             prof.expert_imbalance = routing_imbalance(micro_batch * seq * plan.ep,
                                                       prof.experts, prof.top_k,
-                                                      plan.tp * plan.ep)
+                                                      plan.degree * plan.ep)
         self.grads = _requires_grad(gm, plan)
         self.kept: dict[str, Saved] = {}
         self.side = _sides(gm, plan)
         self.inputs = _inputs_of(gm)
         # masks the ring builds block by block from their factors (runtime/ring.
         # BlockMask): mask -> the factors held instead of its [s/cp, s] rows
-        regions = _mask_regions(gm, cp, plan.tp)
+        regions = _mask_regions(gm, cp, plan.degree)
         self.factors_of = {mask: [f for f in region.factors
                                   if isinstance(f.meta.get("val"), torch.Tensor)]
                            for mask, region in regions.items()}
@@ -465,7 +465,7 @@ def _exchanges(gm: fx.GraphModule, plan: Plan, sizes: Sizes, dtype_bytes: int,
         for val in (rows.meta.get("val") if isinstance(rows, fx.Node) else None,
                     last[layer].meta.get("val")):
             if isinstance(val, torch.Tensor):
-                moved = math.prod(sizes.shape(val)) / plan.tp * \
+                moved = math.prod(sizes.shape(val)) / plan.degree * \
                     element_bytes(val, dtype_bytes, own)
                 for phase in ("forward", "backward"):
                     out.append(Comm("all_to_all", phase, layer, moved, group="ep"))
@@ -477,7 +477,7 @@ def _routing(gm: fx.GraphModule, plan: Plan) -> tuple[int, int]:
     experts from the plan, k from the top-k over that many scores (not a grouped router's
     top-k over its groups)."""
     counts = [count for count, how in plan.experts.values() if how == "whole"]
-    if not counts or plan.tp * plan.ep == 1:
+    if not counts or plan.degree * plan.ep == 1:
         return 0, 0
     experts = max(counts)
     for node in gm.graph.nodes:
@@ -588,7 +588,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: Sizes, dtype_bytes: int
                     numel = math.prod(sizes.shape(val))
                     nbytes += numel * element_bytes(val, dtype_bytes, own) if numel else 0.0
             if c.src.startswith("P(") and c.src != "P":
-                nbytes *= plan.tp
+                nbytes *= plan.degree
         where = "layer" if c.layer is not None else side.get(c.node, "last")
         out.append(Comm(c.kind, c.phase, c.layer, float(nbytes), where))
         if plan.sequence_parallel and c.kind == "all_gather" and c.phase == "forward" and \
