@@ -164,6 +164,51 @@ def test_logits_read_on_one_rank_only_say_so() -> None:
         sim.run(step)
 
 
+class DictHead(torch.nn.Module):
+    """A model of its own returning a dict with its loss (vocabulary-parallel: logsumexp and
+    gather over the sharded vocabulary), or the same as a tuple."""
+
+    def __init__(self, as_tuple: bool = False) -> None:
+        super().__init__()
+        self.as_tuple = as_tuple
+        self.emb = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> Any:
+        logits = self.head(torch.relu(self.proj(self.emb(ids))))  # (B, T, V)
+        lse = torch.logsumexp(logits, dim=-1)
+        loss = (lse - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).mean()
+        return (loss, logits) if self.as_tuple else {"loss": loss, "logits": logits}
+
+
+def test_a_dict_is_gathered_when_read_and_a_tuple_in_the_forward() -> None:
+    """A plain dict's tensor fields are gathered when read by key (not as attributes); a
+    tuple is unpacked whole, so its outputs are gathered in the program."""
+    torch.manual_seed(0)
+    ids, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    model = DictHead()
+    sim = autotp.simulate(model, 2, example_args=(ids, targets))
+    assert sim.plan.gathered_when_read == {"logits": "S(2)"}
+
+    def step(m: Any) -> tuple[list, Any, bool]:
+        out = m(ids, targets)
+        out["loss"].backward()
+        before = _gathers(m, "forward")
+        no_attribute = not hasattr(out, "logits")  # a dict's key is no attribute: no read
+        return before + _gathers(m, "forward")[len(before):], dict(out), no_attribute
+
+    want = model(ids, targets)
+    for gathered, out, no_attribute in sim.run(step):
+        assert [n for _, n in gathered] == [2 * ids.numel() * 4] and no_attribute
+        assert (out["logits"] - want["logits"]).abs().max() <= ATOL
+        assert abs(out["loss"].item() - want["loss"].item()) <= ATOL
+
+    pair = DictHead(as_tuple=True)
+    pair.load_state_dict(model.state_dict())
+    assert autotp.plan(pair, 2, example_args=(ids, targets)).gathered_when_read == {}
+
+
 def gloo_case(rank: int, world_size: int) -> dict[str, Any]:
     """One step on a process group reading only the loss, then the logits read on every
     rank and a loss of them back-propagated: what ran, and the differences."""

@@ -47,7 +47,8 @@ class GatheredWhenRead:
     __slots__ = ()
 
     def __getattribute__(self, name: str) -> Any:
-        if name in _pending(self):
+        # a field that is also an attribute (a ModelOutput's; a dict's keys are none)
+        if name in _pending(self) and name in object.__getattribute__(self, "__dict__"):
             self._read((name,))
         return super().__getattribute__(name)
 
