@@ -66,9 +66,11 @@ def narrow_matrices(shapes: dict[str, tuple[int, ...]]) -> set[str]:
     """The matrices of ``shapes`` (name -> 2-D shape) whose smaller side is at most an
     eighth of the model's typical width (the smaller side of the matrix holding the median
     parameter: rank-r adapters on every linear outnumber a model's matrices, not its
-    parameters) and of their own larger side. Rank-r adapters and routers are; k/v
-    projections with 8 k/v heads of 32 are not, nor the projections of a model's first,
-    narrower stage (a vision transformer whose width doubles by stage)."""
+    parameters) and of their own larger side, or whose both sides are: at most width^2/64
+    elements, next to nothing to shard. Rank-r adapters, routers and mixing tables over a
+    few streams (hyper-connections' [streams, streams + 1]) are; k/v projections with 8
+    k/v heads of 32 are not, nor the projections of a model's first, narrower stage (a
+    vision transformer whose width doubles by stage)."""
     weighted = sorted((min(shape), math.prod(shape)) for shape in shapes.values())
     total, held, typical = sum(n for _, n in weighted), 0, 0
     for side, numel in weighted:
@@ -77,7 +79,8 @@ def narrow_matrices(shapes: dict[str, tuple[int, ...]]) -> set[str]:
             typical = side
             break
     return {name for name, shape in shapes.items()
-            if min(shape) * 8 <= typical and min(shape) * 8 <= max(shape)}
+            if min(shape) * 8 <= typical and (min(shape) * 8 <= max(shape)
+                                              or max(shape) * 8 <= typical)}
 
 
 def replicated_products(plan: Plan, gm: fx.GraphModule, reported: frozenset[str] = frozenset(),

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from autotp.capture.blocks import layer_of
 from autotp.errors import PlanError, where
-from autotp.layout import Shard, is_mixed, whole_numel
+from autotp.layout import R, Replicate, Shard, is_mixed, whole_numel
 from autotp.ops import MATMULS, RESHAPES
 from autotp.planner.checks import narrow_matrices
 from autotp.planner.transitions import Collective
@@ -357,30 +357,38 @@ def _same_result(earlier: _Solved, incoming: dict, min_in: float) -> bool:
 
 
 def _drop_dominated(states: States) -> States:
-    """Drop a state when another has the same layouts, has materialized at least the same
-    redistributions, and costs no more: whatever follows, it can do no better.
+    """Drop a state when another holds every value at least as well (``_covers``) and costs
+    no more: whatever follows, it can do no better.
 
-    Two states never dominate each other (equal layouts, materializations and cost are one
-    state), so what stays is the states no other dominates, whatever the order they are
-    compared in. Within a group of equal layouts they are visited cheapest first, and at
-    equal cost more materialized first: a state's dominators come before it, and one that
-    is dominated is dominated by one that stays (domination is transitive), so each is
-    compared with those kept so far alone."""
+    Holding a value as R* (its gradient a partial sum, summed where the stream began) serves
+    every later reader at no more cost than holding it as R: R* -> R and R* -> S are free in
+    both directions, R -> R* and R -> S pay a backward collective. Without this, a chain of
+    replicated ops whose gradient is summed once at its start (a shared q/k projection and its
+    rotary embedding, Megatron's f ahead of them) leaves, at every op, a state that drops back
+    to R at equal cost: as many states as places to drop, which crowd the chain out of the beam
+    before its saving shows (the partial sums of the attention's inputs, each all-reduced).
+
+    Covering is a preorder, so what stays is the states no other dominates, whatever the order
+    they are compared in. Within a group of layouts equal up to R/R* they are visited cheapest
+    first, and at equal cost the more covering first (``_score`` grows strictly with
+    covering): a state's dominators come before it, and one that is dominated is dominated by
+    one that stays (domination is transitive), so each is compared with those kept so far
+    alone."""
     groups: dict[frozenset, list[Key]] = {}
     for key, (_, entries) in states.items():
-        layouts = frozenset((name, entry[0]) for name, entry in entries.items())
+        layouts = frozenset((name, R if type(layout) is Replicate and layout.grad_partial
+                             else layout) for name, (layout, _) in entries.items())
         groups.setdefault(layouts, []).append(key)
     dropped: set[Key] = set()
     for keys in groups.values():
         if len(keys) < 2:
             continue
-        keys.sort(key=lambda k: (states[k][0],
-                                 -sum(len(entry[1]) for entry in states[k][1].values())))
+        keys.sort(key=lambda k: states[k][0])
+        _order_ties(keys, states)
         kept: list[tuple[float, dict]] = []
         for b in keys:
             cost_b, entries_b = states[b]
-            if any(cost_a <= cost_b and all(entries_a[n][1] >= entries_b[n][1]
-                                            for n in entries_b)
+            if any(cost_a <= cost_b and _dominates(entries_a, entries_b)
                    for cost_a, entries_a in kept):
                 dropped.add(b)
             else:
@@ -388,6 +396,56 @@ def _drop_dominated(states: States) -> States:
     if not dropped:
         return states
     return {k: v for k, v in states.items() if k not in dropped}
+
+
+def _order_ties(keys: list[Key], states: States) -> None:
+    """Within each run of equal cost in ``keys`` (sorted by cost), the more covering first."""
+    start = 0
+    while start < len(keys):
+        end = start + 1
+        cost = states[keys[start]][0]
+        while end < len(keys) and states[keys[end]][0] == cost:
+            end += 1
+        if end - start > 1:
+            keys[start:end] = sorted(keys[start:end], key=lambda k: -sum(
+                _score(e) for e in states[k][1].values()))
+        start = end
+
+
+def _dominates(entries_a: dict, entries_b: dict) -> bool:
+    for name, b in entries_b.items():
+        a = entries_a[name]
+        if a is not b and a != b and not _covers(a, b):
+            return False
+    return True
+
+
+def _is_r_star(layout: Any) -> bool:
+    return type(layout) is Replicate and layout.grad_partial
+
+
+def _free(layout: Any, made: Any) -> bool:
+    """A layout read from ``layout`` at no cost and anchoring nothing (solve._read): a
+    replicated one, from R*. Having made it already says nothing."""
+    return _is_r_star(layout) and type(made) is Replicate
+
+
+def _covers(a: Entry, b: Entry) -> bool:
+    """Every read of a value held as ``b`` costs no less than the same read held as ``a``:
+    the same layout, or R* for R, with every layout ``b`` made already made in ``a`` too or
+    free from it. (A slice made already is read as it is, and anchors: solve._read_inputs.)"""
+    (la, made_a), (lb, made_b) = a, b
+    if la != lb and not (_is_r_star(la) and lb == R):
+        return False
+    return all(m in made_a or _free(la, m) for m in made_b)
+
+
+def _score(entry: Entry) -> int:
+    """Grows strictly with ``_covers``: R* over R counts 2, each layout made that is not free
+    from the value's layout 1 (an R that made R* already is covered by an R* that made
+    nothing: 1 against 2)."""
+    layout, made = entry
+    return 2 * _is_r_star(layout) + sum(1 for m in made if not _free(layout, m))
 
 
 @dataclass
