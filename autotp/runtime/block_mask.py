@@ -118,7 +118,8 @@ class BlockMask:
     def traced_grid(self, chunks: int, layout: "SequenceLayout", tile_bytes: int
                     ) -> list[list[int]]:
         """``grid`` as a compiled program has it, with no host read inside its graph: read
-        while tracing where the factors are sizes' alone, else PARTIAL on every pair."""
+        while tracing where the factors are sizes' alone (the graph specialised to its
+        sizes; with dynamic sizes the call breaks the graph), else PARTIAL on every pair."""
         if self.program.sizes_only and self.keys is None:
             return self.program.grid_at_trace(chunks, layout.cp, layout.balanced, self.queries,
                                               self.length, tile_bytes, *self.factors)

@@ -18,7 +18,8 @@ mask and forward, and not at all where the mask is a function of sizes alone:
   so later steps run no mask op and no check. In a compiled program the decision is made
   while dynamo traces, on the host, from the sizes the graph is specialised to
   (``assume_constant_result``): the graph holds the causal kernel, or the mask's ops and
-  the masked one, and no break;
+  the masked one, and no break (``compile=`` specialises the graphs to their sizes; with
+  ``dynamic`` sizes the call breaks the graph and runs as eagerly);
 * a mask that reads an input (a padding mask) is compared with the causal one once per
   forward, by the first attention that reads it; the others reuse the answer. A compiled
   program applies such a mask as it is (no comparison: its answer would be a host read
