@@ -414,6 +414,8 @@ class GradBucket:
 class DeferredGradReduce(nn.Module):
     """Identity forward; backward hands the partial gradient to the bucket."""
 
+    per_use: nn.Module
+
     def __init__(self, bucket: GradBucket, key: str):
         super().__init__()
         self.bucket = bucket

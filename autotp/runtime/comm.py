@@ -178,7 +178,9 @@ class ProcessGroupComm(Communicator):
         self.native_reduce_scatter = True
         self.log = CollectiveLog()
         # what traced collectives name: the group, and the ring's neighbours as global ranks
-        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        whole = group if group is not None else dist.group.WORLD
+        assert whole is not None  # get_rank above found the default group
+        self.group_name = whole.group_name
         self.ring_next, self.ring_previous = ((self.rank + d) % self.world_size for d in (1, -1))
         if group is not None:  # point-to-point ops name global ranks
             self.ring_next = dist.get_global_rank(group, self.ring_next)
