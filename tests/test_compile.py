@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.runtime.comm import ProcessGroupComm
 from autotp.runtime.launch import run_processes
 from autotp.verification.verify import compare, reference_step, sharded_step
 from tests.models import BUILDERS, VOCAB
@@ -74,3 +75,34 @@ def test_a_compiled_training_step_breaks_no_graph_and_matches_the_unsharded_mode
         other = row.get("other_length", {"breaks": {}, "loss_diff": 0.0, "grad_rel": 0.0})
         assert other["breaks"] == {} and other["loss_diff"] <= 1e-5 and \
             other["grad_rel"] <= 1e-4, other
+
+
+def subgroup_collectives(rank: int, world_size: int) -> Any:
+    """Ranks 1 and 2 of 3 as a group (group ranks 0 and 1): each collective eagerly and
+    compiled whole (fullgraph)."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])
+    if rank not in (1, 2):
+        return None
+    comm = ProcessGroupComm(group)
+    x = torch.arange(4.0) + 10 * rank
+    ops = {"shift": lambda t: comm.shift(t), "all_gather": lambda t: comm.all_gather(t, 0),
+           "all_reduce": lambda t: comm.all_reduce(t),
+           "reduce_scatter": lambda t: comm.reduce_scatter(t, 0),
+           "all_to_all": lambda t: comm.all_to_all(t, [2, 2], [2, 2])}
+    return {name: (op(x).tolist(),
+                   torch.compile(op, backend="aot_eager", fullgraph=True)(x).tolist())
+            for name, op in ops.items()}
+
+
+def test_traced_collectives_of_a_subgroup_match_the_eager_ones() -> None:
+    """A group whose ranks are not the global ones: traced point-to-point ops name the
+    group's ranks (eager ones global ranks); every traced collective gives what the eager
+    one gives."""
+    rows = run_processes(subgroup_collectives, 3)
+    assert rows[0] is None
+    for row in rows[1:]:
+        for name, (eager, traced) in row.items():
+            assert eager == traced, (name, eager, traced)
+    assert rows[1]["shift"][0] == [20.0, 21.0, 22.0, 23.0]  # from the group's other rank

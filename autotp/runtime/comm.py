@@ -177,14 +177,10 @@ class ProcessGroupComm(Communicator):
         # gloo in recent torch reduce-scatters tensors natively; older gloo: all-reduce + slice
         self.native_reduce_scatter = True
         self.log = CollectiveLog()
-        # what traced collectives name: the group, and the ring's neighbours as global ranks
+        # what traced collectives name
         whole = group if group is not None else dist.group.WORLD
         assert whole is not None  # get_rank above found the default group
         self.group_name = whole.group_name
-        self.ring_next, self.ring_previous = ((self.rank + d) % self.world_size for d in (1, -1))
-        if group is not None:  # point-to-point ops name global ranks
-            self.ring_next = dist.get_global_rank(group, self.ring_next)
-            self.ring_previous = dist.get_global_rank(group, self.ring_previous)
 
     def _check_device(self, tensor: torch.Tensor) -> None:
         # gloo takes CUDA tensors too (staged through host memory): slower than NCCL, but it
@@ -314,12 +310,16 @@ class ProcessGroupComm(Communicator):
         if self.world_size == 1:
             out = send.clone()
             return lambda: out
-        to, source = self.ring_next, self.ring_previous
+        to, source = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         if torch.compiler.is_compiling():  # the wait where the caller finishes: it overlaps
+            # traced point-to-point ops name the group's ranks
             sent, coming = _traced.batch_p2p_ops(["isend", "irecv"], [to, source], [0, 0],
                                                  [send, torch.empty_like(send)],
                                                  self.group_name)
             return lambda: (_traced.wait_tensor(sent), _traced.wait_tensor(coming))[1]
+        if self.group is not None:  # eager point-to-point ops name global ranks
+            to, source = dist.get_global_rank(self.group, to), \
+                dist.get_global_rank(self.group, source)
         out = torch.empty_like(send)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, self.group),
                                         dist.P2POp(dist.irecv, out, source, self.group)])
