@@ -413,9 +413,13 @@ def _order_ties(keys: list[Key], states: States) -> None:
 
 
 def _dominates(entries_a: dict, entries_b: dict) -> bool:
+    """``_covers`` for every value, of two states whose layouts are equal up to R/R*: where
+    ``a`` made at least what ``b`` did, only an R against an R* is not covered."""
     for name, b in entries_b.items():
         a = entries_a[name]
-        if a is not b and a != b and not _covers(a, b):
+        if a is b or (a[1] >= b[1] and (not _is_r_star(b[0]) or _is_r_star(a[0]))):
+            continue
+        if not _covers(a, b):
             return False
     return True
 
