@@ -212,7 +212,6 @@ def _built(model: nn.Module, captured: Captured, the_plan: Plan, the_mesh: Mesh,
         weights.close()
     _finish(sharded, model, options.strict, _retracer(model, the_mesh, options),
             the_mesh.mean_group)
-    sharded.placed_on = device if meta else None
     return sharded
 
 

@@ -12,7 +12,7 @@ import hashlib
 import inspect
 import math
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
@@ -59,17 +59,14 @@ class ShardedModule(nn.Module):
     comm: Communicator
     seed: int
     program: torch.fx.GraphModule  # the first traced structure's program (not a submodule)
-    # set where a feature needs them (read with getattr until then)
-    placed_on: Optional[torch.device]  # parallelize: where weights loaded later go
-    checkpoint_experts: dict[str, PerExpert]  # from_pretrained: how save_pretrained splits
-    _checkpoint_group: tuple[list[int], Optional[dist.ProcessGroup]]  # integrations.checkpoint
 
     def __init__(self, program: torch.fx.GraphModule, plan: Plan, captured: Captured,
                  comm: Communicator, bucket: GradBucket, check_plan: bool = True,
                  seed: int = 0, compile: Any = False, keeper: Optional[ShardKeeper] = None,
                  ep_comm: Optional[Communicator] = None,
                  cp_comm: Optional[Communicator] = None,
-                 sequence: Optional[SequenceLayout] = None):
+                 sequence: Optional[SequenceLayout] = None,
+                 placed_on: Optional[torch.device] = None):
         super().__init__()
         # the program's modules and tensors are this module's, under the model's paths
         object.__setattr__(self, "program", program)
@@ -84,6 +81,8 @@ class ShardedModule(nn.Module):
         # passed to the collectives of every program this module builds
         self.sequence = sequence
         self._compile = compile
+        # where weights loaded later go while every parameter is still on meta
+        self.placed_on = placed_on
         self.plan = plan
         self.comm = comm
         self.seed = seed
@@ -239,7 +238,7 @@ class ShardedModule(nn.Module):
         tensors = itertools.chain(self.program.parameters(), self.program.buffers())
         found = next((t.device for t in tensors if t.device.type != "meta"), None)
         # every parameter still on meta (loading deferred): where parallelize places them
-        return found or getattr(self, "placed_on", None) or torch.device("cpu")
+        return found or self.placed_on or torch.device("cpu")
 
     # ---- calls -------------------------------------------------------------------------
 
@@ -467,6 +466,9 @@ class ModelInfo:
     state_keys: list[str]  # the model's state_dict names, in order
     buffers: list[str]  # its persistent buffers (saved with the weights)
     generation_config: Any = None  # a transformers model's, for generate()
+    # how save_pretrained writes stacked experts back by default: as the checkpoint loaded
+    # (from_pretrained) held them
+    checkpoint_experts: dict[str, PerExpert] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelInfo":
@@ -526,7 +528,8 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     cls = sharded_class(model_class, captured.signature) if model_class is not None else \
         ShardedModule
     sharded = cls(program, plan, captured, comm, bucket, check_plan, seed, compile,
-                  keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm, sequence=sequence)
+                  keeper=keeper, ep_comm=ep_comm, cp_comm=cp_comm, sequence=sequence,
+                  placed_on=device)
     # what a program of another input structure is built with (runtime.calls)
     sharded._rebuild = {"registry": registry, "grad_sync": grad_sync,
                         "keep_gathered": keep_gathered}

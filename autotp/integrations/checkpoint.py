@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,6 +38,10 @@ from autotp.layout import (
 
 META_NAME = "autotp.json"
 SCHEMA = "autotp.weights.checkpoint/1"
+# a sharded module -> the ranks that save or load its checkpoint together and their group,
+# made once (``dist.new_group`` is itself a collective of those ranks)
+_GROUPS: "weakref.WeakKeyDictionary[ShardedModule, tuple[list[int], dist.ProcessGroup]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def check_sharded(sharded: Any, what: str) -> ShardedModule:
@@ -132,10 +137,9 @@ def _dcp_group(sharded: ShardedModule, mesh: Any) -> Optional[dist.ProcessGroup]
     ranks = sorted(mesh.mesh.flatten().tolist())
     if len(ranks) == dist.get_world_size():
         return None
-    made = getattr(sharded, "_checkpoint_group", None)
+    made = _GROUPS.get(sharded)
     if made is None or made[0] != ranks:
-        made = (ranks, dist.new_group(ranks, use_local_synchronization=True))
-        sharded._checkpoint_group = made
+        made = _GROUPS[sharded] = (ranks, dist.new_group(ranks, use_local_synchronization=True))
     return made[1]
 
 

@@ -14,6 +14,7 @@ Checkpoints are safetensors files and JSON: nothing here pickles or unpickles.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -86,7 +87,9 @@ def from_pretrained(path: str | Path, tp: Optional[int] = None, *, dtype: Any = 
     sharded = parallelize(model, tp, group=group, checkpoint=directory, device=device,
                           **parallelize_options)
     # what save_pretrained writes back per expert by default (layout=None)
-    sharded.checkpoint_experts = _checkpoint_experts(model, directory)
+    if sharded.source is not None:
+        sharded.source = dataclasses.replace(
+            sharded.source, checkpoint_experts=_checkpoint_experts(model, directory))
     return sharded
 
 
@@ -173,7 +176,7 @@ def _per_expert(sharded: ShardedModule, layout: Optional[str],
     if layout is not None and layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {list(LAYOUTS)} or None (the layout of the "
                           f"checkpoint the module was loaded from), got {layout!r}")
-    loaded = getattr(sharded, "checkpoint_experts", None) or {}
+    loaded = sharded.source.checkpoint_experts if sharded.source is not None else {}
     if layout == "model":
         return {}
     if loaded:
