@@ -1,12 +1,25 @@
-"""The rewriter: a Plan and a rank -> that rank's GraphModule, as a sequence of small passes.
+"""The rewriter: a Plan and a rank -> that rank's GraphModule, as a sequence of small passes,
+in the order ``rewrite`` runs them (tests/test_rewrite_passes.py holds the list to the code):
 
-    shard_parameters     the local piece of every parameter (a fresh nn.Parameter)
-    insert_collectives   one Redistribute per (value, target layout) the plan asks for
-    join_siblings        a layer's all-reduces that neither waits for, run as one
-    join_ahead           layer-invariant values made whole in one collective, ahead of the layers
-    keep_sequence_shards sequence all-gathers whose saved outputs backward re-gathers
-    lower_ops            per-op lowerings: local size arguments, masked vocab lookups
-    track_randomness     dropout: one shared stream for replicated values, one per rank for shards
+    drop_input_guards       export's checks of global sizes, where a state arrives as a shard
+    shard_parameters        the local piece of every parameter (a fresh nn.Parameter)
+    place_on_device         device arguments traced on meta name this rank's device
+    route_rows              expert routing: each grouping's route and the moves of its rows
+    insert_collectives      one Redistribute per (value, target layout), for each layout axis
+    join_siblings           a layer's all-reduces that neither waits for, run as one
+    join_ahead              layer-invariant values made whole in one collective, ahead of layers
+    keep_sequence_shards    sequence all-gathers whose saved outputs backward re-gathers
+    lower_ops               per-op lowerings (local sizes, masked vocab lookups), for each axis
+    ring_attention_calls    context parallelism: attention over the sequence shards (ring/Ulysses)
+    track_randomness        dropout: one stream for replicated values, one per rank for shards
+    causal_attention_calls  a traced causal mask run by the kernel's causal path
+    drop_full_slices        a slice of a whole dim read as its input
+    fuse_logsumexp_gather   a logsumexp fused with the gather of its operand
+    views_to_reshapes       views after a collective as reshapes (its output is contiguous)
+    fuse_bias_adds          bias adds fused back into their product where no collective parts them
+    reduce_in_place         all-reduces that may sum their own operand
+    scope_saves             ops reading a sequence all-gather save its shard, not its output
+    note_splits             how many ways each value's dims are split on this rank
 
 Each pass keeps the graph valid (``graph.lint()``); the rewriter never decides a layout.
 """
