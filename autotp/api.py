@@ -227,7 +227,7 @@ def _retracer(model: nn.Module, the_mesh: Mesh, options: Options) -> Retracer:
 def _finish(sharded: ShardedModule, model: nn.Module, strict: bool,
             retracer: Optional[Retracer], data_parallel: Any = None) -> None:
     """What the rank's module takes of the model besides its program: what saving needs,
-    what Trainer reads (``runtime.contract``), and what tracing another structure needs."""
+    what Trainer reads (``autotp.runtime.contract``), and what tracing another structure needs."""
     sharded.source = ModelInfo.of(model)
     sharded.strict = strict
     sharded.retracer = retracer if retracer is not None and retracer.model is not None \

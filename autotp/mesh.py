@@ -116,7 +116,7 @@ class Mesh:
     @property
     def plan_axis(self) -> Axis:
         """The axis the plan's own degree runs over: "tp", or "cp" where tp is 1 (the plan
-        of the cp group is then the whole plan, ``planner/context.py``)."""
+        of the cp group is then the whole plan, ``autotp.planner.context``)."""
         return self["cp"] if self.tp == 1 and self.cp > 1 else self["tp"]
 
     @property

@@ -410,7 +410,7 @@ class StagePart:
 
 class ShardedStage:
     """The base autotp's pipeline stages take beside torch's ``PipelineStage``
-    (``integrations.pipeline``): each is built with its ``part`` of the sharded model."""
+    (``autotp.integrations.pipeline``): each is built with its ``part`` of the sharded model."""
 
     part: StagePart
     submod: nn.Module  # PipelineStage's: the stage's program
@@ -445,7 +445,7 @@ def sharded_class(model_class: type, signature: Optional[inspect.Signature]) -> 
 
 def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
     """The program, or its torch.compile: on a process group the whole rank program, its
-    collectives included (traceable functional collectives: ``runtime.comm``), the ring and
+    collectives included (traceable functional collectives: ``autotp.runtime.comm``), the ring and
     the causal attention. Still eager, a graph break each: a tracked dropout's draw, the
     experts' row routing (sizes read on the host), and every collective of simulated ranks
     (``ThreadComm``). The graphs are specialised to their sizes (``dynamic=False`` unless

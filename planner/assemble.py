@@ -28,7 +28,7 @@ from autotp.rules.registry import format_output, output_layouts
 def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
              tp: int, cost_model: CostModel, options: PlanOptions, model_name: str) -> Plan:
     layers = {layer_of(pn.node) for pn in pnodes}
-    # the axis this search lays the values out over (planner/context.py plans cp inside tp)
+    # the axis this search lays the values out over (autotp.planner.context plans cp inside tp)
     plan = Plan.over("cp" if options.context_parallel else "tp", tp, model=model_name,
                      layers=len({x for x in layers if x is not None}))
     plan.layer_paths = list(captured.layers.paths)
@@ -343,7 +343,7 @@ def attention_kind(node: fx.Node, cp: int, tp: int = 1,
     attention takes no mask tensor and they send fewer bytes (``attention_strategy``: query
     and key/value heads that divide by cp, the key/value heads read through transformers'
     repeat for grouped queries). With a mask tensor the ring stays: it reads the mask's rows
-    for this rank's queries (or builds its blocks: ``planner/masks.py``), where the
+    for this rank's queries (or builds its blocks: ``autotp.planner.masks``), where the
     all-to-all's head shards would need it whole."""
     q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     k_arg = node.args[1] if len(node.args) > 1 else None

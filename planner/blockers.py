@@ -10,7 +10,7 @@ A matrix ``W`` in a product ``y = x W`` can be sharded two ways (Megatron's):
   that computes ``x`` must have a strategy giving that layout from sharded inputs, and so on
   back to a column product (a sharded parameter).
 
-Walking the problem's strategies (``planner/problem.py``: each op's rule, with its gradient
+Walking the problem's strategies (``autotp.planner.problem``: each op's rule, with its gradient
 semantics) in each direction finds the first op, in the program's order from the product,
 that has no strategy for the layout the shard needs: the *blocking op*. Its source line is
 the line of the user's model to look at, or the rule autotp lacks. Where neither direction

@@ -2,7 +2,7 @@
 (table and JSON) and the HTML page print.
 
 Megatron-LM shards every large matrix of a transformer layer and communicates twice per layer
-each way. A plan is at the bound when it has layers (``capture.blocks``: the calls of the
+each way. A plan is at the bound when it has layers (``autotp.capture.blocks``: the calls of the
 model's repeated blocks) and every layer L meets all three of:
 
     collectives   per phase, count(L) <= 2 (Megatron's all-reduces: attention's output and

@@ -18,7 +18,7 @@ three, MLA's low-rank up-projections) is left to the search, as is everything ou
 layers (embeddings, the head). ``column_row_layouts`` turns the roles into the stored layouts
 the product's own strategies give its weight (a column strategy: the weight sharded, the
 output sharded; a row strategy: the output a partial sum), several where the rules offer
-several (blocks of a fused projection). ``planner/solve.py`` solves the problem once more
+several (blocks of a fused projection). ``autotp.planner.solve`` solves the problem once more
 with those layouts and keeps the cheaper plan, so no plan costs more than the column/row plan
 where the latter exists.
 """

@@ -34,7 +34,7 @@ class CostModel:
     bandwidth: float = 100e9  # bytes/s, per rank
     latency: float = 10e-6  # s, per collective: its launch
     # s per sequential step of the ring (2(tp - 1) for an all-reduce, tp - 1 otherwise), as
-    # planner/job/hardware.py's ring_latency: at tp 8 an all-reduce waits 14 hops, so a small
+    # autotp.planner.job.hardware's ring_latency: at tp 8 an all-reduce waits 14 hops, so a small
     # collective of its own costs more than adding its bytes to one that runs anyway
     step_latency: float = 3.4e-6
     flops: float = 100e12  # flop/s
@@ -55,7 +55,7 @@ class CostModel:
     activation_weight: float = 1e-9
     # a redistribution outside Megatron's pattern: dearer than replicating any model
     last_resort: float = 1e10
-    # FLOPs at which a GEMM runs at half its peak rate (planner/job/hardware.py's gemm_knee): a
+    # FLOPs at which a GEMM runs at half its peak rate (autotp.planner.job.hardware's gemm_knee): a
     # grouped product pays it once per expert a rank multiplies, so e/tp whole experts beat
     # e slices of every expert (skinny GEMMs run far from peak)
     gemm_knee: float = 2e9
@@ -95,7 +95,7 @@ class CostModel:
 def attention_strategy(heads: int, kv_heads: int, cp: int) -> tuple[str, str]:
     """("ulysses" or "ring", why): the one that sends fewer bytes per rank and layer (context
     parallelism's attention, ``autotp.runtime.ring``; the plan picks it where attention
-    takes no mask tensor, ``planner/assemble.py``).
+    takes no mask tensor, ``autotp.planner.assemble``).
 
     Per rank and per layer, in units of one rank's query block: Ulysses sends (cp - 1)/cp of
     q, k, v and the output, 2 (1 + kv_heads/heads) (cp - 1)/cp; the ring sends k and v

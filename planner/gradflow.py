@@ -372,7 +372,7 @@ def check_gradient_flow(plan: Plan, gm: fx.GraphModule) -> Flow:
     """Raise ``GradientFlowError`` unless every trainable parameter's gradient arrives whole
     in its own layout (R: the same on every rank; S(d): each rank its slice), at scale 1.
     A plan over two layout axes (cp beside tp) is proven on each axis alone: the two axes'
-    collectives commute (planner/context.py)."""
+    collectives commute (autotp.planner.context)."""
     for axis in plan.layout_axes()[1:]:
         check_gradient_flow(plan.on(axis.name), gm)
     if plan.degree == 1:  # one rank holds every layout whole: nothing to sum

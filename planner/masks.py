@@ -6,7 +6,7 @@ and materializes an [s, s] tensor. Elementwise ops commute with slicing, so a bl
 mask for some queries and some keys is the same ops evaluated on those rows and columns of
 the vectors. ``mask_region`` finds the ops; context parallelism's ring
 (``runtime/ring.BlockMask``) builds each block it meets from them, and the estimate
-(``planner/job/profile.py``) keeps the vectors where the mask's rows were. ``ordered``
+(``autotp.planner.job.profile``) keeps the vectors where the mask's rows were. ``ordered``
 recognizes a mask that keeps at most a causal half of the pairs.
 """
 

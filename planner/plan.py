@@ -46,7 +46,7 @@ class Edge:
     # a layer-invariant value's gather, joined with the others in one collective before the
     # first layer (autotp.runtime.batching)
     batched: bool = False
-    # an all-reduce run as one with its siblings' of the same layer (planner/coalesce.py):
+    # an all-reduce run as one with its siblings' of the same layer (autotp.planner.coalesce):
     # the join's index, shared by every member
     joined: Optional[int] = None
 
@@ -69,7 +69,7 @@ class CollectiveRecord:
     @property
     def members(self) -> tuple[str, ...]:
         """The values it carries: its node's, or a join's (``"joined: a, b"``,
-        planner/coalesce.py)."""
+        autotp.planner.coalesce)."""
         if self.node.startswith(JOINED):
             return tuple(self.node.removeprefix(JOINED).split(", "))
         return (self.node,)
@@ -121,7 +121,7 @@ class AxisPlan:
     # "ep" axis, tp * ep ways
     expert_params: list[str] = field(default_factory=list)
     # matrices kept whole that tp could shard -> the ops that stop each way of sharding them
-    # (planner/blockers.py): direction, layout, node, op, source
+    # (autotp.planner.blockers): direction, layout, node, op, source
     blocked: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     @property

@@ -59,10 +59,10 @@ class PNode:
     seq_dims: frozenset = frozenset()  # dims of the sequence (sequence parallelism only)
     is_state: bool = False  # an input the caller keeps per rank in the planned layout (a cache)
     mutated: frozenset = frozenset()  # inputs an in-place op writes: read as they are stored
-    saved: bool = False  # a reader keeps it for backward (planner/saved.py): activation memory
+    saved: bool = False  # a reader keeps it for backward (autotp.planner.saved): activation memory
     constant: bool = False  # computed from no input, parameter or state: replicated, exact
     groups: int = 0  # the experts of a grouped product (one GEMM each)
-    # computed from the inputs and its layer's own parameters alone (planner/invariant.py):
+    # computed from the inputs and its layer's own parameters alone (autotp.planner.invariant):
     # a gather or sum of it joins every layer's in one collective before the first layer
     invariant: bool = False
 
@@ -107,7 +107,7 @@ class PlanOptions:
     # (solve._search_further); True always; False never.
     partial_statistics: Optional[bool] = None
     # gathers of layer-invariant values (adaLN modulation) joined into one collective before
-    # the first layer (planner/invariant.py, autotp.runtime.batching)
+    # the first layer (autotp.planner.invariant, autotp.runtime.batching)
     batch_gathers: bool = True
     # the beam ranks states by their cost plus a lower bound on what they still owe
     # (FrontierSolver.ahead); the second search (solve._search_further) turns it on
@@ -147,7 +147,7 @@ def returned_sharded(gm: Any, names: list[str], options: PlanOptions
 
 def joins_ahead(src: PNode, reader: PNode, have: Any, want: Any, options: PlanOptions) -> bool:
     """A layer-invariant value made whole, joined with every other layer's into one
-    collective ahead of the first layer (planner/invariant.py, autotp.runtime.batching): a
+    collective ahead of the first layer (autotp.planner.invariant, autotp.runtime.batching): a
     shard gathered where it meets the stream (a reader that is not invariant itself), or a
     partial sum summed wherever it is read (a row-parallel timestep MLP's output, which the
     chain reads on: ``silu``, then the column-parallel modulation). A value whose chain holds
@@ -474,7 +474,7 @@ def _op_name(op: Any) -> str:
 def _shared_key(node: fx.Node) -> Any:
     """Equal for two nodes whose call the rules see alike without building it: the same op
     on the same metadata objects (a layer stamped from a traced one shares its template's,
-    ``capture.repeat``) and equal other arguments; None when an argument is unhashable."""
+    ``autotp.capture.repeat``) and equal other arguments; None when an argument is unhashable."""
     def key(arg: Any) -> Any:
         if isinstance(arg, fx.Node):
             val = arg.meta.get("val")

@@ -1,7 +1,7 @@
 """Segmentations worth considering for blocked shards: the parts a fused projection is split
 into (equal, in proportions, or with the smaller parts held whole), the pieces a
 concatenation joins, the periods heads or sequences take across reshapes. The problem
-(``planner/problem.py``) offers each rule these block counts besides the plain shard."""
+(``autotp.planner.problem``) offers each rule these block counts besides the plain shard."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ rewriter reuses the redistributed tensor: one f for q, k and v). Where each term
 
     mem(L_p)                     frontier.leaf_memory_cost, CostModel.memory_cost
     compute(s_n)                 _transitions (work divided by tp when the strategy splits it)
-    redistribute(a -> b)         _read_inputs, with the table of planner/transitions.py
+    redistribute(a -> b)         _read_inputs, with the table of autotp.planner.transitions
     "shards start at weights"    _read_inputs: a replicated activation is sliced only to meet
                                  an activation that already arrives sharded
-    the candidates s_n, L_p      planner/problem.py (rules via the registry)
+    the candidates s_n, L_p      autotp.planner.problem (rules via the registry)
 
 The solver (``solve``). Nodes are visited in topological order; a DP state assigns a layout
 (and the set of layouts already materialized) to every *live* value: produced, and read by a
@@ -22,7 +22,7 @@ node still to come. Liveness is a property of the graph, so each state holds the
 and the DP is exact over this frontier. Parameters enter the frontier at their first use.
 A bounded beam (``max_states``) keeps the work linear in the graph size; ties keep their
 insertion order (a stable sort), so plans are deterministic. Repeated layers are solved once
-(planner/frontier.py).
+(autotp.planner.frontier).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _no_worse_than_column_row(pnodes: list[PNode], decisions: dict[str, Any], to
     (rotary embeddings, the blocks of a fused projection) can crowd out the one that pays a
     little early for the column/row pattern later (a residual stream left split along the
     hidden dim instead: several collectives a layer where Megatron has two). Where the
-    beam's plan holds some matrix outside its role (``planner/column_row.py``), the problem
+    beam's plan holds some matrix outside its role (``autotp.planner.column_row``), the problem
     is solved once more with every matrix that has a role held to it, and the cheaper of the
     two is kept: no plan costs more than the column/row plan of its problem."""
     allowed = column_row_layouts(pnodes)
@@ -381,7 +381,7 @@ def _owed(pnodes: list[PNode], by_name: dict[str, PNode], tp: int, cost_model: C
                           sequence_parallel=src.sequence_step(have, want, options))
         if step is None:
             return math.inf
-        # joined with others (planner/invariant.py, the gradient bucket): no latency of its own
+        # joined with others (autotp.planner.invariant, the gradient bucket): no latency of its own
         joined = src.invariant or src.is_param
         cost = sum(cost_model.transfer_time(kind, src.nbytes, tp) if joined
                    else cost_model.collective_time(kind, src.nbytes, tp)

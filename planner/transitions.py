@@ -18,7 +18,7 @@
 Without sequence parallelism autotp keeps to Megatron's pattern: activations change layout
 through f and g (and free slices) only; all-gathers happen where the user receives a value
 (the graph outputs) and where a layer-invariant value meets the stream (``batched``: every
-layer's joined in one all-gather before the first layer, planner/invariant.py). A gather
+layer's joined in one all-gather before the first layer, autotp.planner.invariant). A gather
 anywhere else is a last resort, priced above any other choice and reported in the plan.
 Every other pair (S(a) -> S(b), anything -> P) is not offered.
 """

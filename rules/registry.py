@@ -96,7 +96,7 @@ class Strategy:
     output: Output
     name: str = ""
     # Exact, but outside Megatron's pattern: priced like a matrix of this many bytes held
-    # whole on every rank (planner/cost.py), so a plan takes it only to shard more than that.
+    # whole on every rank (autotp.planner.cost), so a plan takes it only to shard more than that.
     premium: float = 0.0
 
     def __str__(self) -> str:

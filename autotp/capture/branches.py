@@ -1,5 +1,5 @@
 """Branches the trace must decide: torch.export follows one path through ``forward`` for every
-batch and sequence size at once (``capture.trace``).
+batch and sequence size at once (``autotp.capture.trace``).
 
 * A comparison of symbolic sizes that their traced ranges decide is a Python bool while the
   model is retraced (``decided_size_comparisons``). Sizes are traced from 2 up (export's 0/1
@@ -51,7 +51,7 @@ def decided_size_comparisons() -> Iterator[None]:
     bool instead of a ``SymBool``. Exact: the answer is the same for every size the program
     accepts, so no guard is added and no size is specialized. The methods are torch's own
     (set on the class by ``torch.fx.experimental.sym_node``), restored on exit; export is
-    not thread-safe anyway (``integrations.generate`` holds a lock around it)."""
+    not thread-safe anyway (``autotp.integrations.generate`` holds a lock around it)."""
     originals = {name: torch.SymInt.__dict__[name] for name in _COMPARISONS}
 
     def decided(compare: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -4,11 +4,11 @@
 trainable GraphModule that shares the model's parameters and keeps its output structure.
 Every example input is passed by keyword, so the sharded module can bind any call of the
 original signature, and the model's own output containers (a dataclass it returns) are
-registered with pytree while it is traced (``capture.outputs``). The normalization passes
+registered with pytree while it is traced (``autotp.capture.outputs``). The normalization passes
 that follow, each exact, are listed in
 ``autotp.capture.passes``; this module holds the export driver (examples, dynamic shapes,
 branches the trace cannot decide) and the graph facts the later stages read (a node's
-source line, module, tensor inputs and op call; its layer is ``capture.blocks``'s).
+source line, module, tensor inputs and op call; its layer is ``autotp.capture.blocks``'s).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def capture(
 ) -> Captured:
     """``dynamic_shapes`` (torch.export's, by input name) replaces the default: dims 0 and 1
     of every tensor input symbolic. ``layers_once``: a list of identical layers is traced
-    in part and the rest stamped from it (``capture.repeat``)."""
+    in part and the rest stamped from it (``autotp.capture.repeat``)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"autotp takes a torch.nn.Module, got {type(model).__name__}")
     tracer = _Tracer(model, example_args, example_kwargs, dynamic_shapes)
@@ -450,7 +450,7 @@ def _export(model: torch.nn.Module, named: dict[str, Any], spec: Any,
     """torch.export, non-strict, and again where the model's forward takes a branch the trace
     cannot decide but autotp can, exactly: a comparison of sizes that every traced size
     answers alike (``is_causal=T > 1``); a branch on a tensor's value, as the example inputs
-    take it, checked at run time (``capture.branches``; with real weights only)."""
+    take it, checked at run time (``autotp.capture.branches``; with real weights only)."""
     def export() -> Any:
         return torch.export.export(model, (), named, strict=False, dynamic_shapes=spec)
 
@@ -610,7 +610,7 @@ def _aliases(model: torch.nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]
 def _decomposed(ep: Any, table: dict, model: torch.nn.Module,
                 stacks: list) -> tuple[Any, fx.GraphModule]:
     """``ep`` run through ``table``'s decompositions and functionalized, and its graph (a
-    buffer shared by several modules one input while it is: ``capture.shared_buffers``)."""
+    buffer shared by several modules one input while it is: ``autotp.capture.shared_buffers``)."""
     ep = merge_shared_buffers(ep).run_decompositions(table)
     gm = _normalized(ep, model, stacks)
     name_shared_buffers(gm, model)

@@ -5,7 +5,8 @@ is traced: torch.export cannot trace them as they are, and the program needs non
                               default) -> ``fn(*args)``. Export records the reentrant body,
                               run under ``no_grad``, as a no-grad region, and what follows
                               it too; recomputing is a memory policy, and autotp has its own
-                              (``integrations.checkpoint``). The non-reentrant form traces as is.
+                              (``autotp.integrations.checkpoint``). The non-reentrant form
+                              traces as is.
     a module moved in place   ``module.to(device, dtype)``, ``.cpu()``, ``.cuda()`` where
                               every parameter and buffer is already there -> the module
                               (export cannot swap a parameter it traces). A move that would

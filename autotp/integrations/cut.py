@@ -69,7 +69,7 @@ def _matmul_weights(gm: fx.GraphModule, root_only: bool = False) -> float:
 
 def _balanced(work: list[float], count: int) -> list[int]:
     """Contiguous split of ``work`` into ``count`` non-empty parts minimizing the largest: the
-    index of each part's first element (``planner.job.memory.balanced_stages``, the split the
+    index of each part's first element (``autotp.planner.job.memory.balanced_stages``, the split the
     estimate prices)."""
     stages = balanced_stages(list(range(len(work))), count, dict(enumerate(work)))
     return [stage[0] for stage in stages]

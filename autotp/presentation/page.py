@@ -63,7 +63,7 @@ def _html_summary(view: View, cost_model: CostModel) -> str:
     s = view.data["summary"]
     per_layer = sorted({(g["forward"], g["backward"]) for g in s["groups"]})
     per_layer_text = ", ".join(f"{f} fwd + {b} bwd" for f, b in per_layer) or "none"
-    verdict = s["bound"]  # planner/bound.py's, as the summary and the table print it
+    verdict = s["bound"]  # autotp.planner.bound's, as the summary and the table print it
     share = s["param_bytes_per_rank"] / s["param_bytes"] if s["param_bytes"] else 1.0
     dtypes = ", ".join(sorted({p.dtype for p in view.plan.params.values()})) or "no parameters"
     cards = [

@@ -24,7 +24,7 @@ JSON schema ``autotp.plan/1`` (keys sorted, so the same plan gives byte-identica
                  "groups": [{"layers": [int], "forward": int, "backward": int}],
                  "megatron_bound": {"forward": 2, "backward": 2}, "meets_bound": bool,
                  "bound": {"met": bool, "text": "Megatron bound (2, 2): met",
-                           "reasons": [str], "notes": [str]},  # planner/bound.py's verdict
+                           "reasons": [str], "notes": [str]},  # autotp.planner.bound's verdict
                  "param_bytes_per_rank": int, "param_bytes": int, "fallbacks": [str]}}
 
 ``bytes`` is ``bytes_expr`` (in the batch ``B`` and sequence ``T``) at the given B and T.
@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-# the bound and its verdict are the planner's (planner/bound.py); named here too, as the
+# the bound and its verdict are the planner's (autotp.planner.bound); named here too, as the
 # benchmarks read them
 from autotp.planner.bound import BOUND_BYTES as BOUND_BYTES
 from autotp.planner.bound import MEGATRON_BOUND as MEGATRON_BOUND

@@ -1,6 +1,6 @@
 """Joined collectives: several values made whole by one collective.
 
-``join_siblings``: all-reduces of one layer that neither waits for (``planner/coalesce.py``)
+``join_siblings``: all-reduces of one layer that neither waits for (``autotp.planner.coalesce``)
 run as one, of a flat buffer of their values (forward) or gradients (backward), at the first
 op that reads any of them; the ops computing a later value move ahead of that op.
 
@@ -8,7 +8,7 @@ op that reads any of them; the ops computing a later value move ahead of that op
 every layer's.
 
 A value a layer computes from the model's inputs and its own parameters alone (adaLN's
-modulation vectors, a timestep MLP each block recomputes; ``planner/invariant.py``) may be
+modulation vectors, a timestep MLP each block recomputes; ``autotp.planner.invariant``) may be
 computed sharded or as a partial sum and made whole where it is read. The plan marks those
 redistributions ``batched``; here they become one collective per kind:
 
@@ -21,7 +21,7 @@ output, so the program means the same); they belong to no layer afterwards
 (``autotp.runtime.layers`` leaves them in the root). A chain that reads a joined value and
 makes another (DiT's per-block timestep MLP: its row-parallel output summed, then the
 column-parallel modulation gathered) runs in stages, one joined collective per stage
-(``planner.invariant.stages``).
+(``autotp.planner.invariant.stages``).
 
 Forward: the shards all-gathered together, the partial sums all-reduced together.
 Backward: each rank keeps its slice of a gathered value's gradient, or, where the plan keeps
@@ -275,8 +275,8 @@ class _JoinedAllReduceFn(torch.autograd.Function):
 
 def join_siblings(graph: fx.Graph, plan: Plan, comm: Communicator, root: nn.Module) -> int:
     """The plan's joined all-reduces (``Edge.joined``) as ``JoinedAllReduce`` calls before the
-    first op that reads any of their values, in the plan's order (``planner.coalesce.place``);
-    returns how many joins."""
+    first op that reads any of their values, in the plan's order
+    (``autotp.planner.coalesce.place``); returns how many joins."""
     groups: dict[int, list[Any]] = {}
     for edge in plan.edges:
         if edge.joined is not None:

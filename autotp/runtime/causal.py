@@ -4,7 +4,7 @@ transformers builds its causal mask as a tensor when it is traced (``torch.expor
 take the shortcut its eager run takes, ``is_causal=True`` where nothing is padded), so a
 rank program would attend under an [s, s] mask: every pair computed, none of the causal
 half skipped. Where the mask keeps at most the causal half by construction
-(``planner.masks.ordered``), ``CausalWhereMasked`` calls ``scaled_dot_product_attention``
+(``autotp.planner.masks.ordered``), ``CausalWhereMasked`` calls ``scaled_dot_product_attention``
 with ``is_causal=True`` and no mask wherever the mask is exactly causal; any other mask
 (padding, packed sequences, a window) is applied as it is.
 
@@ -213,8 +213,8 @@ def causal_attention_calls(graph: fx.Graph, root: nn.Module,
                            plan: Optional[Plan] = None) -> dict[str, str]:
     """Attention left as ``aten.scaled_dot_product_attention`` (no ring, no dropout): keys
     and values repeated for grouped queries taken unrepeated where ``plan`` holds them as the
-    queries (``planner.context.grouped_source``); a mask that keeps at most the causal half
-    by construction (``planner.masks.ordered``: the causal masks transformers builds as
+    queries (``autotp.planner.context.grouped_source``); a mask that keeps at most the causal half
+    by construction (``autotp.planner.masks.ordered``: the causal masks transformers builds as
     tensors when traced) read through ``CausalWhereMasked``, one module per mask for all the
     attentions reading it, the mask's ops moved into it where they read sizes alone. Returns
     original node -> new node."""

@@ -92,7 +92,7 @@ def lowering_for(op: Any) -> Optional[Lowering]:
     return LOWERINGS.get(schema.name) if schema is not None else None
 
 
-# ---- vocabulary-parallel lookups (rules/embedding.py) ---------------------------------------
+# ---- vocabulary-parallel lookups (autotp.rules.embedding) ---------------------------------------
 
 def _local_indices(graph: Any, index: Any, lo: int, hi: int) -> tuple[Any, Any]:
     """Nodes for (index - lo, 0 where outside [lo, hi)) and the outside mask."""
@@ -138,7 +138,7 @@ def masked_gather_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy)
     ctx.apply_after(node, aten.masked_fill.Scalar, outside, 0.0)
 
 
-# ---- grouped products and convolutions (rules/matmul.py) ------------------------------------
+# ---- grouped products and convolutions (autotp.rules.matmul) ------------------------------------
 
 @lowering(*GROUPED_MM)
 def experts_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
@@ -169,7 +169,7 @@ def local_groups_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
 
 @lowering(aten.select.int)
 def owner_select_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
-    """``x[:, i]`` along the sharded dim (rules/views.py's owner's slice): the rank holding
+    """``x[:, i]`` along the sharded dim (autotp.rules.views's owner's slice): the rank holding
     index i selects it at its local index, every other rank gives zeros of its shape."""
     layout = strategy.inputs[0]
     src = node.args[0]
@@ -201,7 +201,7 @@ def local_group_norm_lowering(ctx: LowerContext, node: fx.Node, strategy: Strate
     node.args = tuple(args)
 
 
-# ---- sizes (rules/misc.py) ------------------------------------------------------------------
+# ---- sizes (autotp.rules.misc) ------------------------------------------------------------------
 
 @lowering(aten.sym_size.int)
 def global_size_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
@@ -211,7 +211,7 @@ def global_size_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -
         ctx.apply_after(node, operator.mul, ctx.tp)
 
 
-# ---- partial statistics (rules/norms.py) ----------------------------------------------------
+# ---- partial statistics (autotp.rules.norms) ----------------------------------------------------
 
 @lowering(aten.mean.default, aten.mean.dim)
 def partial_mean_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) -> None:
@@ -219,7 +219,7 @@ def partial_mean_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy) 
         ctx.apply_after(node, aten.div.Scalar, ctx.tp)
 
 
-# ---- views, slices and lookups (rules/views.py) ---------------------------------------------
+# ---- views, slices and lookups (autotp.rules.views) ---------------------------------------------
 
 @lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                 aten.view_copy.default, aten.expand.default)

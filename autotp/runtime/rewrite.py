@@ -365,7 +365,7 @@ def ring_attention_calls(graph: fx.Graph, plan: Plan, root: nn.Module, comm: Com
     node -> the node now holding its value. ``tp_plan``: the tp plan the context-parallel
     ``plan`` runs inside (its heads split over tp); ``sequence``: how the group holds the
     sequence (contiguous shards where None). A mask made by elementwise ops
-    (``planner.masks.mask_region``) goes to the ring as their program and its factors,
+    (``autotp.planner.masks.mask_region``) goes to the ring as their program and its factors,
     and its [s/cp, s] rows are no longer computed."""
     renamed: dict[str, str] = {}
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
@@ -438,7 +438,7 @@ def _grouped_kv(node: fx.Node, tp_plan: Optional[Plan] = None) -> tuple[tuple, d
     """An attention call's arguments with keys and values whose heads were repeated for
     grouped-query attention replaced by the unrepeated ones (``enable_gqa``): the ring sends
     and saves hk heads, not hq. Inside a tp plan, only where it holds them as it holds the
-    queries (``planner.context.grouped_source``)."""
+    queries (``autotp.planner.context.grouped_source``)."""
     args, kwargs = list(node.args), dict(node.kwargs)
     if len(args) < 3:
         return tuple(args), kwargs
@@ -562,7 +562,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
             sequence: Optional[SequenceLayout] = None) -> tuple[fx.GraphModule, GradBucket]:
     """This rank's program: each layout axis of ``plan`` applied over its own group, the
     lead axis's over ``comm``, the one beside it ("cp" inside "tp") over ``cp_comm``
-    (``planner/context.py``). ``keeper``: with sequence parallelism, where the sequence
+    (``autotp.planner.context``). ``keeper``: with sequence parallelism, where the sequence
     all-gathers record their outputs so that backward re-gathers what it saved of them.
     ``ep_comm``: with expert parallelism (an "ep" axis), the group of ranks the experts
     are split over besides the tp group, whose tokens differ. ``sequence``: with context

@@ -36,7 +36,7 @@ it hides are skipped, and the pairs it keeps whole need no mask. A query that no
 left for gets zeros and passes no gradient.
 
 Each step of the ring is a few calls (``_step_calls``) of the device's fused attention
-kernel in the inputs' dtype (``runtime/ring_kernels.py``: on the CPU the flash kernel, which
+kernel in the inputs' dtype (``autotp.runtime.ring_kernels``: on the CPU the flash kernel, which
 reads grouped key/value heads as they are; on CUDA flash or memory-efficient, given the
 heads expanded once per step; float32 products where no kernel takes the call). Pairs of
 chunks kept whole go without a mask, several in one call; a chunk against itself under a

@@ -1,5 +1,5 @@
 """What autograd keeps for backward, measured: the count ``autotp estimate``'s activation
-memory (``planner/job/profile.py``, ``planner/job/memory.py``) stands for.
+memory (``autotp.planner.job.profile``, ``autotp.planner.job.memory``) stands for.
 
 Invariant: inside ``count_saved()`` every tensor autograd saves goes through one hook pair,
 and its storage is counted once, however many tensors or views of it are saved (a saved view
@@ -13,7 +13,7 @@ dropped, so no address freed during the forward is taken for a later storage's.
     saved.nbytes  # the activation bytes of one training forward, on this rank
 
 Saved-tensor hooks nest, and autograd calls only the innermost pair: set this one around the
-whole call. autotp's own pair (``runtime/regather.py``) hands on what it really keeps (a
+whole call. autotp's own pair (``autotp.runtime.regather``) hands on what it really keeps (a
 gathered input's sequence shard). A non-reentrant checkpoint's pair keeps nothing and
 recomputes its layer, which keeps its inputs: add those with ``saved.add``.
 """

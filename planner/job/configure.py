@@ -66,7 +66,7 @@ class Config:
     mfu: float = 0.0
     stages: list[list[int]] = field(default_factory=list)
     # experts held whole per rank: (experts, top-k, busiest rank's routed rows over the
-    # mean under uniform routing; planner/job/expert_load.py), or None
+    # mean under uniform routing; autotp.planner.job.expert_load), or None
     experts: Optional[tuple[int, int, float]] = None
 
     @property

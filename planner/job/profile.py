@@ -4,7 +4,7 @@ plan, per layer, at a given micro-batch and sequence length.
 The captured graph knows every op with its shapes as expressions of the batch ``B`` and the
 sequence ``T``; the plan knows the layout each op reads and writes. Together they say what
 one rank of the sharded program does: the FLOPs of each product on its local shapes, the bytes
-each memory-bound kernel moves, the tensors autograd keeps for backward (``planner/saved.py``:
+each memory-bound kernel moves, the tensors autograd keeps for backward (``autotp.planner.saved``:
 which inputs each op keeps, plus the masks and statistics ops keep beside them), and the bytes
 of each collective. The memory model (``memory.py``) and the time model (``timing.py``) read
 nothing else.
@@ -127,7 +127,7 @@ class Profile:
     backward_working: dict[Any, float] = field(default_factory=dict)
     # experts held whole per rank: how many, the top-k, and the busiest rank's routed rows
     # over the mean under uniform routing, which scales the ops on routed rows
-    # (planner/job/expert_load.py)
+    # (autotp.planner.job.expert_load)
     experts: int = 0
     top_k: int = 0
     expert_imbalance: float = 1.0
@@ -135,7 +135,7 @@ class Profile:
     cp: int = 1  # context parallelism: the sequence split over cp ranks (``seq`` is the shard)
     # attention ops whose mask tensor keeps at most the causal half (``planner.masks.
     # ordered``), priced as causal: unpadded, such a mask is the causal one, which the
-    # runtime attends under by the kernel's causal path (runtime/causal.py) or the ring
+    # runtime attends under by the kernel's causal path (autotp.runtime.causal) or the ring
     causal_masks: set[str] = field(default_factory=set)
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)  # sums the models reuse
 
@@ -264,7 +264,7 @@ class _ProfileBuilder:
         if node.target in PRODUCTS or node.target in ATTENTION or is_grouped(node):
             flops = busiest * _flops(node, ins, in_layouts, self.sizes, tp)
         if node.name in prof.causal_masks:
-            # a causal mask tensor: the kernel's causal path (runtime/causal.py), or the
+            # a causal mask tensor: the kernel's causal path (autotp.runtime.causal), or the
             # ring's skipped chunk pairs, do the causal half (no padding at run time)
             flops /= 2
         if cp > 1 and node.target in ATTENTION:  # this rank's queries, every key
@@ -375,7 +375,7 @@ class _ProfileBuilder:
 
 def _causal_masks(gm: fx.GraphModule) -> set[str]:
     """The attention nodes whose mask keeps at most the causal half of the pairs, and that
-    the runtime can attend by the causal path (no dropout: runtime/causal.py)."""
+    the runtime can attend by the causal path (no dropout: autotp.runtime.causal)."""
     out = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ATTENTION and \
@@ -388,7 +388,7 @@ def _causal_masks(gm: fx.GraphModule) -> set[str]:
 
 def _mask_regions(gm: fx.GraphModule, cp: int, tp: int) -> dict[str, MaskRegion]:
     """Under context parallelism, each mask a ring attention reads that is made by
-    elementwise ops (``planner.masks.mask_region``) -> those ops and their factors: the
+    elementwise ops (``autotp.planner.masks.mask_region``) -> those ops and their factors: the
     runtime builds the mask's blocks from the factors (evaluating the ops over all of its
     rows once, to find the pairs of chunks it hides, and again on the pairs it keeps part
     of)."""
@@ -431,7 +431,7 @@ def _ring(layer: Optional[int], side: str, blocks: float, cp: int,
           dtype_bytes: int) -> list[Comm]:
     """One attention's shifts around the cp ranks: forward, the key and value blocks (cp - 1
     shifts); backward, the blocks with their gradients (cp - 1 shifts) and the gradients
-    home (one more), in the model's dtype (``runtime/ring.py`` sums each rank's share in
+    home (one more), in the model's dtype (``autotp.runtime.ring`` sums each rank's share in
     float32 and sends the sum in the inputs' dtype). ``nbytes`` is one shift's message."""
     grads = blocks  # dK, dV travel in the model's dtype
     return [Comm("shift", "forward", layer, blocks, side, group="cp"),
@@ -582,7 +582,7 @@ def _comms(plan: Plan, nodes: dict[str, fx.Node], sizes: Sizes, dtype_bytes: int
             nbytes = float(parse_size_expr(c.bytes_expr)) / 4 * dtype_bytes
         else:
             nbytes = 0.0
-            for node in members:  # one, or a join's values (planner/coalesce.py)
+            for node in members:  # one, or a join's values (autotp.planner.coalesce)
                 val = node.meta.get("val")
                 if isinstance(val, torch.Tensor):
                     numel = math.prod(sizes.shape(val))
