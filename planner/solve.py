@@ -172,7 +172,8 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
                         cost plus what states still owe (``FrontierSolver.ahead``) if it
                         falls short less (or as much, at a lower cost)
         keep alt  iff   shortfalls(alt) < shortfalls(first)  (none more, at least one fewer)
-                   and, per layer and direction,
+                   and alt has fewer last-resort redistributions than first, or,
+                        per layer and direction,
                         large collectives(alt) <= max(4, large collectives(first))
                         bytes(alt) <= max(1.05 bytes(first), 2.05 largest(first))
 
@@ -222,6 +223,11 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
             alt, after = ranked, owes
     if after == before or any(a > b for a, b in zip(after, before)):
         return plan
+    if after[0] < before[0]:
+        # fewer last-resort redistributions: those are taken only where no plan without
+        # them exists (planner/transitions.py), and the first plan's counts and bytes are no
+        # reference (its gather moves a layer's collective elsewhere, or out of the layers)
+        return alt
     # "large" against the first plan's largest collective of the layer: a plan whose own
     # largest is inflated (a hidden-sharded residual stream gathering expert inputs) must
     # not make its other collectives look small

@@ -114,3 +114,17 @@ def test_a_table_small_along_both_sides_is_narrow() -> None:
     narrow = narrow_matrices(shapes)
     assert {"alpha", "lora"} <= narrow
     assert not narrow & {"stage", *shapes.keys() - {"alpha", "lora"}}
+
+
+def test_a_wider_search_without_a_last_resort_is_kept() -> None:
+    """PixArt at tp 2: the 64-state search gathers the stream once for a norm (a last
+    resort), the wider one needs no gather at a cost 1e10 lower. The first plan's bytes per
+    layer were no reference for it (its gather moved a backward all-reduce out of a layer),
+    and the wider plan was refused on them."""
+    pytest.importorskip("diffusers")
+    from benchmarks.peers import make_cases
+
+    case = make_cases()["pixart"]
+    plan = autotp.plan(case.build(), 2, example_kwargs=case.inputs(), strict=False)
+    assert plan.last_resorts == 0
+    assert not [f for f in plan.fallbacks if "gathered" in f]
