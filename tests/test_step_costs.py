@@ -200,6 +200,36 @@ def test_gloo_ranks_copy_no_all_reduce_operand_and_move_no_dims_twice() -> None:
             sequence["reference"].get("aten::detach", 0) < 64, sequence["ops"]
 
 
+def leading_ones_case(rank: int, world_size: int) -> dict[str, Any]:
+    """A gather and a scatter along dim 1 of a batch of one, on gloo: values and ops."""
+    from autotp.runtime.comm import ProcessGroupComm
+
+    comm = ProcessGroupComm()
+    full = torch.arange(24.0).view(1, 6, 4)
+    shard = full[:, 3 * rank: 3 * rank + 3].contiguous()
+    ops = Ops()
+    with ops:
+        gathered = comm.all_gather(shard, 1)
+        scattered = comm.reduce_scatter(full * (rank + 1), 1)
+    comm.native_reduce_scatter = False  # older gloo: an all-reduce (in place) and a slice
+    operand = full * (rank + 1)
+    sliced = comm.reduce_scatter(operand, 1)
+    return {"gathered": gathered.equal(full), "gathered_shape": list(gathered.shape),
+            "scattered": scattered.equal(3 * shard) and sliced.equal(3 * shard)
+            and operand.equal(full * (rank + 1)), "ops": dict(ops.ops)}
+
+
+def test_a_batch_of_one_gathers_and_scatters_along_the_sequence_without_a_copy() -> None:
+    """Along a dim whose preceding dims are all 1 the ranks' blocks lie end to end, as along
+    dim 0: the communicator neither splits nor concatenates around the collective."""
+    for row in run_processes(leading_ones_case, 2):
+        assert row["gathered"] and row["scattered"], row
+        assert row["gathered_shape"] == [1, 6, 4]
+        assert not row["ops"].get("aten::cat") and not row["ops"].get("aten::clone"), row
+        # gloo's own reduce-scatter splits its result once (NCCL does not): none of ours
+        assert row["ops"].get("aten::split", 0) <= 1, row["ops"]
+
+
 @pytest.mark.parametrize("name", ["gpt2"])
 def test_other_families_stay_exact(name: str) -> None:
     """A fused q|k|v (GPT-2's Conv1D) and no grouped heads: the passes leave it exact."""

@@ -246,6 +246,10 @@ class ProcessGroupComm(Communicator):
                        "all_gather", self._uses_nccl(send))
         if dim == 0 or not send.dim():
             return out
+        if _leading_ones(shape, dim):  # the ranks' blocks lie end to end along dim too
+            full = list(shape)
+            full[dim] *= self.world_size
+            return out.view(full)
         # the ranks' blocks, end to end along dim 0, side by side along dim: one copy
         # (contiguous, as views of it expect)
         return torch.cat(out.chunk(self.world_size, 0), dim)
@@ -254,9 +258,14 @@ class ProcessGroupComm(Communicator):
         self._check_device(tensor)
         shape = list(tensor.shape)
         shape[dim] //= self.world_size
-        # rank r's block of dim as the r-th block of dim 0 (one copy for a dim other than 0)
-        send = tensor.contiguous() if dim == 0 else \
-            torch.cat(tensor.chunk(self.world_size, dim), 0)
+        # rank r's block of dim as the r-th block of dim 0: one copy for a dim other than 0,
+        # none where the dims before it are 1 (the blocks lie end to end already)
+        if dim == 0:
+            send = tensor.contiguous()
+        elif _leading_ones(tensor.shape, dim):
+            send = tensor.contiguous().view(self.world_size * shape[0], *shape[1:])
+        else:
+            send = torch.cat(tensor.chunk(self.world_size, dim), 0)
         if torch.compiler.is_compiling():
             return self._traced_reduce_scatter(send).view(shape)
         nccl = self._uses_nccl(send)
@@ -379,6 +388,12 @@ class ProcessGroupComm(Communicator):
         if status:
             raise _remote_error(text)
         return text
+
+
+def _leading_ones(shape: Sequence[int], dim: int) -> bool:
+    """Every dim before ``dim`` has size 1: blocks of ``dim`` lie end to end in memory, as
+    blocks of dim 0 do."""
+    return all(size == 1 for size in shape[:dim])
 
 
 def _remote_error(text: str) -> Exception:
