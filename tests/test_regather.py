@@ -116,6 +116,25 @@ def _step_matches(model: torch.nn.Module, sim: autotp.Simulation,
     return results
 
 
+def test_the_mlp_gathers_and_scatters_its_rows_along_dim_0() -> None:
+    """Only row-wise ops read the MLP's gathered input up to its reduce-scatter: both run
+    along dim 0 (the ranks' rows end to end, no interleaving copy), the attention's gather
+    along the sequence. The step is exact; the values between hold rows in another order,
+    named apart so that ``first_divergence`` does not compare them."""
+    model, sim = _simulate("llama", 2)
+    modules = [m for m in sim.ranks[0].program.modules() if isinstance(m, Redistribute)]
+    rows = [m for m in modules if m.rank_rows]
+    layers = 2
+    assert len([m for m in rows if isinstance(m.src, Shard)]) == layers, rows
+    assert len([m for m in rows if isinstance(m.dst, Shard)]) == layers, rows
+    assert len(_gathers(sim.ranks[0].program)) == 2 * layers + 1
+    ids = batch(t=12)
+    _step_matches(model, sim, lambda m: m(input_ids=ids, labels=ids))
+    moved = {k for k, v in sim.ranks[0].program.meta["autotp_values"].items()
+             if v.endswith("(rank-major rows)")}
+    assert len(moved) == 5 * layers, moved  # gate, silu, up, their product, down
+
+
 def _regathers(sim: autotp.Simulation) -> list[int]:
     return [sum(1 for e in m.comm.log.events if e.label.endswith("re-gathered"))
             for m in sim.ranks]
@@ -240,6 +259,48 @@ def test_a_saved_view_is_rebuilt_from_one_regather(frozen: bool) -> None:
     for want, have in zip(expected, got):
         assert torch.allclose(want, have, atol=1e-6)
     assert gather.calls == 1  # two saves of one gathered tensor, one re-gather
+
+
+def test_a_product_saves_its_weight_without_an_alias() -> None:
+    """A product saves only its inputs, none holding the node that saves it: the keeper
+    stores the weight's transpose as it is (no detach per save) and the shard for the
+    gathered input. The gradients are the unkept product's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotp.runtime.regather import KeptReads
+
+    class Detaches(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: Any = None) -> Any:
+            self.count += func is torch.ops.aten.detach.default
+            return func(*args, **(kwargs or {}))
+
+    def step(keeper: ShardKeeper | None) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        shard = torch.randn(2, 3, 4, requires_grad=True)
+        w = torch.randn(5, 4, requires_grad=True)
+        gather = _Doubling()
+        counted = Detaches()
+        linear = torch.ops.aten.linear.default
+        if keeper is None:
+            y = linear(gather(shard), w)
+        else:
+            with keeper.saving():
+                full = gather(shard)
+                keeper.record(full, shard, gather)
+                with counted:
+                    y = KeptReads(keeper, linear)(full, w)
+        y.square().sum().backward()
+        assert keeper is None or gather.calls == 1  # kept as the shard, gathered again
+        return counted.count, [shard.grad, w.grad]
+
+    keeper = ShardKeeper(scoped=True)
+    detaches, grads = step(keeper)
+    assert detaches == 0
+    for want, have in zip(step(None)[1], grads):
+        assert torch.allclose(want, have, atol=1e-6)
 
 
 def test_a_shard_changed_in_place_after_the_save_is_refused() -> None:

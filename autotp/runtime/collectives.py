@@ -16,13 +16,18 @@ nothing else reads (``reduce_in_place``): the forward sum of a product's partial
 by this collective alone, the gradient of a value read only by products (whose input
 gradients are fresh); everywhere else the communicator reduces a copy.
 
+A sequence all-gather whose output only row-wise ops read, up to reduce-scatters back to the
+same shard (an MLP), runs along dim 0, and so do those reduce-scatters (``gather_rows``): the
+values between hold the ranks' rows end to end instead of interleaved along the sequence, and
+no collective copies to interleave or part them.
+
 The rewriter inserts one ``Redistribute`` module per (value, target layout). Parameters that
 are replicated but read where their gradient is partial go through ``DeferredGradReduce``:
 their gradient contributions are summed across ranks once, in one bucket, at the end of
 backward (as Megatron does for sequence-parallel norm weights) instead of once per use.
 
 Compiled (``compile=``): every module here is traced into the program's graphs, its
-collectives the communicator's traceable ones (``runtime.comm``), its autograd.Function
+collectives the communicator's traceable ones (``autotp.runtime.comm``), its autograd.Function
 forward and backward traced by dynamo. Three things differ from the eager program, none in
 value: an all-reduce returns a new tensor (no in-place sum: functional collectives own their
 outputs); a sequence all-gather's output is saved as the compiled graph's partitioner decides,
@@ -171,9 +176,18 @@ class Redistribute(nn.Module):
         # input, backward's incoming gradient
         self.reduce_in_place = False
         self.grad_in_place = False
+        # a sequence gather or scatter along dim 0: the values between them hold the ranks'
+        # rows end to end (``gather_rows``)
+        self.rank_rows = False
 
     def extra_repr(self) -> str:
-        return f"{self.src} -> {self.dst}, {self.label}"
+        rows = ", along dim 0 (rank-major rows)" if self.rank_rows else ""
+        return f"{self.src} -> {self.dst}, {self.label}{rows}"
+
+    def _moved(self, layout: Layout) -> Layout:
+        """The layout its collectives run on: a shard of dim 0 where the rows are
+        rank-major (``rank_rows``)."""
+        return Shard(0) if self.rank_rows and isinstance(layout, Shard) else layout
 
     @compiled_where_traceable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,8 +200,9 @@ class Redistribute(nn.Module):
 
     def regather(self, shard: torch.Tensor) -> torch.Tensor:
         """The forward all-gather of ``shard`` again, for a backward that reads its output."""
-        assert isinstance(self.src, Shard), self
-        out = gather(self.comm, shard, self.src, self.sequence)
+        src = self._moved(self.src)
+        assert isinstance(src, Shard), self
+        out = gather(self.comm, shard, src, self.sequence)
         self.comm.log.record("all_gather", "backward", self.layer,
                              out.numel() * out.element_size(), f"{self.label}, re-gathered")
         return out
@@ -195,7 +210,8 @@ class Redistribute(nn.Module):
     # forward and backward programs, by (src, dst) kind
 
     def run_forward(self, x: torch.Tensor) -> torch.Tensor:
-        src, dst, comm, sequence = self.src, self.dst, self.comm, self.sequence
+        src, dst, comm, sequence = self._moved(self.src), self._moved(self.dst), self.comm, \
+            self.sequence
         tp, rank = comm.world_size, comm.rank
         if isinstance(src, Partial) and src.reduce == "logsumexp":
             pieces = comm.all_gather(x.unsqueeze(0).contiguous(), 0)
@@ -217,7 +233,8 @@ class Redistribute(nn.Module):
         raise AssertionError(f"no redistribution {src} -> {dst}")
 
     def run_backward(self, g: torch.Tensor) -> torch.Tensor:
-        src, dst, comm, sequence = self.src, self.dst, self.comm, self.sequence
+        src, dst, comm, sequence = self._moved(self.src), self._moved(self.dst), self.comm, \
+            self.sequence
         tp, rank = comm.world_size, comm.rank
         if isinstance(src, Replicate) and isinstance(dst, Replicate):
             if dst.grad_partial and not src.grad_partial:  # f: sum the partial gradients
@@ -346,6 +363,102 @@ def _owns_storage(x: torch.Tensor) -> bool:
     return x._base is None and not (x.is_leaf and x.requires_grad)
 
 
+# ---- rank-major rows: sequence collectives along dim 0 -------------------------------------
+
+# ops that compute each position of the dims before the last alone (a product over the last
+# dim, elementwise ops): permuting those positions permutes their outputs the same way
+_ROW_WISE = frozenset({
+    aten.linear.default, aten.silu.default, aten.gelu.default, aten.relu.default,
+    aten.tanh.default, aten.sigmoid.default, aten.neg.default, aten.mul.Tensor,
+    aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.add.Scalar,
+    aten.div.Scalar, aten.to.dtype})
+
+
+def gather_rows(graph: fx.Graph, root: nn.Module) -> dict[str, str]:
+    """Run a sequence all-gather along dim 0 where only row-wise ops read its output, up to
+    reduce-scatters back to the same shard (the MLP between the norm and the residual add);
+    returns the program values that then hold rank-major rows, each named apart so that no
+    check compares them with the unsharded model's.
+
+    Along dim d >= 1 of [B, S/t, H] a gather interleaves the ranks' blocks (a copy), and the
+    scatter reorders again. Along dim 0 it gives P x = [t B, S/t, H], rank r's rows at block
+    r: row-wise ops f commute with the permutation (f(P x) = P f(x)), and block r of the
+    reduce-scatter along dim 0 is rank r's own rows, its shard. Backward is the conjugate:
+    gradients in the same rows, the weight gradients' sums over the rows in another order.
+    Precondition: the program's ops are final (lowered, fused), no reader scoped yet
+    (``scope_saves``); postcondition: only ``Redistribute.rank_rows`` flags change."""
+    moved: dict[str, str] = {}
+    for node in graph.nodes:
+        gather = _sequence_gather(node, root)
+        if gather is None:
+            continue
+        region = _row_region(node, root, gather)
+        if region is None:
+            continue
+        values, exits = region
+        gather.rank_rows = True
+        for scatter in exits:
+            scatter.rank_rows = True
+        moved.update({v.name: f"{v.name} (rank-major rows)" for v in values if v is not node})
+    return moved
+
+
+def _sequence_gather(node: fx.Node, root: nn.Module) -> Optional[Redistribute]:
+    """``node``'s all-gather of a plain shard along a dim after the first and before the
+    last (a sequence; not context parallelism's, whose tokens have their own order)."""
+    if node.op != "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    module = root.get_submodule(str(node.target))
+    if not isinstance(module, Redistribute) or module.sequence is not None or \
+            not isinstance(module.src, Shard) or not isinstance(module.dst, Replicate):
+        return None
+    ndim = getattr(node.args[0].meta.get("val"), "ndim", None)
+    src = module.src
+    if ndim is None or src.blocks != 1 or not 1 <= src.dim < ndim - 1:
+        return None
+    return module
+
+
+def _row_region(node: fx.Node, root: nn.Module, gather: Redistribute
+                ) -> Optional[tuple[set[fx.Node], list[Redistribute]]]:
+    """The values read from ``node`` through row-wise ops alone, and the reduce-scatters back
+    to ``gather``'s shard that end them; None where anything else reads one of them."""
+    values, exits, stack = {node}, [], [node]
+    while stack:
+        value = stack.pop()
+        for user in value.users:
+            if user in values:
+                continue
+            if user.op == "call_module":
+                scatter = root.get_submodule(str(user.target))
+                if not isinstance(scatter, Redistribute) or \
+                        not _scatters_back(scatter, gather) or user.args[0] is not value or \
+                        any(a is value for a in user.args[1:]):
+                    return None
+                if scatter not in exits:
+                    exits.append(scatter)
+                continue
+            if user.op != "call_function" or user.target not in _ROW_WISE:
+                return None
+            values.add(user)
+            stack.append(user)
+    for value in values - {node}:  # every tensor a row-wise op reads is a row of the region
+        reads = [a for a in (*value.args, *value.kwargs.values()) if isinstance(a, fx.Node)]
+        if value.target is aten.linear.default:  # the rows, then weights of no row
+            if reads[0] not in values or any(a in values for a in reads[1:]):
+                return None
+        elif any(a not in values for a in reads):
+            return None
+    return (values, exits) if exits else None
+
+
+def _scatters_back(module: Redistribute, gather: Redistribute) -> bool:
+    """``module`` reduce-scatters a partial sum to the shard ``gather`` gathered."""
+    return module.comm is gather.comm and \
+        module.sequence is None and isinstance(module.src, Partial) and \
+        module.src.reduce != "logsumexp" and module.dst == gather.src
+
+
 # ---- deferred gradient reduction of replicated parameters ----------------------------------
 
 
@@ -404,9 +517,11 @@ class GradBucket:
                 for part in _spans_of(grad, *self.partial[key]):
                     part.copy_(next(summed))
             else:
-                grad = next(summed)  # a view of the all-reduced buffer
+                # a view of the all-reduced buffer, which holds these gradients alone (as
+                # DDP's gradient_as_bucket_view): no copy
+                grad = next(summed)
             if param.grad is None:
-                param.grad = grad if key in self.partial else grad.clone()
+                param.grad = grad
             else:
                 param.grad += grad
 

@@ -145,18 +145,24 @@ class _PackHooks:
         if outer is not None:
             self.outer_pack, self.outer_unpack = outer
 
-    def pack(self, tensor: torch.Tensor) -> _Saved:
+    def pack(self, tensor: torch.Tensor, inputs_only: bool = False) -> _Saved:
         gathered = self.keeper.gathered_of(tensor)
         if gathered is None:
             if self.outer_pack is not None:
                 return _Saved(self.outer_pack(tensor), None)
-            # detached: a saved output holding its own grad_fn would be a reference cycle
-            return _Saved(tensor.detach(), tensor._version)
+            # detached: a saved output holding its own grad_fn would be a reference cycle.
+            # An op that saves only its inputs (``inputs_only``) saves no tensor whose
+            # history holds the node saving it: stored as it is, no alias made
+            return _Saved(tensor if inputs_only else tensor.detach(), tensor._version)
         gathered.regather.saves += 1
         shard = gathered.shard
         if self.outer_pack is not None:
             return _SavedShard(self.outer_pack(shard), None, gathered.regather, tensor)
         return _SavedShard(shard, gathered.version, gathered.regather, tensor)
+
+    def pack_input(self, tensor: torch.Tensor) -> _Saved:
+        """``pack`` for an op that saves only its inputs (``_SAVES_INPUTS_ONLY``)."""
+        return self.pack(tensor, inputs_only=True)
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         value = saved.stored if self.outer_unpack is None else self.outer_unpack(saved.stored)
@@ -207,14 +213,16 @@ class ShardKeeper:
             self._live.clear()
             self._hooks = self._outer = None
 
-    def reading(self) -> ContextManager[Any]:
+    def reading(self, inputs_only: bool = False) -> ContextManager[Any]:
         """The keeper's hooks around one op that reads a gathered tensor, inside ``saving``
-        and while the pair on top is the one the forward began with."""
+        and while the pair on top is the one the forward began with. ``inputs_only``: the
+        op saves only its inputs, never its output (``_SAVES_INPUTS_ONLY``)."""
         hooks = self._hooks
         if hooks is None or not _same_hooks(
                 torch._C._autograd._top_saved_tensors_default_hooks(True), self._outer):
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(
+            hooks.pack_input if inputs_only else hooks.pack, hooks.unpack)
 
     def record(self, full: torch.Tensor, shard: torch.Tensor, gatherer: Gatherer) -> None:
         """``full`` is ``shard`` all-gathered by ``gatherer``: saves of it keep ``shard``."""
@@ -252,6 +260,14 @@ def _same_hooks(a: Optional[Hooks], b: Optional[Hooks]) -> bool:
 
 # ---- the readers of gathered tensors -------------------------------------------------------
 
+_aten = torch.ops.aten
+# products whose backward saves their inputs (or views of them: x, W^T) and never their own
+# output: nothing they save has a history that holds the node saving it
+_SAVES_INPUTS_ONLY = frozenset({
+    _aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+    _aten.matmul.default})
+
+
 class KeptReads(nn.Module):
     """One op of a rank program that reads a gathered tensor (or a view of it), run with the
     keeper's saved-tensor hooks (``ShardKeeper.reading``)."""
@@ -260,6 +276,7 @@ class KeptReads(nn.Module):
         super().__init__()
         self.keeper = keeper
         self.op = op
+        self.inputs_only = op in _SAVES_INPUTS_ONLY
 
     def extra_repr(self) -> str:
         return f"{self.op}, saves of a gathered input kept as the shard"
@@ -267,7 +284,7 @@ class KeptReads(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # compiled: the hooks are around the whole forward
             return self.op(*args, **kwargs)
-        with self.keeper.reading():
+        with self.keeper.reading(self.inputs_only):
             return self.op(*args, **kwargs)
 
 

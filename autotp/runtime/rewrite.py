@@ -43,6 +43,7 @@ from autotp.runtime.collectives import (
     GradSync,
     PartialSegmentsReduce,
     Redistribute,
+    gather_rows,
     reduce_in_place,
 )
 from autotp.runtime.batching import join_ahead, join_siblings
@@ -615,6 +616,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))
     reduce_in_place(graph, root)
+    lowered.update(gather_rows(graph, root))
     if keeper is not None:
         scope_saves(graph, root, keeper, [n for n in graph.nodes if _gathers_for(n, root, keeper)])
     note_splits(graph, root, [(plan.on(axis.name), groups[axis.name])
