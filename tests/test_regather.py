@@ -262,9 +262,11 @@ def test_a_saved_view_is_rebuilt_from_one_regather(frozen: bool) -> None:
 
 
 def test_a_product_saves_its_weight_without_an_alias() -> None:
-    """A product saves only its inputs, none holding the node that saves it: the keeper
-    stores the weight's transpose as it is (no detach per save) and the shard for the
-    gathered input. The gradients are the unkept product's."""
+    """A product of a whole gathered input saves its shard without hooks
+    (``ShardKeeper.product``); a product of a view of it runs under the keeper's hooks, which
+    store its weight's transpose as it is (a product saves only its inputs, none holding the
+    node that saves it). Neither detaches; one re-gather serves both; the gradients are the
+    unkept products'."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autotp.runtime.regather import KeptReads
@@ -285,14 +287,15 @@ def test_a_product_saves_its_weight_without_an_alias() -> None:
         counted = Detaches()
         linear = torch.ops.aten.linear.default
         if keeper is None:
-            y = linear(gather(shard), w)
+            full = gather(shard)
+            ys = [linear(full, w), linear(full[2:], w)]
         else:
             with keeper.saving():
                 full = gather(shard)
                 keeper.record(full, shard, gather)
                 with counted:
-                    y = KeptReads(keeper, linear)(full, w)
-        y.square().sum().backward()
+                    ys = [KeptReads(keeper, linear)(x, w) for x in (full, full[2:])]
+        sum(y.square().sum() for y in ys).backward()
         assert keeper is None or gather.calls == 1  # kept as the shard, gathered again
         return counted.count, [shard.grad, w.grad]
 

@@ -26,7 +26,9 @@ untouched, with no alias made per saved tensor. The pair is set there only while
 pair was set inside the forward (a checkpointed layer's: it stays innermost, as it would be
 around the whole forward). A keeper used without ``scope_saves``, or the keeper of a
 compiled program (whose readers are traced into its graphs: ``saving(whole=True)``), sets its
-pair around the whole forward.
+pair around the whole forward. A product reading a whole gathered tensor needs no pair at all:
+``ShardKeeper.product`` runs it as an autograd Function that saves the shard and gathers it
+again in backward (Megatron's column-parallel product), no alias per save, no view rebuilt.
 
 Re-gathers are collectives, so every rank must run them in the same order: they run when
 backward unpacks the saved tensors, in autograd's order, which the ranks share since they
@@ -224,6 +226,23 @@ class ShardKeeper:
         return torch.autograd.graph.saved_tensors_hooks(
             hooks.pack_input if inputs_only else hooks.pack, hooks.unpack)
 
+    def product(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``linear(x, weight, bias)`` as a ``_KeptProduct`` where ``x`` is a whole gathered
+        tensor of this keeper's and the forward's pair is on top (as ``reading`` asks); None
+        where not, for the op to run under ``reading``."""
+        if self._hooks is None or not _same_hooks(
+                torch._C._autograd._top_saved_tensors_default_hooks(True), self._outer) or \
+                torch.is_autocast_enabled(x.device.type) or x.dtype != weight.dtype or \
+                x.dim() < 2 or x.storage_offset() or not x.is_contiguous():
+            return None
+        gathered = self.gathered_of(x)
+        if gathered is None or x.untyped_storage().nbytes() != x.numel() * x.element_size():
+            return None
+        out: torch.Tensor = _KeptProduct.apply(
+            x, weight, bias, gathered.shard, gathered.regather if weight.requires_grad else None)
+        return out
+
     def record(self, full: torch.Tensor, shard: torch.Tensor, gatherer: Gatherer) -> None:
         """``full`` is ``shard`` all-gathered by ``gatherer``: saves of it keep ``shard``."""
         # (``full`` need not require grad: a product saves it for its weight's gradient)
@@ -250,6 +269,39 @@ class ShardKeeper:
                 found.shard._version != found.version:
             return None
         return found
+
+
+class _KeptProduct(torch.autograd.Function):
+    """y = x W^T + b of a gathered x, saving x's shard: backward gathers x again for W's
+    gradient (Megatron's column-parallel product under sequence parallelism). The saves go
+    through autograd's own storage (or the outer pair, which sees the shard): no hook of the
+    keeper's, so no alias per save and no view to rebuild."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                shard: torch.Tensor, regather: Optional[_Regather]) -> torch.Tensor:
+        ctx.regather, ctx.has_bias = regather, bias is not None
+        if regather is not None:  # W's gradient reads x: one more save of the gathered x
+            regather.saves += 1
+            ctx.save_for_backward(weight, shard)
+        else:
+            ctx.save_for_backward(weight)
+        return torch.ops.aten.linear.default(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        saved = ctx.saved_tensors  # once: a checkpoint's pair unpacks each save once
+        weight = saved[0]
+        rows = g.reshape(-1, g.shape[-1])
+        gx = rows.mm(weight).view(*g.shape[:-1], weight.shape[-1]) \
+            if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.regather is not None:
+            x = ctx.regather(saved[1])
+            gw = rows.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = rows.sum(0)
+        return gx, gw, gb, None, None
 
 
 def _same_hooks(a: Optional[Hooks], b: Optional[Hooks]) -> bool:
@@ -284,6 +336,10 @@ class KeptReads(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # compiled: the hooks are around the whole forward
             return self.op(*args, **kwargs)
+        if self.op is _aten.linear.default and not kwargs:
+            out = self.keeper.product(*args)
+            if out is not None:
+                return out
         with self.keeper.reading(self.inputs_only):
             return self.op(*args, **kwargs)
 
