@@ -225,7 +225,7 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
         return plan
     if after[0] < before[0]:
         # fewer last-resort redistributions: those are taken only where no plan without
-        # them exists (planner/transitions.py), and the first plan's counts and bytes are no
+        # them exists (autotp.planner.transitions), and the first plan's counts and bytes are no
         # reference (its gather moves a layer's collective elsewhere, or out of the layers)
         return alt
     # "large" against the first plan's largest collective of the layer: a plan whose own

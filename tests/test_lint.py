@@ -49,3 +49,20 @@ def test_no_sys_path_edits() -> None:
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if PATH_EDIT.search(line) and path.name != "test_lint.py"]
     assert not found, found
+
+
+# a module named by its file (planner/cost.py) or by a short dotted name (``planner.cost``)
+PACKAGES = "planner|rules|capture|runtime|weights|integrations|presentation|verification"
+OTHER_NAMING = re.compile(rf"\b(?:autotp/)?(?:{PACKAGES})/[a-z_/]+\.py\b"
+                          rf"|``(?:{PACKAGES})\.[a-z_.]+``")
+
+
+def test_modules_named_one_way() -> None:
+    """The package's docstrings and comments name a module by its import path
+    (``autotp.planner.cost``), the name a reader can import or look up."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for folder in ("autotp", "planner", "rules")
+             for path in sorted(Path(ROOT, folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if OTHER_NAMING.search(line)]
+    assert not found, found
