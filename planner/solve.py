@@ -223,11 +223,6 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
             alt, after = ranked, owes
     if after == before or any(a > b for a, b in zip(after, before)):
         return plan
-    if after[0] < before[0]:
-        # fewer last-resort redistributions: those are taken only where no plan without
-        # them exists (autotp.planner.transitions), and the first plan's counts and bytes are no
-        # reference (its gather moves a layer's collective elsewhere, or out of the layers)
-        return alt
     # "large" against the first plan's largest collective of the layer: a plan whose own
     # largest is inflated (a hidden-sharded residual stream gathering expert inputs) must
     # not make its other collectives look small
@@ -236,6 +231,11 @@ def _search_further(plan: Plan, exhaustive: bool, gm: Any, options: PlanOptions,
     for key, count in _large_collectives(alt, cost_model, reference).items():
         if count > max(4, counted_before.get(key, 0)):
             return plan
+    if after[0] < before[0]:
+        # fewer last-resort redistributions: those are taken only where no plan without
+        # them exists (autotp.planner.transitions), and the first plan's bytes are no
+        # reference (its gather moves a layer's collective elsewhere, or out of the layers)
+        return alt
     # nor more bytes than the first plan or Megatron's two reductions of the layer's largest
     # tensor: a low-rank down-projection is sharded only by all-reducing every head's
     # output, several times Megatron's bytes, where Megatron keeps it whole

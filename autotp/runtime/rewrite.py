@@ -18,6 +18,7 @@ in the order ``rewrite`` runs them (tests/test_rewrite_passes.py holds the list 
     views_to_reshapes       views after a collective as reshapes (its output is contiguous)
     fuse_bias_adds          bias adds fused back into their product where no collective parts them
     reduce_in_place         all-reduces that may sum their own operand
+    gather_rows             an MLP's sequence gather and scatter along dim 0, rows rank-major
     scope_saves             ops reading a sequence all-gather save its shard, not its output
     note_splits             how many ways each value's dims are split on this rank
 
