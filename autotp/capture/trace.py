@@ -392,8 +392,9 @@ class _Tracer:
                     raise TraceError(f"torch.export could not functionalize "
                                      f"{type(model).__name__}'s in-place ops: "
                                      f"{type(exc).__name__}: {exc}") from exc
-            if mutations:
-                copies_as_values(gm)
+        # after the last round: a round that only decomposes re-exports the functionalized
+        # program, and its copies come back
+        copies_as_values(gm)
         return gm
 
 
