@@ -18,8 +18,12 @@ each after a step that warms it (the first call traces and checks the plan):
 ``StepCosts``, a ``TorchDispatchMode``, counts every op dispatched during the step (the
 c10d collectives included, each one op) by kind, and the host synchronisations among them:
 ``aten.equal``, ``aten._local_scalar_dense`` (``.item()``, ``bool()`` of a tensor) and
-``aten.is_nonzero``. Printed per case, rank 0 (the ranks run the same program): ops per step
-and their ratio to the unsharded step, the op kinds the rank runs more often than the
+``aten.is_nonzero``. Ops dispatched while a rank waits for a collective are the transport's,
+not the program's, and are counted apart (``in waits``): gloo completes a reduce-scatter on
+the waiting thread as an all-reduce and a copy of the rank's block (``split`` + ``copy_``),
+which NCCL runs inside its kernel. Printed per case, rank 0 (the ranks run the same program):
+ops per step (the program's: the transport's apart) and their ratio to the unsharded step,
+the op kinds the rank runs more often than the
 unsharded model, host synchronisations beyond the unsharded model's own, and with compile
 the graph breaks torch._dynamo counts in one step of ``compile={"backend": "eager"}`` (the
 breaks are dynamo's; the backend only changes what compiles each graph).
@@ -28,9 +32,10 @@ breaks are dynamo's; the backend only changes what compiles each graph).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections import Counter
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,16 +48,30 @@ HOST_SYNCS = ("aten::equal", "aten::_local_scalar_dense", "aten::is_nonzero")
 
 
 class StepCosts(TorchDispatchMode):
-    """Counts the ops dispatched under it: ``ops`` by schema name (``aten::mm``)."""
+    """Counts the ops dispatched under it: ``ops`` by schema name (``aten::mm``), and apart,
+    in ``transport``, those dispatched while a collective is waited for (inside
+    ``ProcessGroupComm._wait``, which ``waits_counted_apart`` marks)."""
+
+    current: Optional["StepCosts"] = None  # the mode counting now (one per process)
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.transport: Counter[str] = Counter()
+        self.waiting = False
+
+    def __enter__(self) -> "StepCosts":
+        StepCosts.current = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        StepCosts.current = None
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Any = None) -> Any:
         if isinstance(func, torch._ops.OpOverload):
-            self.ops[func._schema.name] += 1
+            (self.transport if self.waiting else self.ops)[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -62,6 +81,31 @@ class StepCosts(TorchDispatchMode):
     @property
     def syncs(self) -> Counter[str]:
         return Counter({k: self.ops[k] for k in HOST_SYNCS if self.ops[k]})
+
+
+@contextlib.contextmanager
+def waits_counted_apart() -> Iterator[None]:
+    """Inside, the ops a ``ProcessGroupComm`` dispatches while it waits for a collective
+    count as the transport's (``StepCosts.transport``)."""
+    from autotp.runtime.comm import ProcessGroupComm
+
+    wait = ProcessGroupComm._wait
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        mode = StepCosts.current
+        if mode is None:
+            return wait(self, *args, **kwargs)
+        mode.waiting = True
+        try:
+            return wait(self, *args, **kwargs)
+        finally:
+            mode.waiting = False
+
+    ProcessGroupComm._wait = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ProcessGroupComm._wait = wait  # type: ignore[method-assign]
 
 
 def build(layers: int, hidden: int, vocab: int, dropout: float) -> torch.nn.Module:
@@ -130,11 +174,14 @@ def rank_costs(rank: int, world_size: int, cases: list[str], layers: int, hidden
         reference = counted_step(model, ids)
         sharded = autotp.parallelize(model, example_kwargs=example, gather_outputs=False,
                                      **_options(case))
-        costs = counted_step(sharded, ids)
+        with waits_counted_apart():
+            costs = counted_step(sharded, ids)
         row: dict[str, Any] = {
             "case": case, "rank": rank,
             "unsharded_ops": reference.total, "rank_ops": costs.total,
             "ratio": costs.total / reference.total,
+            "transport_ops": sum(costs.transport.values()),
+            "transport": dict(costs.transport.most_common()),
             "excess": dict((costs.ops - reference.ops).most_common()),
             "fewer": dict((reference.ops - costs.ops).most_common()),
             "unsharded_syncs": dict(reference.syncs), "rank_syncs": dict(costs.syncs),
@@ -165,6 +212,7 @@ def _breaks(row: Mapping[str, Any]) -> str:
 COLUMNS = [
     Column("case", 12, "case", left=True), Column("unsharded", 9, "unsharded_ops"),
     Column("rank", 7, "rank_ops"),
+    Column("in waits", 8, "transport_ops"),
     Column("ratio", 6, cell=lambda r: ratio_text(r["ratio"], suffix="x")),
     Column(" host syncs (unsharded | rank)", 32, left=True,
            cell=lambda r: f" {_syncs(r['unsharded_syncs']):<12} | {_syncs(r['rank_syncs'])}"),

@@ -600,15 +600,15 @@ def _spans_of(grad: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> lis
 
 def _all_reduce_parts(comm: Communicator, parts: list[torch.Tensor],
                       label: str) -> list[torch.Tensor]:
-    """Each tensor summed across ranks, in one all-reduce: views of its flat result."""
-    flat = torch.cat([part.reshape(-1) for part in parts])
+    """Each tensor summed across ranks, in one all-reduce: views of its flat result (a 1-D
+    part, a norm's or a bias's gradient, is taken and given back as it is: no view op)."""
+    flat = torch.cat([part if part.dim() == 1 else part.reshape(-1) for part in parts])
     total = comm.all_reduce(flat, in_place=True)  # cat's own buffer
     comm.log.record("all_reduce", "backward", None, flat.numel() * flat.element_size(), label)
-    out, offset = [], 0
-    for part in parts:
-        out.append(total[offset: offset + part.numel()].view_as(part))
-        offset += part.numel()
-    return out
+    if len(parts) == 1 and parts[0].dim() == 1:
+        return [total]
+    return [piece if piece.shape == part.shape else piece.view_as(part)
+            for piece, part in zip(total.split([part.numel() for part in parts]), parts)]
 
 
 class _DeferredFn(torch.autograd.Function):
