@@ -48,6 +48,10 @@ DOCS = {
                  "(for ``torch.autograd.grad``, DDP or FSDP around the module)",
     "compile": "True (or a dict of ``torch.compile`` options) compiles each rank's program, "
                "its collectives included (on a process group; a simulation's stay eager)",
+    "async_tp": "True overlaps each all-gather before a column-parallel product and each "
+                "reduce-scatter after a row-parallel one with the product (torch's "
+                "micro-pipeline pass in inductor, over symmetric memory): needs compile=, "
+                "sequence_parallel=True and ranks on CUDA GPUs with NCCL",
     "check_plan": "prove before building that every parameter's gradient arrives whole in "
                   "its own layout (``GradientFlowError`` otherwise) and, in processes, that "
                   "every rank holds the same plan; False skips both",
@@ -73,6 +77,7 @@ class Options:
     gather_outputs: Union[str, bool] = "read"
     grad_sync: str = "bucket"
     compile: Any = False
+    async_tp: bool = False
     check_plan: bool = True
     checkpoint: Any = None
     init: bool = False
@@ -87,6 +92,7 @@ class Options:
     def build_options(self) -> dict[str, Any]:
         """What ``build_rank`` reads of these."""
         return {"grad_sync": self.grad_sync, "compile": self.compile,
+                "async_tp": self.async_tp,
                 "keep_gathered": self.keep_gathered, "registry": self.registry}
 
 
@@ -111,8 +117,8 @@ Options.__doc__ = "How autotp traces, plans and builds (every field optional):\n
 
 FIELDS = {f.name: f for f in dataclasses.fields(Options)}
 # the options that only building a rank reads: planning takes none of them
-BUILD_ONLY = ("keep_gathered", "grad_sync", "compile", "check_plan", "checkpoint", "init",
-              "device")
+BUILD_ONLY = ("keep_gathered", "grad_sync", "compile", "async_tp", "check_plan", "checkpoint",
+              "init", "device")
 PLANNING = tuple(name for name in FIELDS if name not in BUILD_ONLY)
 SIMULATING = tuple(name for name in FIELDS if name not in ("checkpoint", "init", "device"))
 PARALLELIZING = tuple(name for name in FIELDS if name != "registry")

@@ -28,6 +28,7 @@ from autotp.mesh import plan_sharing
 from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
+from autotp.runtime.async_tp import compile_options
 from autotp.runtime.collectives import GradBucket, GradSync, gather
 from autotp.runtime.ring import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
@@ -511,7 +512,8 @@ def rank_program(captured: Captured, plan: Plan, rank: int, comm: Communicator,
 def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
                registry: Optional[Registry] = None, check_plan: bool = True,
                seed: Optional[int] = None, grad_sync: str = "bucket",
-               compile: Any = False, weights: Optional[Weights] = None,
+               compile: Any = False, async_tp: bool = False,
+               weights: Optional[Weights] = None,
                device: Optional[torch.device] = None, keep_gathered: bool = False,
                ep_comm: Optional[Communicator] = None,
                cp_comm: Optional[Communicator] = None,
@@ -525,6 +527,9 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
         captured, plan, rank, comm, registry, seed=seed, grad_sync=grad_sync, weights=weights,
         device=device, keep_gathered=keep_gathered, ep_comm=ep_comm, cp_comm=cp_comm,
         sequence=sequence)
+    if async_tp:
+        compile = compile_options(compile, comm, plan.sequence_parallel,
+                                  _placed(program, device))
     cls = sharded_class(model_class, captured.signature) if model_class is not None else \
         ShardedModule
     sharded = cls(program, plan, captured, comm, bucket, check_plan, seed, compile,
@@ -534,6 +539,14 @@ def build_rank(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     sharded._rebuild = {"registry": registry, "grad_sync": grad_sync,
                         "keep_gathered": keep_gathered}
     return sharded
+
+
+def _placed(program: torch.fx.GraphModule, device: Optional[torch.device]) -> torch.device:
+    """Where the rank's program runs: ``device``, else where its weights are."""
+    if device is not None:
+        return torch.device(device)
+    first = next(iter(program.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def expert_parameters(module: Any) -> dict[str, nn.Parameter]:
