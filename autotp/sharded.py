@@ -446,9 +446,10 @@ def sharded_class(model_class: type, signature: Optional[inspect.Signature]) -> 
 
 def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
     """The program, or its torch.compile: on a process group the whole rank program, its
-    collectives included (traceable functional collectives: ``autotp.runtime.comm``), the ring and
-    the causal attention. Still eager, a graph break each: a tracked dropout's draw, the
-    experts' row routing (sizes read on the host), and every collective of simulated ranks
+    collectives included (traceable functional collectives: ``autotp.runtime.comm``), the ring,
+    the causal attention and dropout's draws (custom ops: ``autotp.runtime.random``). Still
+    eager, a graph break each: the experts' row routing (sizes read on the host), attention
+    dropout with a mask that needs a gradient, and every collective of simulated ranks
     (``ThreadComm``). The graphs are specialised to their sizes (``dynamic=False`` unless
     ``compile`` says otherwise): the causal attention and the ring decide what a mask of
     sizes alone keeps while tracing, once per size."""

@@ -2,7 +2,9 @@
 compiled program breaks no graph at tp 2, tp 2 with sequence parallelism and cp 2 (its
 collectives, the ring and the causal attention traced: ``runtime/comm.py``), and equals the
 unsharded model's step. Two gloo processes, the test LLaMA (GQA, sdpa, loss by labels),
-the aot_eager backend (AOT autograd compiles backward too; no C++ toolchain)."""
+the aot_eager backend (AOT autograd compiles backward too; no C++ toolchain). With dropout
+(the test GPT-2, tp 2) no graph breaks either, and the compiled steps draw the eager rank
+program's masks."""
 
 from __future__ import annotations
 
@@ -106,3 +108,58 @@ def test_traced_collectives_of_a_subgroup_match_the_eager_ones() -> None:
         for name, (eager, traced) in row.items():
             assert eager == traced, (name, eager, traced)
     assert rows[1]["shift"][0] == [20.0, 21.0, 22.0, 23.0]  # from the group's other rank
+
+
+def dropout_steps(rank: int, world_size: int) -> dict[str, Any]:
+    """Two training steps of the test GPT-2 with every dropout on (embeddings, attention in
+    the kernel, residuals), tp 2: eagerly, then compiled from the same weights and seed (the
+    first compiled step traces: its breaks and graphs)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests.models import batch, gpt2_config, quiet_transformers
+
+    torch.set_num_threads(1)
+    ids = batch()
+    kwargs = {"input_ids": ids, "labels": ids}
+
+    def call(m: torch.nn.Module) -> Any:
+        return m(**kwargs)
+
+    def loss(out: Any) -> torch.Tensor:
+        return out.loss
+
+    steps, row = {}, {}
+    for compile in (False, {"backend": "aot_eager"}):
+        torch.manual_seed(0)  # the same weights, and the same dropout seed (initial_seed)
+        model = quiet_transformers().GPT2LMHeadModel(gpt2_config(
+            resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)).train()
+        sharded = autotp.parallelize(model, example_kwargs=kwargs, gather_outputs=False,
+                                     tp=2, compile=compile)
+        torch._dynamo.reset()
+        counters.clear()
+        steps[bool(compile)] = [sharded_step(sharded, call, loss, loss) for _ in range(2)]
+        row["draws"] = sorted({type(m).__name__ for m in sharded.program.modules()
+                               if type(m).__name__.startswith("Tracked")})
+        if compile:
+            row["breaks"] = {str(reason).splitlines()[0]: n
+                             for reason, n in counters["graph_break"].items()}
+            row["graphs"] = int(counters["stats"]["unique_graphs"])
+    row["losses"] = [step.loss for step in steps[False]]
+    row["diffs"] = [(c.loss_diff, c.grad_rel)
+                    for c in map(compare, steps[False], steps[True])]
+    return row
+
+
+def test_a_compiled_step_with_dropout_breaks_no_graph_and_draws_the_eager_masks() -> None:
+    """Dropout's draws are ops of the compiled graph (``runtime/random.py``): 0 breaks, and
+    each compiled step draws the masks the eager rank program draws (loss within 1e-5, every
+    gradient within 1e-4 of the largest; other masks would move them by far more). The two
+    steps draw different masks: their losses differ."""
+    for row in run_processes(dropout_steps, 2):
+        assert row["draws"] == ["TrackedAttention", "TrackedDropout"], row
+        assert row["breaks"] == {}, row["breaks"]
+        assert row["graphs"] >= 1, row
+        assert abs(row["losses"][0] - row["losses"][1]) > 1e-4, row
+        for loss_diff, grad_rel in row["diffs"]:
+            assert loss_diff <= 1e-5 and grad_rel <= 1e-4, row
