@@ -35,8 +35,6 @@ REPLICATED_ONLY: list[Any] = [
     aten.new_full.default,
     aten.new_empty.default,
     aten.diff.default,
-    aten.triu.default,
-    aten.tril.default,
     aten.repeat_interleave.self_Tensor,
     aten.index_select.default,
     aten.sort.default,
@@ -80,6 +78,20 @@ except ImportError:  # pragma: no cover - older torch
 def replicated_rule(call: OpCall) -> Iterator[Strategy]:
     """Computed on replicated inputs only (the registry adds that strategy)."""
     return iter(())
+
+
+@rules.register(aten.tril.default, aten.triu.default)
+def triangle_rule(call: OpCall) -> Iterator[Strategy]:
+    """``tril(x, k)`` / ``triu(x, k)`` zero the entries of each matrix of the last two dims on
+    one side of a diagonal: a mask of positions, not of values. So it is linear (a partial
+    sum's triangle is the sum of the partial triangles) and keeps a shard of any dim before
+    those two (each matrix is whole on one rank: a per-head decay mask with heads sharded)."""
+    x = call.inputs[0]
+    if x.floating:
+        yield Strategy((P,), P, name="linear")
+    for d, blocks in shardable_dims(x, call):
+        if d < x.ndim - 2:
+            yield Strategy((Shard(d, blocks),), Shard(d, blocks), name="per matrix")
 
 
 @rules.register(aten.sym_size.int)

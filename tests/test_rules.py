@@ -318,8 +318,9 @@ SAMPLES: dict[Any, list[Sample]] = {
     **{op: [s(randn(2, 4, 8, 6), 2, torch.tensor([1, 5, 6]), randn(2, 4, 3, 6))]
        for op in (aten.index_copy.default, aten.index_copy_.default)},
     aten.diff.default: [s(X, 1, -1), s(X, 1, 0, randn(1, 12), randn(2, 12))],
-    aten.triu.default: [s(randn(8, 8), 1)],
-    aten.tril.default: [s(randn(8, 8))],
+    # a per-head decay mask [B, H, chunks, C, C]: heads and chunks may stay sharded
+    aten.triu.default: [s(randn(8, 8), 1), s(randn(2, 4, 8, 6, 6), 1)],
+    aten.tril.default: [s(randn(8, 8)), s(randn(2, 4, 8, 6, 6), -1), s(randn(4, 8, 8))],
     aten.repeat.default: [s(X, [2, 1])],
     aten.sort.default: [s(X, -1), s(X, 0, True)],
     aten.max.dim: [s(X3, 1), s(X3, -1, True)],
