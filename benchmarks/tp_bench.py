@@ -14,6 +14,8 @@ feed them the same batch:
                       per module in backward)
     autotp            autotp.parallelize(model, example_args=(idx, targets))
     autotp-compile    the same with compile=True (opt-in: --impls ...,autotp-compile)
+    megatron-compile  torch.compile of the megatron module (opt-in, the reference for
+                      autotp-compile: dynamo traces its c10d all-reduces as functional ones)
 
 and measures, per implementation: the loss and full gradients of one step against the
 unsharded model; one instrumented step (collectives executed, by phase and kind, and their
@@ -46,7 +48,8 @@ from benchmarks.harness import (Column, Stopwatch, Timing, append_rows, ratio, r
 from benchmarks.step_probe import StepProbe
 
 IMPLS = ("unsharded", "megatron", "dtensor", "dtensor-prepare", "autotp")
-OPTIONAL_IMPLS = ("autotp-compile",)  # torch.compile of each rank's program (inductor)
+# torch.compile (inductor) of each rank's program and of the hand-written reference
+OPTIONAL_IMPLS = ("autotp-compile", "megatron-compile")
 
 
 @dataclass
@@ -105,11 +108,12 @@ def build_impl(name: str, ref: nn.Module, rank: int, tp: int, example: tuple,
         return Impl(name, model, opt(model), nullcontext,
                     lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()},
                     lambda: dict(model.named_parameters()))
-    if name == "megatron":
+    if name in ("megatron", "megatron-compile"):
         from benchmarks import megatron_ref
 
         meg = megatron_ref.from_reference(ref, rank, tp, None)
-        return Impl(name, meg, opt(meg), nullcontext,
+        run = torch.compile(meg) if name == "megatron-compile" else meg
+        return Impl(name, run, opt(meg), nullcontext,
                     lambda: megatron_ref.full_grads(ref, meg),
                     lambda: megatron_ref.local_params(ref, meg))
     if name in ("dtensor", "dtensor-prepare"):
