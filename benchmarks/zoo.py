@@ -1,8 +1,8 @@
 """Every causal-LM architecture the installed transformers ships, planned and run at tp 2.
 
-    python -m benchmarks.zoo --json zoo-5.24.json          # sweep (about 10 minutes, 2 cores)
+    python -m benchmarks.zoo --json zoo-5.24.json          # sweep (over an hour, 2 cores)
     python -m benchmarks.zoo --only llama,mixtral          # a few model types
-    python -m benchmarks.zoo --diff old.json new.json      # what moved between two sweeps
+    python -m benchmarks.zoo --diff benchmarks/zoo_5.24.json new.json  # what moved since
 
 Unlike benchmarks/family_coverage.py (a fixed list of families with hand-made configs), this walks
 transformers' own registry of causal LMs (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), so a new or
