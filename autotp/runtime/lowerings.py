@@ -94,13 +94,14 @@ def lowering_for(op: Any) -> Optional[Lowering]:
 
 # ---- vocabulary-parallel lookups (autotp.rules.embedding) ---------------------------------------
 
-def _local_indices(graph: Any, index: Any, lo: int, hi: int) -> tuple[Any, Any]:
-    """Nodes for (index - lo, 0 where outside [lo, hi)) and the outside mask."""
-    below = graph.call_function(aten.lt.Scalar, (index, lo))
-    above = graph.call_function(aten.ge.Scalar, (index, hi))
-    outside = graph.call_function(aten.logical_or.default, (below, above))
-    shifted = graph.call_function(aten.sub.Tensor, (index, lo))
-    local = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+def _local_indices(graph: Any, index: Any, rows: int, rank: int) -> tuple[Any, Any]:
+    """Nodes for the index local to this rank's block of ``rows`` (rank r holds [r rows,
+    (r + 1) rows)) and the mask of indices outside it, in three ops: the block an index
+    falls in is ``index // rows``, its place there ``index % rows`` (in range for every
+    index, so no fill; a negative one, an ignored target, falls in no rank's block)."""
+    local = graph.call_function(aten.remainder.Scalar, (index, rows))
+    block = graph.call_function(aten.floor_divide.Scalar, (index, rows))
+    outside = graph.call_function(aten.ne.Scalar, (block, rank))
     return local, outside
 
 
@@ -116,7 +117,7 @@ def vocab_parallel_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy
     local_padding = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else -1
     graph = ctx.graph
     with graph.inserting_before(node):
-        local, outside = _local_indices(graph, indices, lo, hi)
+        local, outside = _local_indices(graph, indices, rows, ctx.rank)
         outside_col = graph.call_function(aten.unsqueeze.default, (outside, -1))
     node.args = (weight, local, local_padding, *node.args[3:])
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != "padding_idx"}
@@ -130,10 +131,9 @@ def masked_gather_lowering(ctx: LowerContext, node: fx.Node, strategy: Strategy)
     x, dim, index = arg_node(node, 0), *node.args[1:3]
     dim = normalize_dim(dim, x.meta["val"].ndim)
     rows = x.meta["val"].shape[dim] // ctx.tp
-    lo, hi = ctx.rank * rows, (ctx.rank + 1) * rows
     graph = ctx.graph
     with graph.inserting_before(node):
-        local, outside = _local_indices(graph, index, lo, hi)
+        local, outside = _local_indices(graph, index, rows, ctx.rank)
     node.args = (x, dim, local, *node.args[3:])
     ctx.apply_after(node, aten.masked_fill.Scalar, outside, 0.0)
 
