@@ -17,6 +17,7 @@ in the order ``rewrite`` runs them (tests/test_rewrite_passes.py holds the list 
     fuse_logsumexp_gather   a logsumexp fused with the gather of its operand
     views_to_reshapes       views after a collective as reshapes (its output is contiguous)
     fuse_bias_adds          bias adds fused back into their product where no collective parts them
+    drop_unread             pure values nothing reads (a traced mask's recipe the kernel replaced)
     reduce_in_place         all-reduces that may sum their own operand
     gather_rows             an MLP's sequence gather and scatter along dim 0, rows rank-major
     scope_saves             ops reading a sequence all-gather save its shard, not its output
@@ -507,6 +508,17 @@ def views_to_reshapes(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+def drop_unread(graph: fx.Graph) -> int:
+    """Erase the pure values no op reads, and returns how many: what the passes before left
+    unread (a traced mask's recipe once the kernel's causal path stands for it, export's
+    leftovers) would otherwise run in every step. Kept: placeholders, ops that write or draw
+    random numbers, and every module call (collectives, the ring, tracked dropout). Before
+    ``reduce_in_place``, which counts a value's readers."""
+    before = len(graph.nodes)
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op == "call_module" or n.is_impure())
+    return before - len(graph.nodes)
+
+
 def drop_input_guards(graph: fx.Graph, plan: Plan) -> None:
     """torch.export's input guards check global sizes; a state input (a KV cache) arrives as
     this rank's shard, so a program with sharded state inputs does not run them."""
@@ -616,6 +628,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
     lowered.update(fuse_logsumexp_gather(graph))
     views_to_reshapes(graph)
     lowered.update(fuse_bias_adds(graph))
+    drop_unread(graph)
     reduce_in_place(graph, root)
     lowered.update(gather_rows(graph, root))
     if keeper is not None:
