@@ -29,7 +29,7 @@ from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.async_tp import compile_options
-from autotp.runtime.collectives import GradBucket, GradSync, gather
+from autotp.runtime.collectives import GradBucket, GradSync, gather, sum_at_each_use
 from autotp.runtime.ring import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
                                   held_tensors, sequence_dims, significant, structure)
@@ -455,6 +455,7 @@ def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
     sizes alone keeps while tracing, once per size."""
     if not compile:
         return program
+    sum_at_each_use(program)
     options = {"dynamic": False, **(compile if isinstance(compile, dict) else {})}
     return torch.compile(program, **options)
 

@@ -54,3 +54,37 @@ def dp_cp_tp_mesh(rank: int, world_size: int, steps: int = 2) -> dict[str, Any]:
             errors[name] = str(exc)
     result["errors"] = errors
     return result
+
+
+def dp_tp_sequence_parallel(rank: int, world_size: int) -> dict[str, Any]:
+    """A (dp, tp) = (2, 2) DeviceMesh with sequence parallelism, nothing wrapped around the
+    sharded model: the norms' weights have partial gradients, summed over tp by the bucket
+    after backward and averaged over dp by autotp (``average_over``). Two backwards of two
+    micro-batches each without zeroing (accumulation) against the unsharded model's two
+    backwards on the whole batch; then ``torch.autograd.grad`` of a norm weight, refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+    from tests import models
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    ids = torch.randint(0, models.VOCAB, (4, 16), generator=torch.Generator().manual_seed(5))
+    mine = ids.chunk(2)[mesh["dp"].get_local_rank()]
+    reference = models.llama()
+    sharded = autotp.parallelize(models.llama(), mesh=mesh, sequence_parallel=True,
+                                 example_kwargs={"input_ids": mine, "labels": mine})
+    for _ in range(2):
+        sharded(input_ids=mine, labels=mine).loss.backward()
+        reference(input_ids=ids, labels=ids).loss.backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    diffs = {name: (grads[name] - p.grad).abs().max().item()
+             for name, p in reference.named_parameters()}
+    deferred = sorted(sharded._bucket.params)
+    norm = sharded.local_parameters()[deferred[0]]
+    try:
+        torch.autograd.grad(sharded(input_ids=mine, labels=mine).loss, [norm])
+        refused = "no error"
+    except autotp.ConfigError as exc:
+        refused = str(exc)
+    return {"diffs": diffs, "deferred": deferred, "refused": refused,
+            "grad_kept": sharded.local_parameters()[deferred[0]].grad is not None}

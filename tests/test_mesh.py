@@ -104,6 +104,21 @@ def test_a_mesh_plans_as_its_degrees() -> None:
         autotp.plan(models.llama(), example_kwargs=inputs)
 
 
+def test_sequence_parallel_norm_gradients_are_summed_over_tp_and_averaged_over_dp() -> None:
+    """(dp 2, tp 2) with sequence parallelism and autotp's own dp mean: after two
+    accumulated backwards every gradient is within 1e-6 of the unsharded model's on the
+    whole batch (the norms' weights, whose partial gradients the bucket sums, included);
+    ``torch.autograd.grad`` of such a weight is refused with what to change, and ``.grad``
+    is left as it was."""
+    for rank, r in enumerate(run_processes(mesh_cases.dp_tp_sequence_parallel, 4,
+                                           timeout=300)):
+        assert r["deferred"] and all("norm" in k for k in r["deferred"]), (rank, r)
+        worst = max(r["diffs"], key=r["diffs"].get)
+        assert r["diffs"][worst] < 1e-6, (rank, worst, r["diffs"][worst])
+        assert "grad_sync='per_use'" in r["refused"], (rank, r["refused"])
+        assert r["grad_kept"], rank
+
+
 @pytest.mark.slow
 def test_eight_gloo_processes_parallelize_over_a_dp_cp_tp_device_mesh() -> None:
     """8 gloo processes, ``parallelize(model, mesh=init_device_mesh(..., (2, 2, 2),
