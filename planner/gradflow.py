@@ -258,6 +258,7 @@ def _with_gradient(graph: nx.DiGraph, nodes: dict[str, fx.Node],
     through differentiable values only."""
     carrying = graph.subgraph(n for n in graph if _carries_gradient(nodes.get(n))).copy()
     source = object()
+    carrying.add_node(source)  # a program no trainable parameter reaches carries none
     carrying.add_edges_from((source, name) for name in sources if name in carrying)
     return nx.descendants(carrying, source)
 

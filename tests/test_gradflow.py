@@ -247,3 +247,21 @@ def test_simulate_checks_the_plan_before_building(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(autotp.GradientFlowError, match="2 times the true gradient"):
         autotp.simulate(model, 2, example_args=args)
     assert autotp.simulate(model, 2, example_args=args, check_plan=False).tp == 2
+
+
+class _ParametersUnread(torch.nn.Module):
+    """Its forward reads none of its parameters (a branch traced on its other side)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_program_no_trainable_parameter_reaches_is_proved_and_runs() -> None:
+    x = torch.randn(2, 4, 8)
+    sim = autotp.simulate(_ParametersUnread(), 2, example_args=(x,))
+    for out in sim.run(lambda m: m(x)):
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
