@@ -21,6 +21,7 @@ from torch import nn
 
 from autotp.progress import note
 from autotp.capture.trace import Captured, capture
+from autotp.runtime.async_tp import refuse_where_it_cannot_run
 from autotp.runtime.comm import Communicator, ThreadComm
 from autotp.errors import AutotpError, ConfigError
 from autotp.layout import Layout
@@ -177,11 +178,23 @@ def parallelize(model: nn.Module, tp: Optional[int] = None, *, mesh: Any = None,
                             ep_group=ep_group, sequence_parallel=opts.sequence_parallel,
                             distributed=True).connected(timeout)
     comms = the_mesh.rank_comms()
+    if opts.async_tp:  # before tracing and planning, which can take minutes
+        refuse_where_it_cannot_run(opts.compile, comms.comm, opts.sequence_parallel,
+                                   _known_device(model, opts.device))
     # the group's rank 0 plans; the others check they traced the same program and receive it
     captured, the_plan = _prepare(model, the_mesh, opts, share=plan_sharing(comms.comm))
     if opts.check_plan:
         check_gradient_flow(the_plan, captured.gm)
     return _built(model, captured, the_plan, the_mesh, opts)
+
+
+def _known_device(model: nn.Module, device: Any) -> Optional[torch.device]:
+    """Where the rank's shards will live, where that is known before building: the
+    ``device=`` given, or the model's own (not meta) device."""
+    if device is not None:
+        return torch.device(device)
+    first = next(model.parameters(), None)
+    return first.device if first is not None and first.device.type != "meta" else None
 
 
 def _built(model: nn.Module, captured: Captured, the_plan: Plan, the_mesh: Mesh,
@@ -305,6 +318,8 @@ def simulate(model: nn.Module, tp: Optional[int] = None, *, mesh: Any = None,
     ranks alone). ``mesh``: a DeviceMesh whose dim sizes give the degrees."""
     opts = gather_options(SIMULATING, "simulate", options, keywords)
     the_mesh = _mesh(mesh, tp, cp, ep, opts)
+    if opts.async_tp:  # before tracing and planning, which can take minutes
+        refuse_where_it_cannot_run(opts.compile, None, opts.sequence_parallel)
     captured, the_plan = _prepare(model, the_mesh, opts)
     if opts.check_plan:
         check_gradient_flow(the_plan, captured.gm)

@@ -72,3 +72,28 @@ def test_the_pass_is_added_to_the_users_compile_options(monkeypatch: Any) -> Non
     assert enabled == ["7"]
     assert async_tp.compile_options(True, comm, True, torch.device("cuda", 0)) == \
         {"options": {"_micro_pipeline_tp": True}}
+
+
+class Untraceable(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow: export cannot trace it
+            return super().forward(x)
+        return x
+
+
+def test_async_tp_is_refused_before_tracing() -> None:
+    """The checks come before capture and planning (minutes on a large model): a model
+    that cannot be traced gets async_tp's error, not the tracer's."""
+    with pytest.raises(ConfigError, match="pass sequence_parallel=True"):
+        autotp.simulate(Untraceable(), 2, example_args=(X,), compile=True, async_tp=True)
+    for said in run_processes(_untraceable_on_gloo, 2, timeout=120):
+        assert "needs CUDA GPUs and an NCCL group" in said, said
+
+
+def _untraceable_on_gloo(rank: int, world_size: int) -> str:
+    try:
+        autotp.parallelize(Untraceable(), tp=2, example_args=(X,), sequence_parallel=True,
+                           compile=True, async_tp=True)
+    except ConfigError as exc:
+        return str(exc)
+    return "built"

@@ -19,7 +19,7 @@ CUDA build; ``enable_symm_mem_for_group`` is called here).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,16 +29,17 @@ from autotp.runtime.comm import Communicator, ProcessGroupComm
 PASS = "_micro_pipeline_tp"  # the inductor option that turns the pass on
 
 
-def compile_options(compile: Any, comm: Communicator, sequence_parallel: bool,
-                    device: torch.device) -> dict[str, Any]:
-    """``compile``'s torch.compile options with the micro-pipeline pass on, after checking
-    that it can run here (``device``: where the rank's parameters live), and symmetric
-    memory enabled for ``comm``'s group."""
+def refuse_where_it_cannot_run(compile: Any, comm: Optional[Communicator],
+                               sequence_parallel: bool,
+                               device: Optional[torch.device] = None) -> None:
+    """A ConfigError saying what to change where async_tp=True cannot run: checked by
+    ``parallelize`` and ``simulate`` before tracing (``comm`` None: simulated ranks;
+    ``device`` None: not known yet), and again on the rank's placed parameters."""
     if not compile:
         raise ConfigError("async_tp=True is a pass of inductor over the compiled rank "
                           "program: pass compile=True (or a dict of torch.compile options) "
                           "too")
-    options = dict(compile) if isinstance(compile, dict) else {}
+    options = compile if isinstance(compile, dict) else {}
     backend = options.get("backend", "inductor")
     if backend != "inductor":
         raise ConfigError(f"async_tp=True runs in inductor, but compile= asks for the backend "
@@ -50,10 +51,20 @@ def compile_options(compile: Any, comm: Communicator, sequence_parallel: bool,
     if not isinstance(comm, ProcessGroupComm):
         raise ConfigError("async_tp=True needs ranks in processes (torchrun) on CUDA GPUs "
                           "with an NCCL group; a simulation's ranks are threads")
-    if device.type != "cuda" or comm.backend == "gloo":
+    if comm.backend == "gloo" or (device is not None and device.type != "cuda"):
+        where = f"on {device} " if device is not None else ""
         raise ConfigError(f"async_tp=True needs CUDA GPUs and an NCCL group (symmetric "
-                          f"memory between the GPUs); this rank runs on {device} with "
+                          f"memory between the GPUs); this rank runs {where}with "
                           f"{comm.backend}: leave async_tp off here")
+
+
+def compile_options(compile: Any, comm: Communicator, sequence_parallel: bool,
+                    device: torch.device) -> dict[str, Any]:
+    """``compile``'s torch.compile options with the micro-pipeline pass on, after checking
+    that it can run here (``device``: where the rank's parameters live), and symmetric
+    memory enabled for ``comm``'s group."""
+    refuse_where_it_cannot_run(compile, comm, sequence_parallel, device)
+    options = dict(compile) if isinstance(compile, dict) else {}
     _enable_symmetric_memory(comm.group_name)
     # torch.compile takes a mode or inductor options, not both: a mode becomes its options
     mode = options.pop("mode", None)
