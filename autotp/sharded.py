@@ -32,7 +32,8 @@ from autotp.runtime.async_tp import compile_options
 from autotp.runtime.collectives import GradBucket, GradSync, gather, sum_at_each_use
 from autotp.runtime.ring import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
-                                  held_tensors, sequence_dims, significant, structure)
+                                  batch_dims, held_tensors, sequence_dims, significant,
+                                  structure)
 from autotp.runtime.comm import Communicator
 from autotp.runtime.grads import DataParallelMean, mark_pieces
 from autotp.runtime.layers import split_layers
@@ -97,6 +98,8 @@ class ShardedModule(nn.Module):
                        captured.example_kwargs, checked=not check_plan)
         if plan.splits_sequence:
             first.seq_dims = sequence_dims(captured)
+        if plan.batch_tokens:
+            first.batch_dims = batch_dims(captured)
         self._first = first
         self._traced: dict[Structure, Traced] = {self._structure(first.example): first}
         # what tracing another structure takes (set by parallelize and simulate)
@@ -266,9 +269,44 @@ class ShardedModule(nn.Module):
         key = self._structure(named)
         found = self._traced.get(key)
         if found is None:
-            found = self._trace(key, named)
-            self._traced[key] = found
-        return found
+            found = self._built(key, named)
+        odd = self._odd_batch(found, named)
+        if odd is None:
+            return found
+        # sequence parallelism splits this program's batch, which this call's does not
+        # divide: the program planned for this call's batch keeps whole batches
+        key = (*key, ("batch", "whole"))
+        whole = self._traced.get(key)
+        if whole is None:
+            if self.retracer is None:
+                raise ConfigError(
+                    f"this model's sequence-parallel regions split the batch over "
+                    f"tp={found.plan.degree}, and this call's batch of {odd} does not divide "
+                    f"by it (another program could not be planned: the model's structure "
+                    f"could not be copied): pass batches that {found.plan.degree} divides")
+            whole = self._built(key, named)
+        return whole
+
+    def _built(self, key: Structure, named: dict[str, Any]) -> Traced:
+        """The program of ``key``, traced, planned and built now. What tracing saves for
+        backward goes to hooks of its own: inside ``torch.utils.checkpoint`` (a first call
+        of another structure in a checkpointed forward) the checkpoint's hooks would count
+        it, and its recomputation, which finds the program built, would save fewer."""
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            traced = self._trace(key, named)
+        self._traced[key] = traced
+        return traced
+
+    @staticmethod
+    def _odd_batch(traced: Traced, named: dict[str, Any]) -> Optional[int]:
+        """The call's batch where ``traced`` splits the batch and the degree does not divide
+        it; else None."""
+        for name, dims in traced.batch_dims.items():
+            value = named.get(name)
+            for dim in dims if isinstance(value, torch.Tensor) else ():
+                if value.shape[dim] % traced.plan.degree:
+                    return int(value.shape[dim])
+        return None
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The first program's inputs for this call."""
@@ -322,6 +360,8 @@ class ShardedModule(nn.Module):
                         captured.example_kwargs)
         if plan.splits_sequence:
             traced.seq_dims = sequence_dims(captured)
+        if plan.batch_tokens:
+            traced.batch_dims = batch_dims(captured)
         return traced
 
     def _sequence_multiple(self, plan: Optional[Plan] = None) -> tuple[int, str]:
@@ -442,6 +482,10 @@ def sharded_class(model_class: type, signature: Optional[inspect.Signature]) -> 
                                               "__module__": ShardedModule.__module__})
         _CLASSES[key] = found
     return found
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:

@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.blocks import layer_of
-from autotp.capture.trace import Captured, module_of, origin_of, size_expr, source_of
+from autotp.capture.trace import (Captured, batch_symbols, module_of, origin_of, size_expr,
+                                  source_of)
 from autotp.errors import PlanError
 from autotp.ops import repeated_heads
 from autotp.layout import R, Partial, Replicate, Shard, is_mixed, local_shape, whole_numel
@@ -20,9 +21,19 @@ from autotp.planner.invariant import stages
 from autotp.planner.masks import attention_mask, mask_region
 from autotp.planner.plan import AxisPlan, Choice, CollectiveRecord, Edge, ParamPlan, Plan
 from autotp.planner.problem import (PlanOptions, PNode, drop_grad_partial, is_custom_op,
-                                    is_grouped, joins_ahead, output_layout)
+                                    is_grouped, joins_ahead, output_layout, splits_batch)
 from autotp.planner.transitions import Collective, transition
 from autotp.rules.registry import format_output, output_layouts
+
+
+def _splits(pnodes: list[PNode], values: dict[str, Any], symbols: frozenset) -> bool:
+    """Whether a value is held sharded along a dim whose size is one of ``symbols``."""
+    for pn in pnodes:
+        val, layout = pn.node.meta.get("val"), values.get(pn.node.name)
+        if isinstance(val, torch.Tensor) and isinstance(layout, Shard) and \
+                size_expr(val.shape[layout.dim]) in symbols:
+            return True
+    return False
 
 
 def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any], total: float,
@@ -38,6 +49,8 @@ def assemble(captured: Captured, pnodes: list[PNode], decisions: dict[str, Any],
         plan.axes["ep"] = AxisPlan("ep", options.expert_parallel)
     plan.dims = {str(k): v for k, v in captured.dim_names.items()}
     values, origin = _layouts(plan, pnodes, decisions, options)
+    plan.batch_tokens = splits_batch(captured, tp, options) and \
+        _splits(pnodes, values, batch_symbols(captured.dim_names))
     params = dict(captured.gm.named_parameters(remove_duplicate=False))
     grad_sync, gathered = _redistributions(plan, pnodes, decisions, values, origin, captured,
                                            options)

@@ -59,6 +59,9 @@ class CostModel:
     # grouped product pays it once per expert a rank multiplies, so e/tp whole experts beat
     # e slices of every expert (skinny GEMMs run far from peak)
     gemm_knee: float = 2e9
+    # bytes/s a copy reads and writes on the device: an all-gather or reduce-scatter along a
+    # dim after one of several indices copies its buffer to interleave the ranks' pieces
+    memory_bandwidth: float = 2e12
 
     def collective_time(self, kind: Collective, nbytes: float, tp: int) -> float:
         return self.collective_latency(kind, tp) + self.transfer_time(kind, nbytes, tp)
@@ -70,6 +73,10 @@ class CostModel:
 
     def transfer_time(self, kind: Collective, nbytes: float, tp: int) -> float:
         return kind.ring_factor(tp) * nbytes / self.bandwidth
+
+    def copy_time(self, nbytes: float) -> float:
+        """s to copy ``nbytes`` on the device (read and written)."""
+        return 2 * nbytes / self.memory_bandwidth
 
     def compute_time(self, flops: float, gemms: int = 0) -> float:
         return (flops + gemms * self.gemm_knee) / self.flops

@@ -112,6 +112,9 @@ class AxisPlan:
     cost: float = 0.0
     # tp: the sequence also split between the tensor-parallel ops (sequence parallelism)
     sequence_parallel: bool = False
+    # tp: sequence parallelism's regions split the batch (whole sequences): a call's batch
+    # must divide by the degree, or it runs a program planned without (runtime.calls)
+    batch_tokens: bool = False
     # cp: each attention node -> "ring: why" or "ulysses: why" (how it crosses the shards)
     attention: dict[str, str] = field(default_factory=dict)
     last_resorts: int = 0  # redistributions outside Megatron's pattern (gathers, in fallbacks)
@@ -144,6 +147,7 @@ class AxisPlan:
             collectives=[CollectiveRecord(**c) for c in data["collectives"]],
             fallbacks=list(data["fallbacks"]), constants=list(data.get("constants", [])),
             cost=data["cost"], sequence_parallel=bool(data.get("sequence_parallel", False)),
+            batch_tokens=bool(data.get("batch_tokens", False)),
             attention=dict(data.get("attention", {})),
             last_resorts=int(data.get("last_resorts", 0)),
             experts={k: list(v) for k, v in data.get("experts", {}).items()},
@@ -199,6 +203,7 @@ class Plan:
     constants = _led("constants")
     cost = _led("cost")
     sequence_parallel = _led("sequence_parallel")
+    batch_tokens = _led("batch_tokens")
     attention = _led("attention")
     last_resorts = _led("last_resorts")
     experts = _led("experts")

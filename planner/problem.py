@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from autotp.capture.outputs import loss_fields
-from autotp.capture.trace import (Captured, make_call, origin_of, sequence_symbols, size_expr,
-                                  tensor_inputs)
+from autotp.capture.trace import (Captured, batch_symbols, make_call, origin_of,
+                                  sequence_symbols, size_expr, tensor_inputs)
 from autotp.ops import arg_node
 from autotp.errors import NoRuleError, PlanError, where
 from autotp.layout import R, R_STAR, Layout, Partial, Replicate, Shard
@@ -90,6 +90,12 @@ class OutputGather(enum.Enum):
 class PlanOptions:
     strict: bool = True
     sequence_parallel: bool = False
+    # sequence parallelism's regions may split the batch where the example's batch divides by
+    # tp: a token-wise region holds whole sequences, and its all-gathers and reduce-scatters
+    # run along dim 0, with no copy to interleave the ranks' pieces (Megatron's [s, b, h]
+    # layout gets the same from its sequence dim first). A call whose batch does not divide
+    # runs a program planned without (``autotp.runtime.calls``).
+    batch_tokens: bool = True
     # where outputs the plan holds sharded (logits over the vocabulary) are gathered
     gather_outputs: OutputGather = OutputGather.READ
     max_states: int = 64
@@ -232,6 +238,8 @@ class _Builder:
         self.size_memo: dict[Any, float] = {}
         self.split = sequence_symbols(self.dims) \
             if options.sequence_parallel or options.context_parallel else frozenset()
+        if splits_batch(captured, tp, options):
+            self.split |= batch_symbols(self.dims)
         self.routed_rows = _expert_rows(captured.gm)
         self.constants: set[str] = set()  # values that read no input, parameter or state
 
@@ -368,6 +376,15 @@ def _shard_the_sequence(pnodes: list[PNode], split: frozenset) -> None:
             from_params.add(pn.node.name)
         if pn.kind == "op" and pn.node.name in from_params:
             pn.strategies = _sequence_sharded(pn.strategies, pn.node.meta.get("val"), split)
+
+
+def splits_batch(captured: Captured, tp: int, options: PlanOptions) -> bool:
+    """Whether sequence parallelism's regions may split the batch (``batch_tokens``): the
+    example's batch divides by tp, and no context parallelism splits the sequence."""
+    batch = captured.example_batch
+    return options.sequence_parallel and options.batch_tokens and \
+        not options.context_parallel and tp > 1 and not captured.fixed_sizes and \
+        batch is not None and batch % tp == 0 and bool(batch_symbols(captured.dim_names))
 
 
 def sequence_dims(val: Any, split: frozenset) -> frozenset:

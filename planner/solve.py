@@ -554,7 +554,20 @@ def _read(pn: PNode, src_pn: PNode, have: Any, want: Any, materialized: bool, tp
              for kind in (step.forward, step.backward) if kind is not None]
     if step.last_resort:
         terms.append(cost_model.last_resort)
+    if src_pn.sequence_step(have, want, options) and _interleaves(src_pn, have, want):
+        terms.extend(cost_model.copy_time(src_pn.nbytes)
+                     for kind in (step.forward, step.backward) if kind is not None)
     return tuple(terms), sliced, False, src_pn.kind != "input"
+
+
+def _interleaves(src_pn: PNode, have: Any, want: Any) -> bool:
+    """A sequence collective along a dim after one of several indices (the sequence of a
+    [B, T, H] batch): the ranks' pieces lie interleaved, and each collective copies its
+    buffer (``ProcessGroupComm.all_gather``); along dim 0, or after dims of size 1, none."""
+    shard = have if isinstance(have, Shard) else want
+    val = src_pn.node.meta.get("val")
+    return isinstance(shard, Shard) and isinstance(val, torch.Tensor) and \
+        any(not (isinstance(size, int) and size == 1) for size in val.shape[:shard.dim])
 
 
 __all__ = ["PlanOptions", "assemble", "block_counts", "build_problem", "plan_graph", "solve"]

@@ -196,10 +196,10 @@ def test_shards_draw_independent_masks_and_replicated_values_the_same(
     recorded = _record_masks(sim)
     results = sim.run(lambda m: sharded_step(m, lambda m: m(ids), lambda o: o, lambda o: o))
     # gate, fc1's output, the residual branch (replicated after the all-reduce, or
-    # sequence-sharded after the reduce-scatter)
+    # sharded after the reduce-scatter: by the batch, which tp divides)
     # (R or R*: replicated either way, whether or not its gradient is partial)
     layouts = [sim.plan.values[n].rstrip("*") for n in recorded[0]]
-    assert layouts == ["R", "S(2)", "S(1)" if sequence_parallel else "R"], layouts
+    assert layouts == ["R", "S(2)", "S(0)" if sequence_parallel else "R"], layouts
     assert _check_masks(sim, recorded, 0.5) == ((1, 2) if sequence_parallel else (2, 1))
     assert results[0].loss == results[1].loss and math.isfinite(results[0].loss)
 
@@ -218,8 +218,8 @@ def test_shards_draw_independent_masks_and_replicated_values_the_same(
 
 def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2 with every dropout at p = 0.5, in train mode, sequence-parallel at tp = 2: the
-    embedding and residual dropouts act on sequence shards, the attention dropout on head
-    shards, each with its own mask per rank; the loss is the same on both ranks, and the
+    embedding and residual dropouts act on batch shards (tp divides the batch), the attention
+    dropout on head shards, each with its own mask per rank; the loss is the same on both ranks, and the
     unsharded model given the reassembled masks computes the same logits, loss and
     gradients (fp32, 1e-4 as in test_vocab_sequence)."""
     import transformers
@@ -244,7 +244,8 @@ def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch
     results = sim.run(lambda m: sharded_step(m, call, lambda o: o.loss, lambda o: o.logits))
     _, n_shard = _check_masks(sim, recorded, 0.5)
     layouts = {sim.plan.values[n] for n in recorded[0]}
-    assert n_shard == 7 and layouts == {"S(1)"}, layouts  # embedding, 2 x (attn, resid x 2)
+    # embedding, 2 x (attn, resid x 2): the attention's by heads, the others by the batch
+    assert n_shard == 7 and layouts == {"S(0)", "S(1)"}, layouts
     assert results[0].loss == results[1].loss and math.isfinite(results[0].loss)
     logits = unshard_tensor([r.output for r in results], parse_layout(sim.plan.outputs[1]))
 

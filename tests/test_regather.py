@@ -30,9 +30,12 @@ from tests.models import BUILDERS, VOCAB, batch
 ATOL = 1e-4
 
 
-def _simulate(name: str, tp: int, **options: Any) -> tuple[torch.nn.Module, autotp.Simulation]:
+def _simulate(name: str, tp: int, b: int = 3, **options: Any
+              ) -> tuple[torch.nn.Module, autotp.Simulation]:
+    """``name`` at ``tp`` with sequence parallelism, traced at batch ``b``: one tp does not
+    divide (3) splits the sequence; one it divides, the batch (``PlanOptions.batch_tokens``)."""
     model = BUILDERS[name]()
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (b, 16), generator=torch.Generator().manual_seed(1))
     sim = autotp.simulate(model, tp, example_kwargs={"input_ids": ids, "labels": ids},
                           sequence_parallel=True, gather_outputs=False, **options)
     return model, sim
@@ -74,18 +77,23 @@ def _saved(module: torch.nn.Module, call: Callable[[torch.nn.Module], Any]) -> S
                  sum(shards.values()), len(saved.storages & shards.keys()))
 
 
+@pytest.mark.parametrize("b, split", [(3, "S(1)"), (4, "S(0)")], ids=["sequence", "batch"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_saved_activations_hold_shards_not_gathered_inputs(name: str) -> None:
-    """Every input the plan all-gathers along the sequence is read by a product that saves
-    it: kept whole, the saved bytes include it; kept as the shard, no saved tensor views a
-    gathered output and the bytes drop by the gathered inputs less their shards."""
+def test_saved_activations_hold_shards_not_gathered_inputs(name: str, b: int,
+                                                           split: str) -> None:
+    """Every input the plan all-gathers along the sequence (or, where tp divides the batch,
+    along the batch) is read by a product that saves it: kept whole, the saved bytes
+    include it; kept as the shard, no saved tensor views a gathered output and the bytes
+    drop by the gathered inputs less their shards."""
     tp = 2
-    _, whole = _simulate(name, tp, keep_gathered=True)
-    _, kept = _simulate(name, tp)
+    _, whole = _simulate(name, tp, b, keep_gathered=True)
+    _, kept = _simulate(name, tp, b)
     planned = [c for c in kept.plan.collectives
                if c.kind == "all_gather" and c.phase == "forward" and c.src.startswith("S")]
     assert len(planned) == 2 * 2 + 1, planned  # 2 layers, and the head's input
-    ids = batch(t=12)
+    assert {c.src for c in planned} == {split}, planned
+    assert kept.plan.batch_tokens == (split == "S(0)")
+    ids = batch(b=b + 2, t=12)
 
     def call(m: torch.nn.Module) -> Any:
         return m(input_ids=ids, labels=ids)
@@ -327,3 +335,27 @@ def test_keep_gathered_holds_under_context_parallelism(keep: bool) -> None:
     _, sim = _simulate("llama", 2, cp=2, keep_gathered=keep)
     assert len(sim.ranks) == 4
     assert all((rank._keeper is None) == keep for rank in sim.ranks)
+
+
+def test_a_call_whose_batch_tp_does_not_divide_runs_a_program_of_its_own() -> None:
+    """Traced at batch 4, tp 2 splits the batch between the products (no copy at its
+    collectives); a call of batch 3 runs a program planned for it, which splits the
+    sequence there, on the same parameters. Its first call comes inside
+    ``torch.utils.checkpoint``: tracing it saves nothing the checkpoint counts. Both steps
+    are exact (gradients, loss, logits)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, sim = _simulate("llama", 2, b=4)
+    assert sim.plan.batch_tokens
+    even = batch(b=6, t=12)
+    _step_matches(model, sim, lambda m: m(input_ids=even, labels=even))
+    odd = batch(b=3, t=12)
+
+    def around(m: torch.nn.Module) -> Any:
+        return checkpoint(lambda: m(input_ids=odd, labels=odd), use_reentrant=False)
+
+    _step_matches(model, sim, around)
+    for rank in sim.ranks:
+        plans = [t.plan for t in rank._traced.values()]
+        assert [p.batch_tokens for p in plans] == [True, False], plans
+        assert rank._traced[next(iter(rank._traced))].program is rank.program

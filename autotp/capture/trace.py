@@ -77,6 +77,9 @@ class Captured:
     fixed_sizes: bool = False
     # the repeated blocks' calls, each node labelled with its own (capture.blocks)
     layers: Layers = field(default_factory=Layers)
+    # the batch of the caller's example (the commonest dim 0 of its tensors; a batch of 1 is
+    # traced at 2): what a plan that splits the batch checks its divisibility on
+    example_batch: Optional[int] = None
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
@@ -278,6 +281,7 @@ def capture(
                         fixed_sizes=fixed is not None)
     captured.layers = find_layers(gm.graph)
     captured.dim_names = _name_dims(gm)
+    captured.example_batch = _commonest_batch(as_given)
     captured.aliases = _aliases(model, gm)
     used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
@@ -585,6 +589,17 @@ def _name_dims(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
                     name = base if base not in names.values() else f"{base}{len(names)}"
                     names[expr] = name
     return names
+
+
+def _commonest_batch(named: dict[str, Any]) -> Optional[int]:
+    dims0 = [int(v.shape[0]) for v in pytree.tree_leaves(named)
+             if isinstance(v, torch.Tensor) and v.dim()]
+    return max(set(dims0), key=dims0.count) if dims0 else None
+
+
+def batch_symbols(dim_names: dict[sympy.Symbol, str]) -> frozenset:
+    """The symbols of the batch dims (dim 0 of the inputs)."""
+    return frozenset(sym for sym, name in dim_names.items() if name.startswith("B"))
 
 
 def sequence_symbols(dim_names: dict[sympy.Symbol, str]) -> frozenset:

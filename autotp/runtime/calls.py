@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from autotp.capture.trace import Captured, capture, sequence_symbols, size_expr
+from autotp.capture.trace import Captured, batch_symbols, capture, sequence_symbols, size_expr
 from autotp.errors import ConfigError, PlanError, TraceError
 from autotp.layout import Layout
 from autotp.ops import path_attr
@@ -130,12 +130,22 @@ class Traced:
     keeper: Any  # its ShardKeeper (sequence parallelism), or None
     example: dict[str, Any]  # the traced inputs, by name
     seq_dims: dict[str, list[int]] = field(default_factory=dict)
+    # input -> its batch dims, where the plan splits the batch (``Plan.batch_tokens``)
+    batch_dims: dict[str, list[int]] = field(default_factory=dict)
     checked: bool = False  # every rank holds its plan (``ShardedModule.check_plan``)
 
 
 def sequence_dims(captured: Captured) -> dict[str, list[int]]:
     """Input -> its sequence dims, whose sizes tp (or 2 x cp) must divide."""
-    symbols = sequence_symbols(captured.dim_names)
+    return _dims_of(captured, sequence_symbols(captured.dim_names))
+
+
+def batch_dims(captured: Captured) -> dict[str, list[int]]:
+    """Input -> its batch dims, whose sizes tp must divide where the plan splits the batch."""
+    return _dims_of(captured, batch_symbols(captured.dim_names))
+
+
+def _dims_of(captured: Captured, symbols: frozenset) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for node in captured.gm.graph.nodes:
         val = node.meta.get("val")

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autotp.capture.trace import Captured, sequence_symbols, size_expr
+from autotp.capture.trace import Captured, batch_symbols, sequence_symbols, size_expr
 from autotp.ops import arg_node, node_arg, repeated_heads
 from autotp.runtime.fusion import drop_full_slices, fuse_bias_adds, fuse_logsumexp_gather
 from autotp.runtime.collectives import (
@@ -291,6 +291,13 @@ def _sum_whole_segments(graph: fx.Graph, plan: Plan, comm: Communicator, root: n
             user.replace_input_with(node, new)
         count += 1
     return count
+
+
+def token_symbols(captured: Captured, plan: Plan) -> frozenset:
+    """The symbols of the dims sequence parallelism splits: the sequence's, and the batch's
+    where the plan splits it (``Plan.batch_tokens``)."""
+    symbols = sequence_symbols(captured.dim_names)
+    return symbols | batch_symbols(captured.dim_names) if plan.batch_tokens else symbols
 
 
 def keep_sequence_shards(graph: fx.Graph, root: nn.Module, keeper: ShardKeeper,
@@ -611,7 +618,7 @@ def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator,
                            grad_sync, axis=f"{axis.name}_", originals=originals,
                            sequence=held(axis))
     if keeper is not None:
-        keep_sequence_shards(graph, root, keeper, sequence_symbols(captured.dim_names))
+        keep_sequence_shards(graph, root, keeper, token_symbols(captured, plan))
     lowered = lower_ops(graph, plan, registry, rank, routes)
     for axis in beside:
         lowered.update(lower_ops(graph, plan.on(axis.name), registry, groups[axis.name].rank))
