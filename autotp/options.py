@@ -27,10 +27,12 @@ DOCS = {
               "raising NoRuleError",
     "cost_model": "the alpha-beta cost model the planner prices collectives with",
     "registry": "the rules (default ``Registry.default()``)",
-    "sequence_parallel": "between the blocks, activations sharded along the sequence (norms, "
-                         "dropout and residual adds on sequence shards; all-gather before and "
-                         "reduce-scatter after the sharded matmuls instead of all-reduces); "
-                         "every sequence length must divide by tp. What autograd saves of a "
+    "sequence_parallel": "between the blocks, activations sharded along the sequence, or "
+                         "along the batch where tp divides the example's (norms, dropout and "
+                         "residual adds on token shards; all-gather before and reduce-scatter "
+                         "after the sharded matmuls instead of all-reduces); every sequence "
+                         "length must divide by tp (a call whose batch tp does not divide "
+                         "runs a program planned for it). What autograd saves of a "
                          "gathered input is kept as this rank's shard and gathered again in "
                          "backward, as Megatron-LM does",
     "keep_gathered": "with sequence parallelism, keep the gathered inputs for backward "

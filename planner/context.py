@@ -51,7 +51,9 @@ def outer_search(tp: int, cp: int, options: PlanOptions) -> tuple[int, PlanOptio
     ``explain`` runs again): the tp plan's; at tp 1 with cp, the cp group's."""
     if tp == 1 and cp > 1:
         return cp, context_options(options)
-    return tp, gathered_in_program(options) if cp > 1 else options
+    # inside cp, tp's sequence parallelism splits each cp shard of the sequence again
+    return tp, replace(gathered_in_program(options), batch_tokens=False) if cp > 1 \
+        else options
 
 
 def context_options(options: PlanOptions) -> PlanOptions:
