@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import autotp
+import autotp.api
 from autotp.errors import ConfigError
 from autotp.runtime import async_tp
 from autotp.runtime.comm import ProcessGroupComm
@@ -43,7 +44,9 @@ def test_async_tp_where_it_cannot_run_says_what_to_change(options: dict[str, Any
         autotp.simulate(MLP(), 2, example_args=(X,), async_tp=True, **options)
 
 
-def _on_gloo(rank: int, world_size: int) -> str:
+def _on_gloo(rank: int, world_size: int, untraced: bool = False) -> str:
+    if untraced:  # refused before anything is traced or planned
+        autotp.api._prepare = _never
     try:
         autotp.parallelize(MLP(), tp=2, example_args=(X,), sequence_parallel=True,
                            compile=True, async_tp=True)
@@ -74,26 +77,15 @@ def test_the_pass_is_added_to_the_users_compile_options(monkeypatch: Any) -> Non
         {"options": {"_micro_pipeline_tp": True}}
 
 
-class Untraceable(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.sum() > 0:  # data-dependent control flow: export cannot trace it
-            return super().forward(x)
-        return x
+def _never(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("traced and planned before async_tp was checked")
 
 
-def test_async_tp_is_refused_before_tracing() -> None:
-    """The checks come before capture and planning (minutes on a large model): a model
-    that cannot be traced gets async_tp's error, not the tracer's."""
+def test_async_tp_is_refused_before_tracing(monkeypatch: Any) -> None:
+    """The checks come before capture and planning (minutes on a large model): nothing is
+    traced when the answer is no."""
+    monkeypatch.setattr(autotp.api, "_prepare", _never)
     with pytest.raises(ConfigError, match="pass sequence_parallel=True"):
-        autotp.simulate(Untraceable(), 2, example_args=(X,), compile=True, async_tp=True)
-    for said in run_processes(_untraceable_on_gloo, 2, timeout=120):
+        autotp.simulate(MLP(), 2, example_args=(X,), compile=True, async_tp=True)
+    for said in run_processes(_on_gloo, 2, True, timeout=120):
         assert "needs CUDA GPUs and an NCCL group" in said, said
-
-
-def _untraceable_on_gloo(rank: int, world_size: int) -> str:
-    try:
-        autotp.parallelize(Untraceable(), tp=2, example_args=(X,), sequence_parallel=True,
-                           compile=True, async_tp=True)
-    except ConfigError as exc:
-        return str(exc)
-    return "built"
