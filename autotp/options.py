@@ -46,8 +46,8 @@ DOCS = {
                       "in the program, in every call. \"never\" (or False): each rank "
                       "receives its shard (``module.plan.outputs``: their layouts)",
     "grad_sync": "\"bucket\" sums the partial gradients of replicated parameters in one "
-                 "all-reduce after ``.backward()``, into ``.grad``; \"per_use\" inside "
-                 "autograd (for ``torch.autograd.grad``, DDP or FSDP around the module)",
+                 "all-reduce after backward, into ``.grad``; \"per_use\" inside autograd "
+                 "(for ``torch.autograd.grad``, DDP or FSDP around the module)",
     "compile": "True (or a dict of ``torch.compile`` options) compiles each rank's program, "
                "its collectives included (on a process group; a simulation's stay eager)",
     "async_tp": "True overlaps each all-gather before a column-parallel product and each "

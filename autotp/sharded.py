@@ -29,7 +29,7 @@ from autotp.ops import path_attr
 from autotp.planner.plan import Plan
 from autotp.rules.registry import Registry
 from autotp.runtime.async_tp import compile_options
-from autotp.runtime.collectives import GradBucket, GradSync, gather, sum_at_each_use
+from autotp.runtime.collectives import GradBucket, GradSync, gather
 from autotp.runtime.ring import SequenceLayout, held_sequence
 from autotp.runtime.calls import (HeldWeights, Retracer, Structure, Traced, adopt,
                                   batch_dims, held_tensors, sequence_dims, significant,
@@ -303,7 +303,9 @@ class ShardedModule(nn.Module):
         it; else None."""
         for name, dims in traced.batch_dims.items():
             value = named.get(name)
-            for dim in dims if isinstance(value, torch.Tensor) else ():
+            if not isinstance(value, torch.Tensor):
+                continue
+            for dim in dims:
                 if value.shape[dim] % traced.plan.degree:
                     return int(value.shape[dim])
         return None
@@ -399,7 +401,12 @@ class ShardedModule(nn.Module):
     def average_over(self, group: Any) -> None:
         """Average the gradients over ``group`` (a DeviceMesh's "dp" axis) after each
         backward that no DDP or FSDP2 over it reduces (``runtime.grads.DataParallelMean``)."""
-        self._dp_mean = DataParallelMean(group, list(self.parameters()))
+        self._dp_mean = DataParallelMean(group, list(self.parameters()), self._flush_buckets)
+
+    def _flush_buckets(self) -> None:
+        """Every program's pending sums of partial gradients into ``.grad`` now."""
+        for traced in self._traced.values():
+            traced.bucket.flush()
 
     def get_extra_state(self) -> torch.Tensor:
         """Which piece of the model ``state_dict()`` holds (saved under ``_extra_state``,
@@ -499,7 +506,6 @@ def _compiled(program: torch.fx.GraphModule, compile: Any) -> Any:
     sizes alone keeps while tracing, once per size."""
     if not compile:
         return program
-    sum_at_each_use(program)
     options = {"dynamic": False, **(compile if isinstance(compile, dict) else {})}
     return torch.compile(program, **options)
 

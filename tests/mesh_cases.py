@@ -61,7 +61,7 @@ def dp_tp_sequence_parallel(rank: int, world_size: int) -> dict[str, Any]:
     sharded model: the norms' weights have partial gradients, summed over tp by the bucket
     after backward and averaged over dp by autotp (``average_over``). Two backwards of two
     micro-batches each without zeroing (accumulation) against the unsharded model's two
-    backwards on the whole batch; then ``torch.autograd.grad`` of a norm weight, refused."""
+    backwards on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
@@ -79,12 +79,4 @@ def dp_tp_sequence_parallel(rank: int, world_size: int) -> dict[str, Any]:
     grads = autotp.full_state_dict(sharded, grads=True)
     diffs = {name: (grads[name] - p.grad).abs().max().item()
              for name, p in reference.named_parameters()}
-    deferred = sorted(sharded._bucket.params)
-    norm = sharded.local_parameters()[deferred[0]]
-    try:
-        torch.autograd.grad(sharded(input_ids=mine, labels=mine).loss, [norm])
-        refused = "no error"
-    except autotp.ConfigError as exc:
-        refused = str(exc)
-    return {"diffs": diffs, "deferred": deferred, "refused": refused,
-            "grad_kept": sharded.local_parameters()[deferred[0]].grad is not None}
+    return {"diffs": diffs, "deferred": sorted(sharded._bucket.params)}

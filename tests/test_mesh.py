@@ -107,16 +107,13 @@ def test_a_mesh_plans_as_its_degrees() -> None:
 def test_sequence_parallel_norm_gradients_are_summed_over_tp_and_averaged_over_dp() -> None:
     """(dp 2, tp 2) with sequence parallelism and autotp's own dp mean: after two
     accumulated backwards every gradient is within 1e-6 of the unsharded model's on the
-    whole batch (the norms' weights, whose partial gradients the bucket sums, included);
-    ``torch.autograd.grad`` of such a weight is refused with what to change, and ``.grad``
-    is left as it was."""
+    whole batch, the norms' weights included (the bucket sums them over tp before the dp
+    mean reads them)."""
     for rank, r in enumerate(run_processes(mesh_cases.dp_tp_sequence_parallel, 4,
                                            timeout=300)):
         assert r["deferred"] and all("norm" in k for k in r["deferred"]), (rank, r)
         worst = max(r["diffs"], key=r["diffs"].get)
         assert r["diffs"][worst] < 1e-6, (rank, worst, r["diffs"][worst])
-        assert "grad_sync='per_use'" in r["refused"], (rank, r["refused"])
-        assert r["grad_kept"], rank
 
 
 @pytest.mark.slow

@@ -218,10 +218,10 @@ def test_shards_draw_independent_masks_and_replicated_values_the_same(
 
 def test_gpt2_dropout_under_sequence_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2 with every dropout at p = 0.5, in train mode, sequence-parallel at tp = 2: the
-    embedding and residual dropouts act on batch shards (tp divides the batch), the attention
-    dropout on head shards, each with its own mask per rank; the loss is the same on both ranks, and the
-    unsharded model given the reassembled masks computes the same logits, loss and
-    gradients (fp32, 1e-4 as in test_vocab_sequence)."""
+    embedding and residual dropouts act on batch shards (tp divides the batch), the
+    attention dropout on head shards, each with its own mask per rank; the loss is the same
+    on both ranks, and the unsharded model given the reassembled masks computes the same
+    logits, loss and gradients (fp32, 1e-4 as in test_vocab_sequence)."""
     import transformers
 
     from autotp.layout import parse_layout, unshard_tensor

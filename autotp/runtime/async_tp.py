@@ -65,6 +65,7 @@ def compile_options(compile: Any, comm: Communicator, sequence_parallel: bool,
     memory enabled for ``comm``'s group."""
     refuse_where_it_cannot_run(compile, comm, sequence_parallel, device)
     options = dict(compile) if isinstance(compile, dict) else {}
+    assert isinstance(comm, ProcessGroupComm)  # refuse_where_it_cannot_run checked it
     _enable_symmetric_memory(comm.group_name)
     # torch.compile takes a mode or inductor options, not both: a mode becomes its options
     mode = options.pop("mode", None)

@@ -40,16 +40,12 @@ over ranks, added up in another order, one all-reduce per use instead of one per
 from __future__ import annotations
 
 import enum
-import functools
-import weakref
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from autotp.errors import ConfigError
 from autotp.runtime.comm import Communicator, compiled_where_traceable, tracing
 from autotp.layout import (
     Blocks,
@@ -470,10 +466,8 @@ class GradSync(enum.Enum):
     """How replicated parameters with partial gradients get their gradients summed.
 
     BUCKET: one all-reduce of all of them after backward, written into ``.grad`` (the fewest
-    collectives; Megatron's choice for sequence-parallel norms), and nothing at each use.
-    ``.backward()`` only: ``torch.autograd.grad`` of such a parameter is refused, with what
-    to change. Use PER_USE with ``torch.autograd.grad`` or with DDP/FSDP wrapped around the
-    sharded module.
+    collectives; Megatron's choice for sequence-parallel norms). Not seen by autograd: use
+    PER_USE with ``torch.autograd.grad`` or with DDP/FSDP wrapped around the sharded module.
     PER_USE: an all-reduce in backward at each use, inside autograd (Megatron's ``f`` on the
     parameter).
     """
@@ -482,24 +476,8 @@ class GradSync(enum.Enum):
     PER_USE = "per_use"
 
 
-# parameter -> the bucket whose program last read it through ``DeferredGradReduce``: its
-# gradient, when it arrives, is that program's partial sum. The programs of one model (a
-# call of another structure is traced again) share its parameters; the last reader sums.
-# (by identity: a tensor's == is elementwise)
-_READER: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 class GradBucket:
     """Sums, across ranks, the partial gradients of replicated parameters after backward.
-
-    A use costs nothing: the program reads the parameter itself, and autograd accumulates
-    its partial gradient into ``.grad`` as for any parameter. Two hooks around that
-    accumulation see it arrive: before it, what ``.grad`` held from earlier backwards
-    (micro-batches accumulated, zeros) is set aside, so that autograd keeps this backward's
-    gradient as it is; after it, the parameter is noted. After the backward one all-reduce
-    of all of them replaces each partial by the sum, and what was set aside is added back.
-    Until then ``.grad`` holds this rank's part, and a data-parallel mean queued before the
-    sum (``runtime.grads.DataParallelMean``) averages it: both are linear.
 
     Invariant: after each backward, ``param.grad`` of every registered parameter holds the
     sum over ranks of that backward's contributions (added to what it held before)."""
@@ -507,91 +485,54 @@ class GradBucket:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.params: dict[str, nn.Parameter] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.scheduled = False
         # parameters blocked with segments held whole (S(0)x8:1*:1*): only those segments'
         # gradients are partial; (dim, [(start, length)]) of this rank's tensor
         self.partial: dict[str, tuple[int, list[tuple[int, int]]]] = {}
-        # a compiled program's uses each sum their own (``sum_at_each_use``)
-        self.each_use = False
-        self._hooked = WeakIdKeyDictionary()  # parameters whose hooks are registered
-        self._held: dict[str, torch.Tensor] = {}  # .grad before this backward, set aside
-        self._arriving: set[str] = set()  # about to be accumulated
-        self._arrived: dict[str, torch.Tensor] = {}  # accumulated: key -> parameter
-        self._scheduled = False
 
-    def read(self, key: str, param: torch.Tensor) -> None:
-        """A forward reads ``param`` (registered as ``key``) whole: its gradient in the next
-        backward is this rank's part of the sum."""
-        _READER[param] = self
-        if param not in self._hooked:
-            self._hooked[param] = True
-            param.register_hook(functools.partial(self._before_accumulation, key,
-                                                  weakref.ref(param)))
-            param.register_post_accumulate_grad_hook(
-                functools.partial(self._after_accumulation, key))
-
-    def _before_accumulation(self, key: str, ref: Any, grad: torch.Tensor) -> None:
-        param = ref()
-        if param is None or _READER.get(param) is not self:
-            return
-        if param.grad is not None:
-            self._held[key] = param.grad
-            param.grad = None  # autograd keeps this backward's gradient as it is
-        self._arriving.add(key)
-        if not self._scheduled:
-            self._scheduled = True
+    def add(self, key: str, grad: torch.Tensor) -> None:
+        if key in self.pending:
+            self.pending[key] = self.pending[key] + grad
+        else:
+            self.pending[key] = grad
+        if not self.scheduled:
+            self.scheduled = True
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
-    def _after_accumulation(self, key: str, param: torch.Tensor) -> None:
-        if key in self._arriving:
-            self._arrived[key] = param
-
     def flush(self) -> None:
-        self._scheduled = False
-        held, arriving, arrived = self._held, self._arriving, self._arrived
-        self._held, self._arriving, self._arrived = {}, set(), {}
-        taken = sorted(arriving - set(arrived))
-        if taken:  # torch.autograd.grad returned the gradient: no accumulation
-            for key, grad in held.items():
-                self.params[key].grad = grad
-            raise ConfigError(
-                f"torch.autograd.grad took the gradient of {taken[0]}, a replicated parameter "
-                "whose partial gradients autotp sums over the ranks after .backward() "
-                "(grad_sync='bucket'); to take gradients with torch.autograd.grad, "
-                "parallelize with grad_sync='per_use'")
+        """The sums of this backward into ``.grad``: queued after backward by the first
+        gradient to arrive, or called earlier by what reads the gradients at the end of the
+        same backward (``runtime.grads.DataParallelMean``); the later call finds nothing."""
+        if not self.scheduled:
+            return
+        self.scheduled = False
         keys = sorted(self.params)
-        grads = {key: arrived[key].grad if key in arrived and arrived[key].grad is not None
+        grads = {key: self.pending[key] if key in self.pending
                  else torch.zeros_like(self.params[key]) for key in keys}
+        self.pending = {}
         summed = iter(_all_reduce_parts(self.comm, [
             part for key in keys for part in
             (_spans_of(grads[key], *self.partial[key]) if key in self.partial
              else [grads[key]])], "grad sync"))
         for key in keys:
-            if key in self.partial:  # only the segments held whole are summed, in place
-                grad = grads[key]
+            param = self.params[key]
+            if key in self.partial:  # only the segments held whole were summed
+                grad = grads[key].clone()
                 for part in _spans_of(grad, *self.partial[key]):
                     part.copy_(next(summed))
             else:
                 # a view of the all-reduced buffer, which holds these gradients alone (as
                 # DDP's gradient_as_bucket_view): no copy
                 grad = next(summed)
-            if key not in arrived:
-                continue  # no gradient here: zeros in the sum, .grad as it was
-            if key in held:
-                grad = held[key].add_(grad)
-            arrived[key].grad = grad
-
-
-def sum_at_each_use(program: nn.Module) -> None:
-    """A program to be compiled sums each deferred gradient at its use, inside its graphs:
-    the bucket's callback after backward is no graph's (see the module docstring)."""
-    for module in program.modules():
-        if isinstance(module, DeferredGradReduce):
-            module.bucket.each_use = True
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 class DeferredGradReduce(nn.Module):
-    """Identity forward; the parameter's partial gradient is summed by its bucket after
-    backward (``GradBucket``)."""
+    """Identity forward; backward hands the partial gradient to the bucket."""
 
     per_use: nn.Module
 
@@ -615,16 +556,14 @@ class DeferredGradReduce(nn.Module):
 
     @compiled_where_traceable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tracing(self.comm) or self.bucket.each_use or \
-                x is not self.bucket.params.get(self.key):
+        if tracing(self.comm) or x is not self.bucket.params.get(self.key):
             # compiled: the bucket's callback after backward is no graph's (see the module
             # docstring). Or the program reads another tensor than the parameter registered:
             # a wrapper holds it (FSDP2 swaps in its unsharded parameter for the forward)
             # and reduces the gradient it gets through autograd. Either way the partial
             # gradient is summed at this use
             return self.per_use(x)
-        self.bucket.read(self.key, x)
-        return x
+        return _DeferredFn.apply(x, self)
 
 
 class PartialSegmentsReduce(nn.Module):
@@ -675,3 +614,15 @@ def _all_reduce_parts(comm: Communicator, parts: list[torch.Tensor],
         return [total]
     return [piece if piece.shape == part.shape else piece.view_as(part)
             for piece, part in zip(total.split([part.numel() for part in parts]), parts)]
+
+
+class _DeferredFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: DeferredGradReduce) -> torch.Tensor:
+        ctx.module = module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None]:
+        ctx.module.bucket.add(ctx.module.key, g)
+        return None, None

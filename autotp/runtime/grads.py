@@ -149,10 +149,14 @@ class DataParallelMean:
     of each backward of a forward that ``arm`` armed (so a pipeline stage's backward, or a
     backward under DDP or FSDP2, which reduce over "dp" themselves, is left alone)."""
 
-    def __init__(self, group: Any, params: Sequence[nn.Parameter]):
+    def __init__(self, group: Any, params: Sequence[nn.Parameter],
+                 before: Callable[[], None] = lambda: None):
         self.group = group
         self.size = dist.get_world_size(group)
         self.params = list(params)
+        # what completes the gradients first: the tp bucket's sums of replicated parameters'
+        # partial gradients (a sequence-parallel norm's), which this mean may run before
+        self.before = before
         self.armed = False
         self.queued = False
         for param in self.params:
@@ -170,6 +174,7 @@ class DataParallelMean:
     def average(self) -> None:
         self.queued = False
         self.armed = False
+        self.before()
         grads = [p.grad for p in self.params if p.grad is not None and
                  not isinstance(p.grad, DTensor)]
         if not grads:
