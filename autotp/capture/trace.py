@@ -173,9 +173,8 @@ def _dynamic_shapes(kwargs: dict[str, Any], one_batch: bool = True) -> dict[str,
     ties them, and a mask that is only reshaped by the batch of another input
     (``mask.view(batch, -1, 1, T)``) gets heads of ``(heads * B') // B``, which no rule can
     shard."""
-    dims0 = [v.shape[0] for v in pytree.tree_leaves(kwargs)
-             if isinstance(v, torch.Tensor) and v.dim()]
-    batch = max(set(dims0), key=dims0.count) if one_batch and dims0 else None
+    dims0 = _leading_sizes(kwargs)
+    batch = _commonest(dims0) if one_batch else None
     if batch is None or batch == 1 or dims0.count(batch) < 2:
         # a batch of 1 is specialized (export's 0/1 rule), and one input shares with no
         # other: a named dim only costs export its constraint solving
@@ -281,7 +280,7 @@ def capture(
                         fixed_sizes=fixed is not None)
     captured.layers = find_layers(gm.graph)
     captured.dim_names = _name_dims(gm)
-    captured.example_batch = _commonest_batch(as_given)
+    captured.example_batch = _commonest(_leading_sizes(as_given))
     captured.aliases = _aliases(model, gm)
     used = {id(path_attr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
     captured.unused = {name: p for name, p in model.named_parameters(remove_duplicate=False)
@@ -591,10 +590,14 @@ def _name_dims(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
     return names
 
 
-def _commonest_batch(named: dict[str, Any]) -> Optional[int]:
-    dims0 = [int(v.shape[0]) for v in pytree.tree_leaves(named)
-             if isinstance(v, torch.Tensor) and v.dim()]
-    return max(set(dims0), key=dims0.count) if dims0 else None
+def _leading_sizes(named: dict[str, Any]) -> list[int]:
+    """Dim 0 of every tensor input that has one."""
+    return [int(v.shape[0]) for v in pytree.tree_leaves(named)
+            if isinstance(v, torch.Tensor) and v.dim()]
+
+
+def _commonest(sizes: list[int]) -> Optional[int]:
+    return max(set(sizes), key=sizes.count) if sizes else None
 
 
 def batch_symbols(dim_names: dict[sympy.Symbol, str]) -> frozenset:
